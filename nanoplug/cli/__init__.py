@@ -1,0 +1,44 @@
+"""`nanoplug <command>`: one module per command in this folder, each with `add_parser(sub)` and `run(args)`."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+COMMANDS = {
+    "generate": "nanoplug.cli.generate",
+    "chat": "nanoplug.cli.chat",
+    "plugins": "nanoplug.cli.plugins",
+    "compare": "nanoplug.cli.compare",
+    "bench": "nanoplug.cli.bench",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanoplug", description="A lightweight LLM inference engine of plugins.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log plugin choices and progress details")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module in COMMANDS.items():
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+            continue  # a command whose module is not in this build
+        mod.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    from nanoplug.core.errors import NanoplugError
+
+    try:
+        return int(args.func(args) or 0)
+    except NanoplugError as exc:
+        print(f"nanoplug: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,1 @@
+"""The core: hook specs, registry, config and the engine. It imports no plugin by name."""

@@ -1,0 +1,120 @@
+"""Paged KV blocks with prefix caching by chained block hashes and reference counts.
+
+A full block is registered under the hash of (previous block's hash, its token ids) only once its
+K/V are computed, so a later prompt with the same prefix reuses it. Freed blocks keep their hash and
+data until they are handed out again, so a prefix stays reusable while memory allows.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import xxhash
+import numpy as np
+
+from nanoplug.core.sequence import Sequence
+
+
+def block_hash(prev: int, token_ids: list[int]) -> int:
+    h = xxhash.xxh64(prev.to_bytes(8, "little", signed=True))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest() & ((1 << 63) - 1)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.hashes = [-1] * num_blocks
+        self.tokens: list[list[int] | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        self.free_ids: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    # ------------------------------------------------------------------------------ prefixes
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        """Committed blocks that hold this sequence's leading full blocks.
+
+        The block holding the last token is never reused: its logits must be computed, so at least
+        one token of every prompt runs through the model (right on 100% hits).
+        """
+        if not self.prefix_caching:
+            return []
+        hits, prev, bs = [], -1, self.block_size
+        for i in range((len(seq) - 1) // bs):
+            ids = seq.token_ids[i * bs:(i + 1) * bs]
+            h = block_hash(prev, ids)
+            block = self.hash_to_block.get(h)
+            if block is None or self.tokens[block] != ids:
+                break
+            hits.append(block)
+            prev = h
+        return hits
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits = self._prefix_hits(seq)
+        reclaimed = sum(1 for b in hits if self.ref_counts[b] == 0)
+        return self.blocks_needed(len(seq)) - len(hits) + reclaimed <= len(self.free_ids)
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give `seq` blocks for all its tokens, reusing cached prefix blocks."""
+        assert not seq.block_table
+        hits = self._prefix_hits(seq)
+        for b in hits:
+            if self.ref_counts[b] == 0:
+                self.free_ids.remove(b)
+            self.ref_counts[b] += 1
+        seq.block_table = list(hits)
+        seq.block_hashes = [self.hashes[b] for b in hits]
+        for _ in range(self.blocks_needed(len(seq)) - len(hits)):
+            seq.block_table.append(self._take_free())
+        seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+
+    def _take_free(self) -> int:
+        b = self.free_ids.popleft()
+        if self.hashes[b] != -1:
+            if self.hash_to_block.get(self.hashes[b]) == b:
+                del self.hash_to_block[self.hashes[b]]
+            self.hashes[b], self.tokens[b] = -1, None
+        self.ref_counts[b] = 1
+        return b
+
+    def free(self, seq: Sequence) -> None:
+        for b in reversed(seq.block_table):
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self.free_ids.append(b)
+        seq.block_table, seq.block_hashes = [], []
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+
+    # -------------------------------------------------------------------------------- decode
+    def can_append(self, seq: Sequence) -> bool:
+        return len(self.free_ids) >= self.blocks_needed(len(seq)) - len(seq.block_table)
+
+    def append_slots(self, seq: Sequence) -> None:
+        """Make room for every token of `seq` (the newest one included)."""
+        while len(seq.block_table) < self.blocks_needed(len(seq)):
+            seq.block_table.append(self._take_free())
+
+    def commit(self, seq: Sequence) -> None:
+        """Register the blocks whose K/V are now all computed, so later prompts can reuse them."""
+        if not self.prefix_caching:
+            return
+        bs = self.block_size
+        full = min(seq.num_computed_tokens, len(seq)) // bs
+        while len(seq.block_hashes) < full:
+            i = len(seq.block_hashes)
+            ids = seq.token_ids[i * bs:(i + 1) * bs]
+            h = block_hash(seq.block_hashes[-1] if seq.block_hashes else -1, ids)
+            b = seq.block_table[i]
+            if self.hashes[b] == -1:
+                self.hashes[b], self.tokens[b] = h, ids
+                self.hash_to_block.setdefault(h, b)
+            seq.block_hashes.append(h)

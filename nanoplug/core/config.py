@@ -1,0 +1,101 @@
+"""The run's choices, validated once: EngineConfig (how to serve) and SamplingParams (what to sample).
+
+Wrong values fail here, naming the field and the rule, before any weight is read.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class AdapterSpec(BaseModel):
+    """One weight adapter to apply while loading, e.g. a PEFT LoRA folder at some scale."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: str = "lora"
+    path: str
+    scale: float = 1.0
+    name: str | None = None
+
+
+class EngineConfig(BaseModel):
+    """How one engine instance serves: the model, the plugin of each kind, and the memory limits."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    model: str = Field(description="checkpoint folder (or a Hugging Face model id)")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
+    attention: str = "auto"
+    prefill_attention: str | None = Field(None, description="a different backend for prefill steps")
+    kv_cache: str = "auto"
+    parallel: str = "auto"
+    tensor_parallel_size: int = Field(1, ge=1)
+    adapters: list[AdapterSpec] = Field(default_factory=list)
+    max_model_len: int = Field(4096, ge=1)
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(16384, ge=1)
+    kv_block_size: int = Field(256, ge=1)
+    num_kv_blocks: int | None = Field(None, ge=1, description="fixed number of KV blocks; None sizes it from memory")
+    cpu_kv_cache_gb: float = Field(4.0, gt=0, description="KV-cache memory on CPU when num_kv_blocks is None")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    seed: int = 0
+
+    @field_validator("adapters", mode="before")
+    @classmethod
+    def _plain_paths(cls, value: Any) -> Any:
+        """A plain path string means a LoRA at scale 1.0."""
+        if isinstance(value, (str, dict, AdapterSpec)):
+            value = [value]
+        return [{"kind": "lora", "path": v} if isinstance(v, str) else v for v in value]
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if value == "auto" or value == "cpu" or value == "cuda" or (value.startswith("cuda:") and value[5:].isdigit()):
+            return value
+        raise ValueError("device must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+
+    @field_validator("kv_block_size")
+    @classmethod
+    def _block_size(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError("kv_block_size must be a power of two (e.g. 16 or 256)")
+        return value
+
+
+class SamplingParams(BaseModel):
+    """What to sample for one request. temperature 0 means greedy."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(1.0, ge=0)
+    top_k: int = Field(0, ge=0, description="0 keeps every token")
+    top_p: float = Field(1.0, gt=0, le=1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    max_tokens: int = Field(64, ge=1)
+    ignore_eos: bool = False
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    seed: int | None = None
+    adapter: str | None = Field(None, description="name of a per-request adapter loaded at start-up")
+    output_logits: bool = Field(False, description="return the raw logits row of every generated token")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty_stops(cls, value: list[str]) -> list[str]:
+        if any(s == "" for s in value):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,400 @@
+"""`LLM`: requests in, outputs and streams out.
+
+Start-up resolves one plugin of each kind (the only time the registry is consulted), starts the
+parallel strategy's workers, and builds the scheduler. Then each step is schedule -> run -> append
+tokens and check stops.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Sequence as Seq
+
+import torch
+
+from nanoplug.core.blocks import BlockManager
+from nanoplug.core.config import EngineConfig, SamplingParams
+from nanoplug.core.detokenizer import IncrementalDetokenizer
+from nanoplug.core.errors import ModelLoadError, RequestError
+from nanoplug.core.interfaces import Target
+from nanoplug.core.loader import checkpoint_dir, load_hf_config
+from nanoplug.core.model_source import resolve_model_path
+from nanoplug.core.registry import Registry, Resolution, default_registry
+from nanoplug.core.runner import ModelRunner, PluginClasses, StepBatch
+from nanoplug.core.sampler import SamplingBatch
+from nanoplug.core.scheduler import Scheduled, Scheduler
+from nanoplug.core.sequence import Sequence, Status
+
+
+@dataclass
+class RequestOutput:
+    """The finished result of one prompt."""
+
+    index: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    num_cached_tokens: int = 0
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class StreamDelta:
+    """What one step added to a streamed request."""
+
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {name!r} asked for, but torch sees no CUDA GPU; use device='cpu'")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device, hf_config: Any) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32
+    saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    saved = getattr(torch, saved) if isinstance(saved, str) else saved
+    return saved if saved in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+class LLM:
+    """An inference engine for one checkpoint: `LLM(path, attention="sdpa", kv_cache="torch", ...)`."""
+
+    def __init__(self, model: str, registry: Registry | None = None, **options: Any):
+        unknown = sorted(set(options) - set(EngineConfig.model_fields))
+        if unknown:
+            raise TypeError(
+                f"unknown option(s) {', '.join(map(repr, unknown))} for LLM; valid options: "
+                + ", ".join(sorted(f for f in EngineConfig.model_fields if f != "model"))
+            )
+        config = EngineConfig(model=resolve_model_path(model), **options)
+        self.registry = registry or default_registry()
+        self.hf_config = load_hf_config(config.model)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
+        from nanoplug.plugins.models.decoder import model_facts  # noqa: PLC0415
+
+        self.facts = model_facts(self.hf_config)
+        self.config = config
+        self.choices = self._resolve_plugins()
+        self.tokenizer = self._load_tokenizer()
+        self.eos_token_ids = self._eos_ids()
+        plugins = PluginClasses(
+            model=self.choices["model"].cls,
+            prefill_attention=self.choices["prefill_attention"].cls,
+            decode_attention=self.choices["attention"].cls,
+            kv_cache=self.choices["kv_cache"].cls,
+            adapters=[(r.cls, spec) for r, spec in zip(self.choices["adapters"], config.adapters)],
+        )
+        self.executor = self.choices["parallel"].cls(config)
+        self.executor.start(_RunnerFactory(config, plugins, self.device, self.dtype))
+        num_blocks = self.executor.call("kv_blocks")
+        if num_blocks * config.kv_block_size < config.max_model_len:
+            self.close()
+            raise RuntimeError(
+                f"the KV cache holds {num_blocks * config.kv_block_size} tokens, fewer than max_model_len "
+                f"({config.max_model_len}); lower max_model_len or give the cache more memory"
+            )
+        self.num_kv_blocks = num_blocks
+        self.scheduler = Scheduler(config, BlockManager(num_blocks, config.kv_block_size, config.enable_prefix_caching))
+
+    # --------------------------------------------------------------------------- start-up
+    def _resolve_plugins(self) -> dict[str, Any]:
+        cfg, reg = self.config, self.registry
+        target = Target(cfg, self.device, self.dtype, self.facts)
+        arch = self.facts.architecture
+        if arch not in reg.entries["model"]:
+            raise ModelLoadError(
+                f"architecture {arch!r} of {cfg.model!r} is not supported; supported architectures: "
+                + ", ".join(reg.names("model"))
+            )
+        choices: dict[str, Any] = {
+            "model": reg.resolve("model", arch, target),
+            "attention": reg.resolve("attention", cfg.attention, target),
+            "kv_cache": reg.resolve("kv_cache", cfg.kv_cache, target),
+            "parallel": reg.resolve("parallel", cfg.parallel, target),
+            "adapters": [reg.resolve("adapter", spec.kind, target) for spec in cfg.adapters],
+        }
+        choices["prefill_attention"] = (
+            reg.resolve("attention", cfg.prefill_attention, target) if cfg.prefill_attention else choices["attention"]
+        )
+        return choices
+
+    def describe_plugins(self) -> list[str]:
+        """One line per kind: what was asked, what was chosen, and why."""
+        lines = []
+        for key in ("model", "attention", "prefill_attention", "kv_cache", "parallel"):
+            res: Resolution = self.choices[key]
+            lines.append(res.describe().replace(res.kind, key, 1))
+        lines += [r.describe() for r in self.choices["adapters"]]
+        return lines
+
+    def _load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(str(checkpoint_dir(self.config.model)))
+        except Exception as exc:
+            raise ModelLoadError(
+                f"no usable tokenizer in {self.config.model!r} ({type(exc).__name__}: {exc}); "
+                "save one there with tokenizer.save_pretrained(folder)"
+            ) from exc
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        try:
+            from transformers import GenerationConfig
+
+            eos = GenerationConfig.from_pretrained(self.config.model).eos_token_id
+        except Exception:
+            eos = getattr(self.hf_config, "eos_token_id", None)
+        for value in (eos, self.tokenizer.eos_token_id):
+            if isinstance(value, int):
+                ids.add(value)
+            elif value:
+                ids.update(int(v) for v in value)
+        return ids
+
+    # ---------------------------------------------------------------------------- requests
+    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
+        return [int(t) for t in prompt]
+
+    def _make_sequences(self, prompts: Seq[str | list[int]], params: Any) -> list[Sequence]:
+        """Tokenize and check every prompt before any is queued: bad input never costs others their work."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt, not a list of them
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise RequestError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt")
+        vocab = self.facts.vocab_size
+        limit = self.config.max_model_len
+        seqs = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            ids = self._tokenize(prompt)
+            if not ids:
+                raise RequestError(f"prompt {i} is empty; give it at least one token")
+            if len(ids) >= limit:
+                raise RequestError(
+                    f"prompt {i} has {len(ids)} tokens, but max_model_len is {limit} (room for the prompt and "
+                    f"at least one new token); shorten the prompt or raise max_model_len"
+                )
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {vocab})")
+            self._check_params(i, p)
+            seq = Sequence(ids, p, index=i)
+            seq.prompt = prompt if isinstance(prompt, str) else None
+            if p.stop:
+                seq.detok = IncrementalDetokenizer(self.tokenizer, ids, p.stop)
+            seqs.append(seq)
+        return seqs
+
+    def _check_params(self, index: int, params: SamplingParams) -> None:
+        """Hook for request options that depend on the engine (e.g. per-request adapters)."""
+        if params.adapter is not None:
+            raise RequestError(f"prompt {index} asks for adapter {params.adapter!r}, but this engine loaded none per request")
+
+    # ---------------------------------------------------------------------------- stepping
+    def _build_step(self, batch: list[Scheduled], is_prefill: bool) -> StepBatch:
+        input_ids, starts, q_lens, tables, rows, logits_rows = [], [], [], [], [], []
+        temps, top_ks, top_ps, min_ps, seeds, positions, adapter_ids = [], [], [], [], [], [], []
+        for i, item in enumerate(batch):
+            seq, n = item.seq, item.num_tokens
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start:start + n])
+            starts.append(start)
+            q_lens.append(n)
+            tables.append(seq.block_table)
+            adapter_ids.append(seq.adapter_id)
+            if item.samples:
+                p = seq.params
+                if p.output_logits:
+                    logits_rows.append(len(rows))
+                rows.append(i)
+                temps.append(p.temperature)
+                top_ks.append(p.top_k)
+                top_ps.append(p.top_p)
+                min_ps.append(p.min_p)
+                seeds.append(p.seed)
+                positions.append(len(seq))
+        sampling = SamplingBatch(temps, top_ks, top_ps, min_ps, seeds, positions)
+        return StepBatch(is_prefill, input_ids, starts, q_lens, tables, rows, sampling, logits_rows, adapter_ids)
+
+    def step(self) -> list[tuple[Sequence, list[int]]]:
+        """Run one step; returns each sampled sequence with the tokens it gained."""
+        batch, is_prefill = self.scheduler.schedule()
+        if not batch:
+            raise RuntimeError("the scheduler found nothing to run although requests wait; the KV cache is too small")
+        step = self._build_step(batch, is_prefill)
+        tokens, logits = self.executor.call("run", step)
+        self.scheduler.step_done(batch)
+        self.last_step = (is_prefill, sum(step.query_lens), len(batch))
+        out = []
+        for k, (row, token) in enumerate(zip(step.sample_rows, tokens)):
+            seq = batch[row].seq
+            seq.token_ids.append(token)
+            if k in step.logits_rows:
+                seq.logits.append(logits[step.logits_rows.index(k)])
+            self._check_finish(seq)
+            out.append((seq, [token]))
+        return out
+
+    def _check_finish(self, seq: Sequence) -> None:
+        token, p = seq.token_ids[-1], seq.params
+        reason = None
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            reason = "stop"
+        elif seq.detok is not None:
+            seq.detok.add(token)
+            cut = seq.detok.find_stop() if p.stop else None
+            if cut is not None:
+                seq.detok.text = seq.detok.text[:cut]
+                reason = "stop"
+        if reason is None and (seq.num_completion_tokens >= p.max_tokens or len(seq) >= self.config.max_model_len):
+            reason = "length"
+        if reason is not None:
+            seq.finish_reason = reason
+            self.scheduler.finish(seq)
+
+    def _text(self, seq: Sequence) -> str:
+        if seq.detok is not None and seq.params.stop:
+            return seq.detok.text
+        ids = seq.completion_token_ids
+        if seq.finish_reason == "stop" and ids and ids[-1] in self.eos_token_ids:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            index=seq.index, prompt=seq.prompt, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            text=self._text(seq), token_ids=seq.completion_token_ids, finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_cached_tokens, logits=seq.logits,
+        )
+
+    # ------------------------------------------------------------------------------ public
+    def generate(self, prompts: str | list[int] | Seq[str | list[int]],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt, batched continuously; one output per prompt, in order."""
+        seqs = self._make_sequences(prompts, sampling_params)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        bar = _Progress(len(seqs)) if use_tqdm else None
+        pending = {seq.seq_id for seq in seqs}
+        try:
+            while pending:
+                start = time.perf_counter()
+                done = [seq for seq, _ in self.step() if seq.status is Status.FINISHED]
+                pending.difference_update(seq.seq_id for seq in done)
+                if bar:
+                    bar.update(self.last_step, time.perf_counter() - start, len(done))
+        finally:
+            if bar:
+                bar.close()
+        return [self._output(seq) for seq in seqs]
+
+    def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Yield the text and token ids each step adds to one request, the last delta marked finished."""
+        (seq,) = self._make_sequences([prompt], sampling_params)
+        if seq.detok is None:
+            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, [])
+        self.scheduler.add(seq)
+        try:
+            while seq.status is not Status.FINISHED:
+                for s, tokens in self.step():
+                    if s is seq:
+                        finished = s.status is Status.FINISHED
+                        yield StreamDelta(s.detok.take(final=finished), tokens, finished, s.finish_reason)
+        finally:
+            if seq.status is not Status.FINISHED:  # the caller stopped early: free its blocks
+                if seq in self.scheduler.running:
+                    self.scheduler.finish(seq)
+                elif seq in self.scheduler.waiting:
+                    self.scheduler.waiting.remove(seq)
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Apply the checkpoint's chat template to one conversation (or a list of them) and generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [self.chat_prompt_ids(c) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError(f"the tokenizer of {self.config.model!r} has no chat template; use generate() with plain text")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def close(self) -> None:
+        executor = getattr(self, "executor", None)
+        if executor is not None:
+            executor.shutdown()
+            self.executor = None
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class _RunnerFactory:
+    """Builds the model runner on a rank (picklable, so process-based strategies can ship it)."""
+
+    def __init__(self, config: EngineConfig, plugins: PluginClasses, device: torch.device, dtype: torch.dtype):
+        self.config, self.plugins, self.device, self.dtype = config, plugins, device, dtype
+
+    def __call__(self, group) -> ModelRunner:
+        device = self.device
+        if device.type == "cuda" and group.world_size > 1:
+            device = torch.device("cuda", group.rank)
+            torch.cuda.set_device(device)
+        return ModelRunner(self.config, self.plugins, group, device, self.dtype)
+
+
+class _Progress:
+    """A tqdm bar with prefill and decode throughput."""
+
+    def __init__(self, total: int):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, desc="Generating", dynamic_ncols=True)
+        self.prefill = self.decode = 0.0
+
+    def update(self, last_step: tuple[bool, int, int], seconds: float, finished: int) -> None:
+        is_prefill, tokens, _ = last_step
+        rate = tokens / max(seconds, 1e-9)
+        if is_prefill:
+            self.prefill = rate
+        else:
+            self.decode = rate
+        self.bar.set_postfix_str(f"prefill {self.prefill:,.0f} tok/s, decode {self.decode:,.0f} tok/s", refresh=False)
+        self.bar.update(finished)
+
+    def close(self) -> None:
+        self.bar.close()

@@ -1,0 +1,287 @@
+"""One step on the device: pack the scheduled tokens into tensors, run the model, sample.
+
+The runner lives on every tensor-parallel rank; it is built once with the engine's resolved
+plugin classes, so nothing per step goes through the registry or pluggy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from nanoplug.core.attention_layer import PagedAttention, StepContext
+from nanoplug.core.config import EngineConfig
+from nanoplug.core.interfaces import AttentionMetadata, AttentionSpec, ProcessGroup, Worker
+from nanoplug.core.loader import load_hf_config, load_weights
+from nanoplug.core.sampler import Sampler, SamplingBatch
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+@dataclass
+class StepBatch:
+    """One step's work as plain data (it crosses process boundaries under tensor parallelism)."""
+
+    is_prefill: bool
+    input_ids: list[int]
+    starts: list[int]  # tokens already in the cache for each sequence
+    query_lens: list[int]
+    block_tables: list[list[int]]
+    sample_rows: list[int]  # sequences whose last computed token yields a new token
+    sampling: SamplingBatch
+    logits_rows: list[int] = field(default_factory=list)  # of sample_rows, the ones that want logits
+    adapter_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class PluginClasses:
+    """The engine's resolved plugin classes (resolved once, by name, at start-up)."""
+
+    model: Any
+    prefill_attention: Any
+    decode_attention: Any
+    kv_cache: Any
+    adapters: list[Any]
+
+
+class ModelRunner(Worker):
+    def __init__(self, config: EngineConfig, plugins: PluginClasses, group: ProcessGroup,
+                 device: torch.device, dtype: torch.dtype):
+        self.config, self.group, self.device, self.dtype = config, group, device, dtype
+        self.hf_config = load_hf_config(config.model)
+        from nanoplug.plugins.models.decoder import model_facts  # noqa: PLC0415  (shared helper, not a backend)
+
+        self.facts = model_facts(self.hf_config)
+        self.block_size = config.kv_block_size
+        heads = self.facts.num_heads // group.world_size
+        kv_heads = self.facts.num_kv_heads // group.world_size
+        spec = AttentionSpec(heads, kv_heads, self.facts.head_dim, self.facts.head_dim ** -0.5,
+                             self.block_size, dtype, device)
+        decode = plugins.decode_attention(spec)
+        prefill = decode if plugins.prefill_attention is plugins.decode_attention else plugins.prefill_attention(spec)
+        self.ctx = StepContext(store=plugins.kv_cache(), prefill=prefill, decode=decode)
+
+        from nanoplug.plugins.parallel.layers import Layers  # noqa: PLC0415
+
+        def attention_factory(layer_idx, num_heads, num_kv_heads, head_dim):
+            return PagedAttention(self.ctx, layer_idx, num_heads, num_kv_heads, head_dim)
+
+        torch.manual_seed(config.seed)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                self.model = plugins.model(self.hf_config, Layers(group), attention_factory, config.max_model_len)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        adapters = [cls(spec_, self.facts, self.hf_config) for cls, spec_ in plugins.adapters]
+        load_weights(self.model, config.model, adapters)
+        self.model.eval()
+        self.sampler = Sampler(device, config.seed)
+        self.num_blocks = self._allocate_kv_cache()
+        self.graphs: dict[int, Any] = {}
+        if device.type == "cuda" and not config.enforce_eager and decode.supports_cuda_graphs:
+            self._capture_graphs()
+
+    # ---------------------------------------------------------------------------- KV cache
+    def _block_bytes(self) -> int:
+        k = self.ctx.decode.spec
+        return 2 * self.facts.num_layers * self.block_size * k.num_kv_heads * k.head_dim * self.dtype.itemsize
+
+    def _allocate_kv_cache(self) -> int:
+        """Size the cache (fixed, or from memory) and allocate it with one scratch block at the end."""
+        if self.config.num_kv_blocks is not None:
+            num_blocks = self.config.num_kv_blocks
+        elif self.device.type == "cuda":
+            num_blocks = self._blocks_from_gpu_memory()
+        else:
+            num_blocks = int(self.config.cpu_kv_cache_gb * 2**30 // self._block_bytes())
+            num_blocks = max(num_blocks, 1)
+        num_blocks = int(self.group.all_reduce(torch.tensor([num_blocks], device=self.device)).item() // self.group.world_size) \
+            if self.group.world_size > 1 else num_blocks
+        self._set_cache(num_blocks + 1)
+        return num_blocks
+
+    def _set_cache(self, num_blocks: int) -> None:
+        spec = self.ctx.decode.spec
+        kv = torch.empty(2, self.facts.num_layers, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
+                         dtype=self.dtype, device=self.device)
+        self.kv_cache = kv
+        self.ctx.kv_caches = [(kv[0, i], kv[1, i]) for i in range(self.facts.num_layers)]
+
+    def _blocks_from_gpu_memory(self) -> int:
+        """Run the largest prefill once on a small temporary cache, then give the rest to the KV cache."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = min(self.config.max_num_batched_tokens, self.config.max_model_len * self.config.max_num_seqs)
+        seq_len = min(n, self.config.max_model_len)
+        num_seqs = max(1, n // seq_len)
+        per_seq = (seq_len + self.block_size - 1) // self.block_size
+        self._set_cache(num_seqs * per_seq + 1)
+        batch = StepBatch(
+            is_prefill=True, input_ids=[0] * (num_seqs * seq_len), starts=[0] * num_seqs,
+            query_lens=[seq_len] * num_seqs,
+            block_tables=[list(range(i * per_seq, (i + 1) * per_seq)) for i in range(num_seqs)],
+            sample_rows=list(range(num_seqs)),
+            sampling=SamplingBatch([0.0] * num_seqs, [0] * num_seqs, [1.0] * num_seqs, [0.0] * num_seqs,
+                                   [None] * num_seqs, [0] * num_seqs),
+        )
+        self.run(batch)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del self.kv_cache
+        self.ctx.kv_caches = []
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        current = torch.cuda.memory_allocated(self.device)
+        used_elsewhere = total - free - torch.cuda.memory_reserved(self.device)
+        budget = total * self.config.gpu_memory_utilization - used_elsewhere - peak
+        num_blocks = int(budget // self._block_bytes())
+        del current
+        if num_blocks < 1:
+            raise RuntimeError(
+                "no GPU memory left for the KV cache; raise gpu_memory_utilization or lower max_num_batched_tokens"
+            )
+        return num_blocks
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.num_blocks * self.block_size
+
+    # --------------------------------------------------------------------------------- inputs
+    def _prepare(self, batch: StepBatch):
+        bs = self.block_size
+        q_lens = np.asarray(batch.query_lens, dtype=np.int64)
+        starts = np.asarray(batch.starts, dtype=np.int64)
+        seq_lens = starts + q_lens
+        seq_idx = np.repeat(np.arange(len(q_lens)), q_lens)
+        cu_q = np.zeros(len(q_lens) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu_q[1:])
+        positions = np.arange(int(cu_q[-1])) - np.repeat(cu_q[:-1], q_lens) + np.repeat(starts, q_lens)
+        width = max(len(t) for t in batch.block_tables)
+        tables = np.full((len(q_lens), width), -1, dtype=np.int64)
+        for i, t in enumerate(batch.block_tables):
+            tables[i, : len(t)] = t
+        slots = tables[seq_idx, positions // bs] * bs + positions % bs
+        cu_k = np.zeros(len(q_lens) + 1, dtype=np.int64)
+        np.cumsum(seq_lens, out=cu_k[1:])
+        dev = self.device
+
+        def put(a, dtype):
+            t = torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
+            return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+
+        meta = AttentionMetadata(
+            is_prefill=batch.is_prefill,
+            cu_seqlens_q=put(cu_q, torch.int32),
+            cu_seqlens_k=put(cu_k, torch.int32),
+            seq_lens=put(seq_lens, torch.int32),
+            slot_mapping=put(slots, torch.int64),
+            block_tables=put(tables, torch.int32),
+            max_seqlen_q=int(q_lens.max()),
+            max_seqlen_k=int(seq_lens.max()),
+            query_lens_host=q_lens.tolist(),
+            seq_lens_host=seq_lens.tolist(),
+        )
+        last = cu_q[1:][batch.sample_rows] - 1 if batch.sample_rows else np.zeros(0, dtype=np.int64)
+        return put(np.asarray(batch.input_ids), torch.int64), put(positions, torch.int64), meta, put(last, torch.int64)
+
+    # ----------------------------------------------------------------------------------- step
+    @torch.inference_mode()
+    def run(self, batch: StepBatch) -> tuple[list[int], list[Any]] | None:
+        """Compute one step; rank 0 returns the sampled tokens and the requested logits rows."""
+        num_seqs = len(batch.query_lens)
+        graph = None if batch.is_prefill else self._graph_for(num_seqs)
+        if graph is not None:
+            logits = self._replay(graph, batch)
+        else:
+            input_ids, positions, meta, last = self._prepare(batch)
+            self.ctx.set_step(meta)
+            hidden = self.model(input_ids, positions)
+            logits = self.model.compute_logits(hidden[last]) if batch.sample_rows else None
+        if self.group.rank != 0 or not batch.sample_rows:
+            return None if self.group.rank != 0 else ([], [])
+        tokens = self.sampler(logits, batch.sampling).tolist()
+        rows = [logits[i].float().cpu() for i in batch.logits_rows]
+        return tokens, rows
+
+    # ------------------------------------------------------------------------------- graphs
+    def _graph_for(self, num_seqs: int):
+        if not self.graphs:
+            return None
+        for size in self.graphs:
+            if size >= num_seqs:
+                return self.graphs[size]
+        return None
+
+    def _capture_graphs(self) -> None:
+        """Capture decode for batch-size buckets; a replay pads the batch up to the next bucket."""
+        max_bs = min(self.config.max_num_seqs, GRAPH_BATCH_SIZES[-1])
+        sizes = [s for s in GRAPH_BATCH_SIZES if s <= max_bs]
+        max_blocks = (self.config.max_model_len + self.block_size - 1) // self.block_size
+        dev = self.device
+        st = {
+            "input_ids": torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            "positions": torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            "slot_mapping": torch.full((max_bs,), self.scratch_slot, dtype=torch.int64, device=dev),
+            "seq_lens": torch.ones(max_bs, dtype=torch.int32, device=dev),
+            "cu_seqlens_q": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
+            "cu_seqlens_k": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
+            "block_tables": torch.full((max_bs, max_blocks), self.num_blocks, dtype=torch.int32, device=dev),
+        }
+        self.static = st
+        pool = None
+        for size in reversed(sizes):
+            meta = AttentionMetadata(
+                is_prefill=False, cu_seqlens_q=st["cu_seqlens_q"][: size + 1], cu_seqlens_k=st["cu_seqlens_k"][: size + 1],
+                seq_lens=st["seq_lens"][:size], slot_mapping=st["slot_mapping"][:size],
+                block_tables=st["block_tables"][:size], max_seqlen_q=1, max_seqlen_k=self.config.max_model_len,
+                query_lens_host=[1] * size, seq_lens_host=[1] * size,
+            )
+            self.ctx.set_step(meta)
+            ids, pos = st["input_ids"][:size], st["positions"][:size]
+            self.model.compute_logits(self.model(ids, pos))  # warm up outside the graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                logits = self.model.compute_logits(self.model(ids, pos))
+            pool = graph.pool()
+            self.graphs[size] = (graph, meta, logits)
+            torch.cuda.synchronize(dev)
+        self.graphs = dict(sorted(self.graphs.items()))
+
+    def _replay(self, entry, batch: StepBatch) -> torch.Tensor:
+        graph, meta, logits = entry
+        st, n, size = self.static, len(batch.query_lens), meta.seq_lens.shape[0]
+        bs = self.block_size
+        starts = np.asarray(batch.starts, dtype=np.int64)
+        tables = np.full((size, st["block_tables"].shape[1]), self.num_blocks, dtype=np.int32)
+        for i, t in enumerate(batch.block_tables):
+            tables[i, : len(t)] = t
+        slots = np.full(size, self.scratch_slot, dtype=np.int64)
+        slots[:n] = tables[np.arange(n), starts // bs].astype(np.int64) * bs + starts % bs
+        seq_lens = np.ones(size, dtype=np.int32)
+        seq_lens[:n] = starts + 1
+        ids = np.zeros(size, dtype=np.int64)
+        ids[:n] = batch.input_ids
+        pos = np.zeros(size, dtype=np.int64)
+        pos[:n] = starts
+        cu_k = np.zeros(size + 1, dtype=np.int32)
+        np.cumsum(seq_lens, out=cu_k[1:])
+        for name, value in (("input_ids", ids), ("positions", pos), ("slot_mapping", slots), ("seq_lens", seq_lens),
+                            ("cu_seqlens_k", cu_k), ("block_tables", tables)):
+            dst = st[name][: len(value)]
+            dst.copy_(torch.from_numpy(value).pin_memory(), non_blocking=True)
+        meta.query_lens_host, meta.seq_lens_host = [1] * size, seq_lens.tolist()
+        meta.max_seqlen_k = int(seq_lens.max())
+        self.ctx.meta = meta
+        self.ctx.decode.prepare(meta)
+        graph.replay()
+        return logits[: n][batch.sample_rows] if len(batch.sample_rows) != n else logits[:n]
+
+    def kv_blocks(self) -> int:
+        return self.num_blocks
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self, method)(*args)

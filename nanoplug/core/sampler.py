@@ -1,0 +1,80 @@
+"""Turns the last-token logits of each sequence into its next token.
+
+Greedy at temperature 0; otherwise temperature, top-k, top-p and min-p filter the distribution and
+one exponential-race draw picks the token. A request with a seed draws its noise from a generator
+seeded by (seed, its token position), so it gets the same tokens whatever else is in the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings as plain lists (picklable, so they cross process boundaries)."""
+
+    temperatures: list[float]
+    top_ks: list[int]
+    top_ps: list[float]
+    min_ps: list[float]
+    seeds: list[int | None]
+    positions: list[int]  # index of the token being sampled, for seeded noise
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(t == 0.0 for t in self.temperatures)
+
+
+def _seeded_noise(seed: int, position: int, vocab: int, device: torch.device) -> torch.Tensor:
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed((seed * 1_000_003 + position) & ((1 << 63) - 1))
+    return torch.empty(vocab).exponential_(generator=gen).to(device)
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0):
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        logits = logits.float()
+        greedy = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            return greedy
+        dev = logits.device
+        temps = torch.tensor(batch.temperatures, dtype=torch.float32, device=dev)
+        logits = logits / torch.where(temps > 0, temps, 1.0).unsqueeze(1)
+        if any(k > 0 for k in batch.top_ks):
+            logits = self._top_k(logits, batch.top_ks)
+        if any(p < 1.0 for p in batch.top_ps):
+            logits = self._top_p(logits, torch.tensor(batch.top_ps, dtype=torch.float32, device=dev))
+        probs = torch.softmax(logits, dim=-1)
+        if any(p > 0.0 for p in batch.min_ps):
+            min_p = torch.tensor(batch.min_ps, dtype=torch.float32, device=dev).unsqueeze(1)
+            probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, seed in enumerate(batch.seeds):
+            if seed is not None:
+                noise[row] = _seeded_noise(seed, batch.positions[row], probs.shape[1], dev)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(temps == 0, greedy, sampled)
+
+    @staticmethod
+    def _top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+        vocab = logits.shape[1]
+        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=logits.device)
+        kth = logits.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1).unsqueeze(1))
+        return logits.masked_fill(logits < kth, float("-inf"))
+
+    @staticmethod
+    def _top_p(logits: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # drop a token when the tokens before it already reach top_p; the first always stays
+        drop = (probs.cumsum(dim=-1) - probs) >= top_ps.unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        return torch.empty_like(logits).scatter_(1, order, sorted_logits)

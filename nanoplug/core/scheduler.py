@@ -1,0 +1,109 @@
+"""Continuous batching: which sequences run in the next step, and how many of their tokens.
+
+A step is either a prefill step (chunks of prompts, any number of sequences, under
+`max_num_batched_tokens`) or a decode step (one token for each running sequence). Prompts are
+admitted while KV blocks last; when decode runs out of blocks the newest sequence is preempted and
+later recomputed from its tokens, so no request is lost, duplicated or changed.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from nanoplug.core.blocks import BlockManager
+from nanoplug.core.config import EngineConfig
+from nanoplug.core.sequence import Sequence, Status
+
+
+@dataclass
+class Scheduled:
+    seq: Sequence
+    num_tokens: int  # tokens computed for it this step
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the sequence's last token, so its logits give the next token."""
+        return self.seq.num_computed_tokens + self.num_tokens == len(self.seq)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.blocks = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> tuple[list[Scheduled], bool]:
+        """The next step's batch and whether it is a prefill step."""
+        batch = self._schedule_prefill()
+        if batch:
+            return batch, True
+        return self._schedule_decode(), False
+
+    def _schedule_prefill(self) -> list[Scheduled]:
+        batch: list[Scheduled] = []
+        budget = self.max_num_batched_tokens
+        for seq in self.running:  # chunks of prompts already admitted come first
+            if budget == 0:
+                return batch
+            if seq.is_prefilling:
+                n = min(seq.num_uncomputed_tokens, budget)
+                batch.append(Scheduled(seq, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.blocks.can_allocate(seq):
+                break
+            self.blocks.allocate(seq)
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            batch.append(Scheduled(seq, n))
+            budget -= n
+        return batch
+
+    def _schedule_decode(self) -> list[Scheduled]:
+        batch: list[Scheduled] = []
+        budget = min(self.max_num_seqs, self.max_num_batched_tokens)
+        for seq in list(self.running):
+            if len(batch) == budget:
+                break
+            if seq.status is not Status.RUNNING:
+                continue  # preempted below while serving an earlier sequence
+            while not self.blocks.can_append(seq):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.blocks.append_slots(seq)
+                batch.append(Scheduled(seq, 1))
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Give back the sequence's blocks; it returns to the front of the queue and is recomputed."""
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def step_done(self, batch: list[Scheduled]) -> None:
+        """Account for the computed tokens and register newly full blocks for prefix caching."""
+        for item in batch:
+            item.seq.num_computed_tokens += item.num_tokens
+            self.blocks.commit(item.seq)
+
+    def finish(self, seq: Sequence) -> None:
+        seq.status = Status.FINISHED
+        self.running.remove(seq)
+        self.blocks.free(seq)

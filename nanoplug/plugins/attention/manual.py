@@ -1,0 +1,49 @@
+"""Attention `manual`: plain PyTorch, one sequence at a time, float32 softmax. The oracle.
+
+Every other backend is tested against this one. It reads all keys back from the paged cache, so
+prefill, chunked prefill, prefix-cache hits and decode take the same, obviously right path.
+"""
+from __future__ import annotations
+
+import torch
+
+from nanoplug.core.hookspecs import hookimpl
+from nanoplug.core.interfaces import PLUGIN_API_VERSION, AttentionBackend
+
+NANOPLUG_API_VERSION = PLUGIN_API_VERSION
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` cached tokens of one sequence: [length, Hkv, D]."""
+    block_size = cache.shape[1]
+    blocks = block_table[: (length + block_size - 1) // block_size].long()
+    return cache[blocks].flatten(0, 1)[:length]
+
+
+class ManualAttention(AttentionBackend):
+    description = "plain PyTorch, float32 softmax (the reference)"
+    priority = 0
+
+    def forward(self, q, k, v, k_cache, v_cache):
+        meta, spec = self.meta, self.spec
+        out = torch.empty_like(q)
+        group = spec.num_heads // spec.num_kv_heads
+        start = 0
+        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+            qi = q[start:start + q_len].float().transpose(0, 1)  # [H, Lq, D]
+            ki = gather_context(k_cache, meta.block_tables[i], seq_len).float()
+            vi = gather_context(v_cache, meta.block_tables[i], seq_len).float()
+            ki = ki.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, Lk, D]
+            vi = vi.repeat_interleave(group, dim=1).transpose(0, 1)
+            scores = (qi @ ki.transpose(1, 2)) * spec.scale
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
+            k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+            out[start:start + q_len] = (scores.softmax(dim=-1) @ vi).transpose(0, 1).to(q.dtype)
+            start += q_len
+        return out
+
+
+@hookimpl
+def nanoplug_register_attention(register) -> None:
+    register.add("manual", ManualAttention)

@@ -1,0 +1,61 @@
+"""Attention `sdpa`: PyTorch's `scaled_dot_product_attention` over a padded batch.
+
+Keys are read from the paged cache through the block tables, so cached prefixes, chunked prefill
+and decode all work; the padding and the causal-with-offset mask are built once per step in
+`prepare`, not per layer.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nanoplug.core.hookspecs import hookimpl
+from nanoplug.core.interfaces import PLUGIN_API_VERSION, AttentionBackend, AttentionMetadata, Target
+
+NANOPLUG_API_VERSION = PLUGIN_API_VERSION
+
+
+class SdpaAttention(AttentionBackend):
+    description = "torch.nn.functional.scaled_dot_product_attention (padded batch, paged keys)"
+    priority = 50
+
+    @classmethod
+    def unavailable(cls, target: Target) -> list[str]:
+        if not hasattr(F, "scaled_dot_product_attention"):
+            return ["torch lacks scaled_dot_product_attention; pip install 'torch>=2.6'"]
+        return []
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        self.meta = meta
+        dev = meta.slot_mapping.device
+        q_lens = torch.tensor(meta.query_lens_host, device=dev)
+        seq_lens = meta.seq_lens.long()
+        num_seqs, max_q = len(meta.query_lens_host), meta.max_seqlen_q
+        # where each packed query token sits in the padded [B, Lq] layout
+        self.row = torch.repeat_interleave(torch.arange(num_seqs, device=dev), q_lens)
+        self.col = torch.arange(self.row.numel(), device=dev) - meta.cu_seqlens_q[:-1].long()[self.row]
+        block_size = self.spec.block_size
+        num_blocks = (meta.max_seqlen_k + block_size - 1) // block_size
+        self.blocks = meta.block_tables[:, :num_blocks].clamp(min=0).long()
+        q_pos = (seq_lens - q_lens).unsqueeze(1) + torch.arange(max_q, device=dev).unsqueeze(0)  # [B, Lq]
+        k_pos = torch.arange(num_blocks * block_size, device=dev)
+        self.mask = (k_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)) & (k_pos.view(1, 1, -1) < seq_lens.view(-1, 1, 1))
+        self.mask = self.mask.unsqueeze(1)  # [B, 1, Lq, Lk]
+        self.max_q = max_q
+
+    def forward(self, q, k, v, k_cache, v_cache):
+        num_seqs = self.blocks.shape[0]
+        qp = q.new_zeros(num_seqs, self.max_q, q.shape[1], q.shape[2])
+        qp[self.row, self.col] = q
+        kp = k_cache[self.blocks].flatten(1, 2).transpose(1, 2)  # [B, Hkv, Lk, D]
+        vp = v_cache[self.blocks].flatten(1, 2).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), kp, vp, attn_mask=self.mask, scale=self.spec.scale,
+            enable_gqa=self.spec.num_heads != self.spec.num_kv_heads,
+        )
+        return out.transpose(1, 2)[self.row, self.col]
+
+
+@hookimpl
+def nanoplug_register_attention(register) -> None:
+    register.add("sdpa", SdpaAttention)

