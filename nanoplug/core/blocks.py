@@ -14,6 +14,11 @@ import numpy as np
 from nanoplug.core.sequence import Sequence
 
 
+def chain_root(seq: Sequence) -> int:
+    """The hash a sequence's first block chains from: per adapter, since K/V differ under each one."""
+    return -1 - seq.adapter_id
+
+
 def block_hash(prev: int, token_ids: list[int]) -> int:
     h = xxhash.xxh64(prev.to_bytes(8, "little", signed=True))
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
@@ -47,7 +52,7 @@ class BlockManager:
         """
         if not self.prefix_caching:
             return []
-        hits, prev, bs = [], -1, self.block_size
+        hits, prev, bs = [], chain_root(seq), self.block_size
         for i in range((len(seq) - 1) // bs):
             ids = seq.token_ids[i * bs:(i + 1) * bs]
             h = block_hash(prev, ids)
@@ -92,7 +97,7 @@ class BlockManager:
             if self.ref_counts[b] == 0:
                 self.free_ids.append(b)
         seq.block_table, seq.block_hashes = [], []
-        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq.num_computed_tokens = 0  # num_cached_tokens stays: the output reports the hits it had
 
     # -------------------------------------------------------------------------------- decode
     def can_append(self, seq: Sequence) -> bool:
@@ -112,7 +117,7 @@ class BlockManager:
         while len(seq.block_hashes) < full:
             i = len(seq.block_hashes)
             ids = seq.token_ids[i * bs:(i + 1) * bs]
-            h = block_hash(seq.block_hashes[-1] if seq.block_hashes else -1, ids)
+            h = block_hash(seq.block_hashes[-1] if seq.block_hashes else chain_root(seq), ids)
             b = seq.block_table[i]
             if self.hashes[b] == -1:
                 self.hashes[b], self.tokens[b] = h, ids

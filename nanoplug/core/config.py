@@ -4,33 +4,44 @@ Wrong values fail here, naming the field and the rule, before any weight is read
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator
+
+PluginName = Annotated[str, Field(min_length=1, pattern=r"^\S+$")]
+"""A plugin name, or "auto": non-empty, no spaces."""
 
 
 class AdapterSpec(BaseModel):
     """One weight adapter to apply while loading, e.g. a PEFT LoRA folder at some scale."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    kind: str = "lora"
-    path: str
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    kind: PluginName = "lora"
+    path: str = Field(min_length=1)
     scale: float = 1.0
     name: str | None = None
+    merge: bool = Field(True, description="merge into the weights at load (every request); False: chosen per "
+                        "request by SamplingParams(adapter=name)")
+
+    @property
+    def label(self) -> str:
+        """The name requests use: `name`, or else the adapter folder's name."""
+        return self.name or Path(self.path).name
 
 
 class EngineConfig(BaseModel):
     """How one engine instance serves: the model, the plugin of each kind, and the memory limits."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
 
     model: str = Field(description="checkpoint folder (or a Hugging Face model id)")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
-    attention: str = "auto"
-    prefill_attention: str | None = Field(None, description="a different backend for prefill steps")
-    kv_cache: str = "auto"
-    parallel: str = "auto"
+    attention: PluginName = "auto"
+    prefill_attention: PluginName | None = Field(None, description="a different backend for prefill steps")
+    kv_cache: PluginName = "auto"
+    parallel: PluginName = "auto"
     tensor_parallel_size: int = Field(1, ge=1)
     adapters: list[AdapterSpec] = Field(default_factory=list)
     max_model_len: int = Field(4096, ge=1)
@@ -52,6 +63,23 @@ class EngineConfig(BaseModel):
             value = [value]
         return [{"kind": "lora", "path": v} if isinstance(v, str) else v for v in value]
 
+    @field_validator("adapters")
+    @classmethod
+    def _distinct_request_names(cls, value: list[AdapterSpec]) -> list[AdapterSpec]:
+        """Requests pick per-request adapters (merge=False) by name, so no two may share one."""
+        labels = [spec.label for spec in value if not spec.merge]
+        twice = sorted({label for label in labels if labels.count(label) > 1})
+        if twice:
+            raise ValueError(f"several per-request adapters are named {', '.join(map(repr, twice))}; "
+                             "give each a distinct name, e.g. {'path': DIR, 'name': 'sql', 'merge': False}")
+        return value
+
+    @field_validator("dtype", "device", mode="before")
+    @classmethod
+    def _from_torch(cls, value: Any) -> Any:
+        """Accept torch.float16 or torch.device("cuda:0") as well as their names."""
+        return str(value).removeprefix("torch.") if type(value).__module__ == "torch" else value
+
     @field_validator("device")
     @classmethod
     def _device(cls, value: str) -> str:
@@ -70,7 +98,7 @@ class EngineConfig(BaseModel):
 class SamplingParams(BaseModel):
     """What to sample for one request. temperature 0 means greedy."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     temperature: float = Field(1.0, ge=0)
     top_k: int = Field(0, ge=0, description="0 keeps every token")
@@ -79,7 +107,7 @@ class SamplingParams(BaseModel):
     max_tokens: int = Field(64, ge=1)
     ignore_eos: bool = False
     stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[NonNegativeInt] = Field(default_factory=list)
     seed: int | None = None
     adapter: str | None = Field(None, description="name of a per-request adapter loaded at start-up")
     output_logits: bool = Field(False, description="return the raw logits row of every generated token")

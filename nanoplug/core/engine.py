@@ -16,7 +16,7 @@ from nanoplug.core.blocks import BlockManager
 from nanoplug.core.config import EngineConfig, SamplingParams
 from nanoplug.core.detokenizer import IncrementalDetokenizer
 from nanoplug.core.errors import ModelLoadError, RequestError
-from nanoplug.core.interfaces import Target
+from nanoplug.core.interfaces import ModelFacts, Target
 from nanoplug.core.loader import checkpoint_dir, load_hf_config
 from nanoplug.core.model_source import resolve_model_path
 from nanoplug.core.registry import Registry, Resolution, default_registry
@@ -84,10 +84,10 @@ class LLM:
         self.hf_config = load_hf_config(config.model)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
-        from nanoplug.plugins.models.decoder import model_facts  # noqa: PLC0415
-
-        self.facts = model_facts(self.hf_config)
+        self.facts = ModelFacts.from_hf_config(self.hf_config)
         self.config = config
+        # per-request adapters (merge=False), by the name requests give: ids 1..K in config order, 0 = none
+        self.request_adapter_ids = {spec.label: i for i, spec in enumerate((s for s in config.adapters if not s.merge), 1)}
         self.choices = self._resolve_plugins()
         self.tokenizer = self._load_tokenizer()
         self.eos_token_ids = self._eos_ids()
@@ -199,7 +199,7 @@ class LLM:
             if bad:
                 raise RequestError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {vocab})")
             self._check_params(i, p)
-            seq = Sequence(ids, p, index=i)
+            seq = Sequence(ids, p, index=i, adapter_id=self.request_adapter_ids.get(p.adapter, 0))
             seq.prompt = prompt if isinstance(prompt, str) else None
             if p.stop:
                 seq.detok = IncrementalDetokenizer(self.tokenizer, ids, p.stop)
@@ -208,8 +208,12 @@ class LLM:
 
     def _check_params(self, index: int, params: SamplingParams) -> None:
         """Hook for request options that depend on the engine (e.g. per-request adapters)."""
-        if params.adapter is not None:
-            raise RequestError(f"prompt {index} asks for adapter {params.adapter!r}, but this engine loaded none per request")
+        if params.adapter is not None and params.adapter not in self.request_adapter_ids:
+            loaded = ", ".join(map(repr, self.request_adapter_ids)) or "none"
+            raise RequestError(
+                f"prompt {index} asks for adapter {params.adapter!r}, but this engine serves per request: {loaded}; "
+                "pick one of those, or load it with LLM(..., adapters=[{'path': DIR, 'name': NAME, 'merge': False}])"
+            )
 
     # ---------------------------------------------------------------------------- stepping
     def _build_step(self, batch: list[Scheduled], is_prefill: bool) -> StepBatch:
@@ -372,7 +376,7 @@ class _RunnerFactory:
     def __call__(self, group) -> ModelRunner:
         device = self.device
         if device.type == "cuda" and group.world_size > 1:
-            device = torch.device("cuda", group.rank)
+            device = torch.device("cuda", group.local_rank)
             torch.cuda.set_device(device)
         return ModelRunner(self.config, self.plugins, group, device, self.dtype)
 

@@ -23,3 +23,7 @@ class RequestError(NanoplugError, ValueError):
 
 class ModelLoadError(NanoplugError, OSError):
     """A checkpoint that cannot be found or read."""
+
+
+class AdapterError(NanoplugError, ValueError):
+    """A weight adapter that does not fit the model, or of a type the chosen adapter plugin cannot apply."""

@@ -30,6 +30,20 @@ class ModelFacts:
     hidden_size: int
     vocab_size: int
 
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> "ModelFacts":
+        """The numbers plugins judge a checkpoint by, read off a Hugging Face config."""
+        heads = hf_config.num_attention_heads
+        return cls(
+            architecture=(getattr(hf_config, "architectures", None) or ["?"])[0],
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+            hidden_size=hf_config.hidden_size,
+            vocab_size=hf_config.vocab_size,
+        )
+
 
 @dataclass(frozen=True)
 class Target:
@@ -136,12 +150,18 @@ class ProcessGroup(ABC):
 
     rank: int = 0
     world_size: int = 1
+    local_rank: int = 0  # the GPU index of this rank on its host
 
     @abstractmethod
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
 
     @abstractmethod
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor: ...
+
+    @abstractmethod
+    def layers(self) -> Any:
+        """The layer factory model plugins build from (linear, embedding, LM head bound to this group),
+        so the core never names the parallel plugin whose layers they are."""
 
 
 class Worker(ABC):
@@ -186,6 +206,24 @@ class WeightAdapter(Plugin, ABC):
 
     def finish(self) -> None:
         """Called after the last tensor; raise if part of the adapter was never applied."""
+
+    @classmethod
+    def serve_per_request(cls, model: torch.nn.Module, adapters: list["WeightAdapter"], group: ProcessGroup,
+                          max_tokens: int) -> "RequestAdapters":
+        """Instead of merging `adapters` (spec.merge False; they saw every tensor but left it as it was),
+        change `model`'s layers so each token can use adapter id i (adapters[i - 1]) or none (0)."""
+        raise NotImplementedError(
+            f"adapter plugin {cls.__name__} cannot serve adapters per request; merge them (merge=True)"
+        )
+
+
+class RequestAdapters(ABC):
+    """Adapters picked per request: layers changed once at start-up, the token-to-adapter map set per step."""
+
+    @abstractmethod
+    def set_step(self, token_adapter_ids: torch.Tensor) -> None:
+        """Adapter id (0: none) of each token of the next step, int64 [N] on the CPU; called once per step
+        before the model runs (and before a CUDA graph replays)."""
 
 
 # ----------------------------------------------------------------------------------------- models

@@ -36,6 +36,7 @@ KIND_HOOKS = {
 }
 ENTRY_POINT_GROUP = "nanoplug"
 DISABLE_ENTRY_POINTS_ENV = "NANOPLUG_DISABLE_ENTRY_POINTS"
+BUILTIN_SOURCE = "built-in"
 BUILTIN_TOML = Path(__file__).resolve().parent.parent / "registry.toml"
 
 
@@ -48,7 +49,7 @@ class PluginEntry:
     source: str
     target: str | None = None  # "module:object" for built-ins not yet imported
     cls: Any = None
-    error: str | None = None
+    error: str | None = None  # why its module failed to import (kept, so it is tried once)
 
 
 @dataclass
@@ -61,20 +62,21 @@ class BrokenPlugin:
 
 
 class Registrar:
-    """What a hook implementation receives: `register.add(name, cls)`."""
+    """What a hook implementation receives: `register.add(name, cls)`. Collects; the registry commits."""
 
-    def __init__(self, registry: "Registry", kind: str, source: str):
-        self._registry, self._kind, self._source = registry, kind, source
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.added: list[tuple[str, Any]] = []
 
     def add(self, name: str, cls: Any) -> None:
-        entries = self._registry.entries[self._kind]
-        old = entries.get(name)
-        if old is not None and old.cls is not None and old.cls is not cls and old.source != self._source:
-            log.warning("%s plugin %r from %s replaces the one from %s", self._kind, name, self._source, old.source)
-        if old is not None and old.source == self._source and old.target is not None:
-            old.cls = cls
-            return
-        entries[name] = PluginEntry(self._kind, name, self._source, cls=cls)
+        if not isinstance(name, str) or not name or name == "auto":
+            raise PluginLoadError(f"{self.kind} plugin name {name!r} is invalid; use a non-empty name other than 'auto'")
+        if not isinstance(cls, type) or not callable(getattr(cls, "unavailable", None)):
+            raise PluginLoadError(
+                f"{self.kind} plugin {name!r} must be a class with a classmethod `unavailable(target)`; "
+                f"subclass the kind's base class in nanoplug.core.interfaces (got {cls!r})"
+            )
+        self.added.append((name, cls))
 
 
 @dataclass
@@ -88,12 +90,18 @@ class Resolution:
     skipped: dict[str, list[str]] = field(default_factory=dict)
 
     def describe(self) -> str:
-        why = "; ".join(f"{n}: {', '.join(r)}" for n, r in self.skipped.items())
-        return f"{self.kind}: asked {self.asked!r}, chose {self.name!r}" + (f" (skipped {why})" if why else "")
+        if self.asked != "auto":
+            why = "asked by name"
+        else:
+            why = f"the highest priority ({getattr(self.cls, 'priority', 0)}) that can serve"
+            if self.skipped:
+                why += "; skipped " + "; ".join(f"{n}: {', '.join(r)}" for n, r in self.skipped.items())
+        return f"{self.kind}: asked {self.asked!r}, chose {self.name!r} ({why})"
 
 
 def entry_points_enabled() -> bool:
-    return os.environ.get(DISABLE_ENTRY_POINTS_ENV, "").lower() not in ("1", "true", "yes")
+    """False when NANOPLUG_DISABLE_ENTRY_POINTS is 1/true/yes: only built-ins are seen."""
+    return os.environ.get(DISABLE_ENTRY_POINTS_ENV, "").strip().lower() not in ("1", "true", "yes")
 
 
 class Registry:
@@ -107,43 +115,87 @@ class Registry:
         with open(BUILTIN_TOML, "rb") as f:
             for kind, table in tomllib.load(f).items():
                 for name, target in table.items():
-                    self.entries[kind][name] = PluginEntry(kind, name, "built-in", target=target)
+                    self.entries[kind][name] = PluginEntry(kind, name, BUILTIN_SOURCE, target=target)
         if load_entry_points if load_entry_points is not None else entry_points_enabled():
             self._load_entry_points()
 
     # ----------------------------------------------------------------------------- discovery
     def _load_entry_points(self) -> None:
+        seen: set[tuple[str, str]] = set()
         for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if (ep.name, ep.value) in seen:  # one distribution visible twice on sys.path
+                continue
+            seen.add((ep.name, ep.value))
             dist = getattr(ep, "dist", None)
             source = f"{dist.name} {dist.version}" if dist is not None else f"entry point {ep.value}"
             try:
-                self._collect(ep.load(), source)
+                if not self.add_plugin_module(ep.load(), source):
+                    raise PluginLoadError(
+                        f"{ep.value} registers no plugin; implement a hook of nanoplug.core.hookspecs "
+                        f"(e.g. nanoplug_register_attention) with @nanoplug.hookimpl"
+                    )
             except Exception as exc:  # a broken third-party plugin is reported, not fatal
                 self.broken.append(BrokenPlugin(ep.name, source, f"{type(exc).__name__}: {exc}"))
                 log.warning("plugin %r from %s failed to load: %s: %s", ep.name, source, type(exc).__name__, exc)
 
-    def _collect(self, module: Any, source: str) -> None:
-        """Check the module's API version, register it with pluggy and run its registrar hooks."""
+    def add_plugin_module(self, module: Any, source: str) -> list[tuple[str, str]]:
+        """Check `module`'s API version, run its registrar hooks, and add what they register.
+
+        All or nothing: a hook that raises leaves the registry as it was. Returns the (kind, name)
+        pairs added. Entry points come through here; tests and embedders may call it directly.
+        """
         version = getattr(module, "NANOPLUG_API_VERSION", None)
+        label = getattr(module, "__name__", repr(module))
         if version != PLUGIN_API_VERSION:
             raise PluginLoadError(
-                f"plugin module {getattr(module, '__name__', module)!r} ({source}) declares "
-                f"NANOPLUG_API_VERSION = {version!r}, but this nanoplug speaks plugin API "
-                f"{PLUGIN_API_VERSION}; install a release of the plugin built for API {PLUGIN_API_VERSION}"
+                f"plugin module {label!r} ({source}) declares NANOPLUG_API_VERSION = {version!r}, but this "
+                f"nanoplug speaks plugin API {PLUGIN_API_VERSION}; install a release of the plugin built for "
+                f"API {PLUGIN_API_VERSION} (or set NANOPLUG_API_VERSION = nanoplug.PLUGIN_API_VERSION)"
             )
-        if not self.pm.is_registered(module):
+        newly_registered = not self.pm.is_registered(module)
+        if newly_registered:
             self.pm.register(module)
-        others = [p for p in self.pm.get_plugins() if p is not module]
-        for kind, hook in KIND_HOOKS.items():
-            self.pm.subset_hook_caller(hook, remove_plugins=others)(register=Registrar(self, kind, source))
+        registrars = {kind: Registrar(kind) for kind in KIND_HOOKS}
+        try:
+            self.pm.check_pending()  # a misspelt hook name is an error, not a silent no-op
+            others = [p for p in self.pm.get_plugins() if p is not module]
+            for kind, hook in KIND_HOOKS.items():
+                self.pm.subset_hook_caller(hook, remove_plugins=others)(register=registrars[kind])
+        except Exception:
+            if newly_registered:
+                self.pm.unregister(module)
+            raise
+        added = []
+        for kind, registrar in registrars.items():
+            for name, cls in registrar.added:
+                self._commit(kind, name, cls, source)
+                added.append((kind, name))
+        return added
+
+    def _commit(self, kind: str, name: str, cls: Any, source: str) -> None:
+        """Third-party plugins may replace built-ins (with a warning); built-ins never replace them."""
+        old = self.entries[kind].get(name)
+        if old is not None and old.source != source:
+            if source == BUILTIN_SOURCE:
+                return
+            log.warning("%s plugin %r from %s replaces the one from %s", kind, name, source, old.source)
+        if old is not None and old.source == source:
+            old.cls, old.error = cls, None
+            return
+        self.entries[kind][name] = PluginEntry(kind, name, source, cls=cls)
 
     # ------------------------------------------------------------------------------- lookups
+    def _kind(self, kind: str) -> dict[str, PluginEntry]:
+        if kind not in self.entries:
+            raise UnknownPluginError(f"unknown plugin kind {kind!r}; kinds: {', '.join(KIND_HOOKS)}")
+        return self.entries[kind]
+
     def names(self, kind: str) -> list[str]:
-        return sorted(self.entries[kind])
+        return sorted(self._kind(kind))
 
     def get(self, kind: str, name: str) -> Any:
         """The plugin class for `name`, imported now if it is a built-in."""
-        entry = self.entries[kind].get(name)
+        entry = self._kind(kind).get(name)
         if entry is None:
             broken = [b for b in self.broken if b.name == name]
             if broken:
@@ -151,21 +203,25 @@ class Registry:
                 raise PluginLoadError(f"{kind} plugin {name!r} from {b.source} failed to load: {b.error}")
             valid = ", ".join(self.names(kind)) or "none"
             hint = f"; plugins that failed to load: {', '.join(b.name for b in self.broken)}" if self.broken else ""
-            raise UnknownPluginError(f"unknown {kind} plugin {name!r}; valid names: {valid}{hint}")
+            raise UnknownPluginError(f"unknown {kind} plugin {name!r}; valid names: {valid}, or 'auto'{hint}")
         if entry.cls is None:
             self._import_builtin(entry)
         return entry.cls
 
     def _import_builtin(self, entry: PluginEntry) -> None:
-        module_name, _, obj = entry.target.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-            self._collect(module, entry.source)
-            if entry.cls is None:
-                entry.cls = getattr(module, obj)
-        except Exception as exc:
-            entry.error = f"{type(exc).__name__}: {exc}"
-            raise PluginLoadError(f"{entry.kind} plugin {entry.name!r} ({entry.target}) failed to import: {entry.error}") from exc
+        if entry.error is None:
+            module_name, _, obj = entry.target.partition(":")
+            try:
+                module = importlib.import_module(module_name)
+                self.add_plugin_module(module, entry.source)
+                if entry.cls is None:
+                    entry.cls = getattr(module, obj)
+            except Exception as exc:
+                entry.error = f"{type(exc).__name__}: {exc}"
+                if isinstance(exc, ModuleNotFoundError) and exc.name == module_name:
+                    entry.error += " (this built-in is not part of this build yet)"
+        if entry.cls is None:
+            raise PluginLoadError(f"{entry.kind} plugin {entry.name!r} ({entry.target}) failed to import: {entry.error}")
 
     def reasons(self, kind: str, name: str, target: Target) -> list[str]:
         """What stops `name` from serving `target`; an import failure is a reason too."""
@@ -174,9 +230,9 @@ class Registry:
         except PluginLoadError as exc:
             return [str(exc)]
         try:
-            return list(cls.unavailable(target))
+            return [str(r) for r in cls.unavailable(target)]
         except Exception as exc:
-            return [f"availability check raised {type(exc).__name__}: {exc}"]
+            return [f"its availability check raised {type(exc).__name__}: {exc}"]
 
     def resolve(self, kind: str, asked: str, target: Target) -> Resolution:
         """Pick the plugin of `kind` for this engine: the named one if it can serve, or the best for "auto"."""
@@ -184,8 +240,14 @@ class Registry:
             cls = self.get(kind, asked)
             reasons = self.reasons(kind, asked, target)
             if reasons:
-                raise PluginUnavailableError(f"{kind} plugin {asked!r} cannot serve this config: " + "; ".join(reasons))
-            return Resolution(kind, asked, asked, cls)
+                others = [n for n in self.names(kind) if n != asked]
+                raise PluginUnavailableError(
+                    f"{kind} plugin {asked!r} cannot serve this config: " + "; ".join(reasons)
+                    + f". Choose another ({', '.join(others) or 'none installed'}) or 'auto'"
+                )
+            res = Resolution(kind, asked, asked, cls)
+            log.info(res.describe())
+            return res
         skipped: dict[str, list[str]] = {}
         for name in self.by_priority(kind):
             reasons = self.reasons(kind, name, target)
@@ -194,7 +256,7 @@ class Registry:
                 log.info(res.describe())
                 return res
             skipped[name] = reasons
-        detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in skipped.items())
+        detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in skipped.items()) or "none is installed"
         raise PluginUnavailableError(f"no {kind} plugin can serve this config: {detail}")
 
     def by_priority(self, kind: str) -> list[str]:
@@ -206,7 +268,7 @@ class Registry:
             except PluginLoadError:
                 return (1 << 30, name)
 
-        return sorted(self.entries[kind], key=key)
+        return sorted(self._kind(kind), key=key)
 
 
 _default: Registry | None = None

@@ -5,6 +5,8 @@ plugin classes, so nothing per step goes through the registry or pluggy.
 """
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,10 +15,11 @@ import torch
 
 from nanoplug.core.attention_layer import PagedAttention, StepContext
 from nanoplug.core.config import EngineConfig
-from nanoplug.core.interfaces import AttentionMetadata, AttentionSpec, ProcessGroup, Worker
+from nanoplug.core.interfaces import AttentionMetadata, AttentionSpec, ModelFacts, ProcessGroup, Worker
 from nanoplug.core.loader import load_hf_config, load_weights
 from nanoplug.core.sampler import Sampler, SamplingBatch
 
+log = logging.getLogger("nanoplug")
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
@@ -51,9 +54,7 @@ class ModelRunner(Worker):
                  device: torch.device, dtype: torch.dtype):
         self.config, self.group, self.device, self.dtype = config, group, device, dtype
         self.hf_config = load_hf_config(config.model)
-        from nanoplug.plugins.models.decoder import model_facts  # noqa: PLC0415  (shared helper, not a backend)
-
-        self.facts = model_facts(self.hf_config)
+        self.facts = ModelFacts.from_hf_config(self.hf_config)
         self.block_size = config.kv_block_size
         heads = self.facts.num_heads // group.world_size
         kv_heads = self.facts.num_kv_heads // group.world_size
@@ -63,8 +64,6 @@ class ModelRunner(Worker):
         prefill = decode if plugins.prefill_attention is plugins.decode_attention else plugins.prefill_attention(spec)
         self.ctx = StepContext(store=plugins.kv_cache(), prefill=prefill, decode=decode)
 
-        from nanoplug.plugins.parallel.layers import Layers  # noqa: PLC0415
-
         def attention_factory(layer_idx, num_heads, num_kv_heads, head_dim):
             return PagedAttention(self.ctx, layer_idx, num_heads, num_kv_heads, head_dim)
 
@@ -73,17 +72,24 @@ class ModelRunner(Worker):
         torch.set_default_dtype(dtype)
         try:
             with torch.device(device):
-                self.model = plugins.model(self.hf_config, Layers(group), attention_factory, config.max_model_len)
+                self.model = plugins.model(self.hf_config, group.layers(), attention_factory, config.max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
         adapters = [cls(spec_, self.facts, self.hf_config) for cls, spec_ in plugins.adapters]
         load_weights(self.model, config.model, adapters)
+        per_request = [a for a in adapters if not a.spec.merge]  # ids 1..K in config order, as the engine numbers them
+        self.request_adapters = type(per_request[0]).serve_per_request(
+            self.model, per_request, group, max(config.max_num_batched_tokens, config.max_num_seqs)
+        ) if per_request else None
         self.model.eval()
         self.sampler = Sampler(device, config.seed)
         self.num_blocks = self._allocate_kv_cache()
         self.graphs: dict[int, Any] = {}
-        if device.type == "cuda" and not config.enforce_eager and decode.supports_cuda_graphs:
-            self._capture_graphs()
+        if device.type == "cuda" and not config.enforce_eager:
+            if os.environ.get("NANOPLUG_TORCH_COMPILE", "1") != "0" and hasattr(self.model, "compile_fused_ops"):
+                self.model.compile_fused_ops()
+            if decode.supports_cuda_graphs and os.environ.get("NANOPLUG_CUDA_GRAPHS", "1") != "0":
+                self._capture_graphs()
 
     # ---------------------------------------------------------------------------- KV cache
     def _block_bytes(self) -> int:
@@ -99,14 +105,17 @@ class ModelRunner(Worker):
         else:
             num_blocks = int(self.config.cpu_kv_cache_gb * 2**30 // self._block_bytes())
             num_blocks = max(num_blocks, 1)
-        num_blocks = int(self.group.all_reduce(torch.tensor([num_blocks], device=self.device)).item() // self.group.world_size) \
-            if self.group.world_size > 1 else num_blocks
+        if self.group.world_size > 1:  # every rank must hold the same blocks: the fewest any rank has room for
+            num_blocks = int(self.group.all_gather(torch.tensor([num_blocks], device=self.device), dim=0).min())
         self._set_cache(num_blocks + 1)
         return num_blocks
 
     def _set_cache(self, num_blocks: int) -> None:
         spec = self.ctx.decode.spec
-        kv = torch.empty(2, self.facts.num_layers, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
+        # on CUDA zeros, not empty: kernels that load whole pages (FlashAttention-4 by TMA) read the unused
+        # rows of a sequence's last page, and NaN garbage there would turn into NaN outputs (0 * NaN)
+        alloc = torch.zeros if self.device.type == "cuda" else torch.empty
+        kv = alloc(2, self.facts.num_layers, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
                          dtype=self.dtype, device=self.device)
         self.kv_cache = kv
         self.ctx.kv_caches = [(kv[0, i], kv[1, i]) for i in range(self.facts.num_layers)]
@@ -194,6 +203,9 @@ class ModelRunner(Worker):
         """Compute one step; rank 0 returns the sampled tokens and the requested logits rows."""
         num_seqs = len(batch.query_lens)
         graph = None if batch.is_prefill else self._graph_for(num_seqs)
+        if self.request_adapters is not None:
+            ids = np.asarray(batch.adapter_ids or [0] * num_seqs, dtype=np.int64)
+            self.request_adapters.set_step(torch.from_numpy(np.repeat(ids, batch.query_lens)))
         if graph is not None:
             logits = self._replay(graph, batch)
         else:
@@ -216,21 +228,39 @@ class ModelRunner(Worker):
                 return self.graphs[size]
         return None
 
+    @torch.inference_mode()
     def _capture_graphs(self) -> None:
-        """Capture decode for batch-size buckets; a replay pads the batch up to the next bucket."""
+        """Capture decode for batch-size buckets; a replay pads the batch up to the next bucket.
+
+        A backend whose kernels cannot be captured leaves decode eager (logged), never broken."""
+        try:
+            self._capture_graph_buckets()
+        except Exception as exc:  # noqa: BLE001  (any capture failure means: run eager)
+            log.warning("CUDA graph capture failed (%s: %s); decode runs eager", type(exc).__name__, exc)
+            self.graphs = {}
+            torch.cuda.synchronize(self.device)
+
+    def _capture_graph_buckets(self) -> None:
         max_bs = min(self.config.max_num_seqs, GRAPH_BATCH_SIZES[-1])
         sizes = [s for s in GRAPH_BATCH_SIZES if s <= max_bs]
         max_blocks = (self.config.max_model_len + self.block_size - 1) // self.block_size
         dev = self.device
+        # the graphs' inputs live in two device buffers fed from two pinned host buffers: a replay
+        # costs two host-to-device copies, with no allocation
+        self._host64 = torch.zeros(3, max_bs, dtype=torch.int64).pin_memory()
+        self._host32 = torch.zeros(2 * max_bs + 1 + max_bs * max_blocks, dtype=torch.int32).pin_memory()
+        self._dev64, self._dev32 = self._host64.to(dev), self._host32.to(dev)
+        d32 = self._dev32
         st = {
-            "input_ids": torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            "positions": torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            "slot_mapping": torch.full((max_bs,), self.scratch_slot, dtype=torch.int64, device=dev),
-            "seq_lens": torch.ones(max_bs, dtype=torch.int32, device=dev),
+            "input_ids": self._dev64[0], "positions": self._dev64[1], "slot_mapping": self._dev64[2],
+            "seq_lens": d32[:max_bs], "cu_seqlens_k": d32[max_bs:2 * max_bs + 1],
+            "block_tables": d32[2 * max_bs + 1:].view(max_bs, max_blocks),
             "cu_seqlens_q": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
-            "cu_seqlens_k": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
-            "block_tables": torch.full((max_bs, max_blocks), self.num_blocks, dtype=torch.int32, device=dev),
         }
+        st["slot_mapping"].fill_(self.scratch_slot)
+        st["seq_lens"].fill_(1)
+        st["cu_seqlens_k"].copy_(st["cu_seqlens_q"])
+        st["block_tables"].fill_(self.num_blocks)
         self.static = st
         pool = None
         for size in reversed(sizes):
@@ -253,28 +283,25 @@ class ModelRunner(Worker):
 
     def _replay(self, entry, batch: StepBatch) -> torch.Tensor:
         graph, meta, logits = entry
-        st, n, size = self.static, len(batch.query_lens), meta.seq_lens.shape[0]
-        bs = self.block_size
+        n, size = len(batch.query_lens), meta.seq_lens.shape[0]
+        bs, max_bs = self.block_size, self._host64.shape[1]
         starts = np.asarray(batch.starts, dtype=np.int64)
-        tables = np.full((size, st["block_tables"].shape[1]), self.num_blocks, dtype=np.int32)
+        h64, h32 = self._host64.numpy(), self._host32.numpy()
+        seq_lens, cu_k = h32[:max_bs], h32[max_bs:2 * max_bs + 1]
+        tables = h32[2 * max_bs + 1:].reshape(max_bs, -1)
+        tables[:size] = self.num_blocks  # padding rows and columns point at the scratch block
         for i, t in enumerate(batch.block_tables):
             tables[i, : len(t)] = t
-        slots = np.full(size, self.scratch_slot, dtype=np.int64)
-        slots[:n] = tables[np.arange(n), starts // bs].astype(np.int64) * bs + starts % bs
-        seq_lens = np.ones(size, dtype=np.int32)
-        seq_lens[:n] = starts + 1
-        ids = np.zeros(size, dtype=np.int64)
-        ids[:n] = batch.input_ids
-        pos = np.zeros(size, dtype=np.int64)
-        pos[:n] = starts
-        cu_k = np.zeros(size + 1, dtype=np.int32)
-        np.cumsum(seq_lens, out=cu_k[1:])
-        for name, value in (("input_ids", ids), ("positions", pos), ("slot_mapping", slots), ("seq_lens", seq_lens),
-                            ("cu_seqlens_k", cu_k), ("block_tables", tables)):
-            dst = st[name][: len(value)]
-            dst.copy_(torch.from_numpy(value).pin_memory(), non_blocking=True)
-        meta.query_lens_host, meta.seq_lens_host = [1] * size, seq_lens.tolist()
-        meta.max_seqlen_k = int(seq_lens.max())
+        h64[0, :n], h64[0, n:size] = batch.input_ids, 0
+        h64[1, :n], h64[1, n:size] = starts, 0
+        h64[2, :n] = tables[np.arange(n), starts // bs].astype(np.int64) * bs + starts % bs
+        h64[2, n:size] = self.scratch_slot
+        seq_lens[:n], seq_lens[n:size] = starts + 1, 1
+        np.cumsum(seq_lens[:size], out=cu_k[1:size + 1])
+        self._dev64.copy_(self._host64, non_blocking=True)
+        self._dev32.copy_(self._host32, non_blocking=True)
+        meta.query_lens_host, meta.seq_lens_host = [1] * size, seq_lens[:size].tolist()
+        meta.max_seqlen_k = int(seq_lens[:size].max())
         self.ctx.meta = meta
         self.ctx.decode.prepare(meta)
         graph.replay()

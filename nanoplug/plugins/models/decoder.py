@@ -4,6 +4,7 @@ q/k/v bias). Parameter names follow Hugging Face checkpoints, so the loader maps
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoplug.core.attention_layer import PagedAttention
-from nanoplug.core.interfaces import ModelArchitecture, ModelFacts, Target
+from nanoplug.core.interfaces import ModelArchitecture, Target
 
 
 class RMSNorm(nn.Module):
@@ -22,17 +23,30 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
+    fused = None  # set by compile_fused_ops: one compiled kernel for add + norm
+
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.fused is not None:
+            return self.fused(x, self.weight, self.eps) if residual is None else self.fused_add(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
 
 
 def rope_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -61,10 +75,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
+    fused = None  # set by compile_fused_ops
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return (self.fused or apply_rope)(positions, q, k, self.cos, self.sin)
+
+
+def apply_rope(positions, q, k, cos_table, sin_table):
+    cos = cos_table[positions].unsqueeze(1)
+    sin = sin_table[positions].unsqueeze(1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -104,9 +124,30 @@ class DecoderAttention(nn.Module):
 
 
 class SiluAndMul(nn.Module):
+    fused = None  # set by compile_fused_ops
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return (self.fused or silu_and_mul)(x)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def compile_fused_ops(model: nn.Module) -> None:
+    """torch.compile the small elementwise ops (add + RMSNorm, SiLU-and-mul, RoPE) into one kernel
+    each: on a GPU each eager op is a launch and a pass over memory. Dynamic shapes, so one compile
+    serves every batch; CUDA graphs capture the compiled kernels as they capture eager ones."""
+    compile_ = functools.partial(torch.compile, dynamic=True, fullgraph=True)
+    norm, add_norm, act, rope = compile_(rms_norm), compile_(add_rms_norm), compile_(silu_and_mul), compile_(apply_rope)
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            m.fused, m.fused_add = norm, add_norm
+        elif isinstance(m, SiluAndMul):
+            m.fused = act
+        elif isinstance(m, RotaryEmbedding):
+            m.fused = rope
 
 
 class DecoderMLP(nn.Module):
@@ -193,16 +234,5 @@ class DecoderForCausalLM(nn.Module, ModelArchitecture):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-
-def model_facts(hf_config: Any) -> ModelFacts:
-    """The numbers plugins judge a checkpoint by, read off a Hugging Face config."""
-    heads = hf_config.num_attention_heads
-    return ModelFacts(
-        architecture=(getattr(hf_config, "architectures", None) or ["?"])[0],
-        num_layers=hf_config.num_hidden_layers,
-        num_heads=heads,
-        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
-        hidden_size=hf_config.hidden_size,
-        vocab_size=hf_config.vocab_size,
-    )
+    def compile_fused_ops(self) -> None:
+        compile_fused_ops(self)

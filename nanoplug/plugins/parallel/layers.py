@@ -64,6 +64,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections fused into one matmul (gate and up)."""
 
     def __init__(self, group, in_features, output_sizes: list[int], bias=False):
+        for size in output_sizes:  # each part is split on its own, so each must divide (not just the sum)
+            _divide(size, group.world_size, "output features of each fused projection")
         self.output_sizes = output_sizes
         super().__init__(group, in_features, sum(output_sizes), bias)
 

@@ -7,6 +7,7 @@ import torch
 
 from nanoplug.core.hookspecs import hookimpl
 from nanoplug.core.interfaces import PLUGIN_API_VERSION, ParallelStrategy, ProcessGroup, Target
+from nanoplug.plugins.parallel.layers import Layers
 
 NANOPLUG_API_VERSION = PLUGIN_API_VERSION
 
@@ -22,6 +23,9 @@ class LocalGroup(ProcessGroup):
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         return x
+
+    def layers(self) -> Layers:
+        return Layers(self)
 
 
 class SingleDevice(ParallelStrategy):

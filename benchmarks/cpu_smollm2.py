@@ -1,0 +1,145 @@
+"""SmolLM2-135M decode throughput on CPU: nanoplug against transformers' `generate`, same run.
+
+Both engines get the same token-id prompts (lengths 32..64), greedy, eos ignored, float32.
+Decode tokens/s = batch * (new_tokens - 1) / (time(new_tokens) - time(1)): the prefill and the
+first token cost the same in both runs, so the difference is pure decode steps. The machine may
+be shared, so the two engines are measured alternately, best of `--repeats`.
+
+    python benchmarks/cpu_smollm2.py                  # batch 1 and 32, 64 new tokens
+    python benchmarks/cpu_smollm2.py --batch 32 --new-tokens 128 --attention sdpa
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+import torch
+
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+    "movable metal type, oil-based ink and a screw press into a system that could produce books quickly. "
+    "Before that, texts were copied by hand, which made them expensive and rare. Within a few decades, "
+    "printing shops had spread across Europe, and the number of books grew from thousands to millions. "
+    "Scholars could compare identical copies, news travelled faster, and literacy slowly rose. "
+    "Rivers shape the land they cross: they carve valleys, carry sediment to the sea and build deltas. "
+    "A recipe for bread needs only flour, water, salt and yeast, yet bakers argue about every step. "
+)
+
+
+def make_prompts(tokenizer, batch: int) -> list[list[int]]:
+    """`batch` different prompts of 32..64 tokens, cut from one text at different offsets."""
+    ids = tokenizer.encode(TEXT)
+    prompts = []
+    for i in range(batch):
+        length = 32 + (i * 13) % 33
+        start = (i * 7) % (len(ids) - length)
+        prompts.append(ids[start:start + length])
+    return prompts
+
+
+class Nanoplug:
+    name = "nanoplug"
+
+    def __init__(self, path: str, attention: str, kv_cache: str):
+        from nanoplug import LLM
+
+        self.llm = LLM(path, attention=attention, kv_cache=kv_cache, kv_block_size=16, max_model_len=512,
+                       cpu_kv_cache_gb=1.0, enable_prefix_caching=False)
+        self.label = f"nanoplug ({attention}, {kv_cache})"
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        from nanoplug import SamplingParams
+
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        return [o.token_ids for o in self.llm.generate(prompts, params, use_tqdm=False)]
+
+
+class Transformers:
+    label = "transformers generate"
+
+    def __init__(self, path: str):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        width = max(map(len, prompts))  # left padding, as batched generation needs
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        return out[:, width:].tolist()
+
+
+def timed(engine, prompts, new_tokens) -> tuple[float, list[list[int]]]:
+    start = time.perf_counter()
+    tokens = engine.generate(prompts, new_tokens)
+    return time.perf_counter() - start, tokens
+
+
+def measure(engines, prompts, new_tokens, repeats) -> dict[str, dict[str, float]]:
+    """Best-of-`repeats` times for 1 and `new_tokens` new tokens, engines interleaved."""
+    best = {e.label: {"first": float("inf"), "full": float("inf")} for e in engines}
+    outputs = {}
+    for engine in engines:  # warm-up: first-call allocations and oneDNN kernels selection
+        timed(engine, prompts, 2)
+    for _ in range(repeats):
+        for engine in engines:
+            t1, _ = timed(engine, prompts, 1)
+            tn, outputs[engine.label] = timed(engine, prompts, new_tokens)
+            best[engine.label]["first"] = min(best[engine.label]["first"], t1)
+            best[engine.label]["full"] = min(best[engine.label]["full"], tn)
+    batch = len(prompts)
+    for label, b in best.items():
+        b["decode_tps"] = batch * (new_tokens - 1) / max(b["full"] - b["first"], 1e-9)
+        b["total_tps"] = batch * new_tokens / b["full"]
+    ref = outputs[engines[-1].label]
+    for label, toks in outputs.items():
+        same = sum(a == b for x, y in zip(toks, ref) for a, b in zip(x, y))
+        best[label]["match"] = same / sum(map(len, ref))
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="checkpoint folder (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--attention", default="sdpa")
+    parser.add_argument("--kv-cache", default="torch")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.model is None:
+        from nanoplug.default_model import default_model_path
+
+        args.model = str(default_model_path())
+    from transformers import AutoTokenizer
+
+    import transformers
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    engines = [Nanoplug(args.model, args.attention, args.kv_cache), Transformers(args.model)]
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
+          f"({torch.get_num_threads()} threads), transformers {transformers.__version__}")
+    print(f"# greedy, eos ignored, float32, prompts of 32-64 tokens, {args.new_tokens} new tokens, "
+          f"best of {args.repeats}, engines measured alternately in one process")
+    print("| batch | engine | decode tok/s | end-to-end tok/s | speed-up (decode) | greedy tokens equal to transformers |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for batch in args.batch:
+        prompts = make_prompts(tokenizer, batch)
+        result = measure(engines, prompts, args.new_tokens, args.repeats)
+        ref = result[engines[-1].label]["decode_tps"]
+        for engine in engines:
+            r = result[engine.label]
+            print(f"| {batch} | {engine.label} | {r['decode_tps']:.1f} | {r['total_tps']:.1f} | "
+                  f"{r['decode_tps'] / ref:.2f}x | {100 * r['match']:.1f}% |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""`nanoplug plugins`: every plugin of every kind, where it comes from, and whether it can serve.
+
+Availability is judged against a default target (device auto, its dtype, no model) unless --model,
+--device or --dtype say otherwise, so a new user sees at a glance what "auto" would pick and why not
+the others. Broken third-party plugins are listed with their error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from nanoplug.core.registry import KIND_HOOKS, Registry
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("plugins", help="list every plugin of every kind: available or why not")
+    p.add_argument("--json", action="store_true", help="print the listing as JSON")
+    p.add_argument("--model", metavar="DIR", help="judge availability against this checkpoint folder")
+    p.add_argument("--device", default="auto", help="judge against this device (auto, cpu, cuda, cuda:N)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="judge against this dtype")
+    p.set_defaults(func=run)
+
+
+def build_target(model: str | None, device: str, dtype: str):
+    """The Target availability is judged against: the engine's own device and dtype rules."""
+    from nanoplug.core.config import EngineConfig
+    from nanoplug.core.engine import resolve_device, resolve_dtype
+    from nanoplug.core.interfaces import Target
+
+    config = EngineConfig(model=model or "", device=device, dtype=dtype)
+    hf_config, facts = None, None
+    if model:
+        from nanoplug.core.loader import load_hf_config
+        from nanoplug.core.interfaces import ModelFacts
+
+        hf_config = load_hf_config(config.model)
+        facts = ModelFacts.from_hf_config(hf_config)
+    torch_device = resolve_device(config.device)
+    return Target(config, torch_device, resolve_dtype(config.dtype, torch_device, hf_config), facts)
+
+
+def listing(registry: Registry, target) -> dict[str, Any]:
+    """The whole report as plain data: the --json output and the source of the table."""
+    kinds: dict[str, Any] = {}
+    for kind in KIND_HOOKS:
+        plugins = []
+        for name in registry.by_priority(kind):
+            entry = registry.entries[kind][name]
+            reasons = registry.reasons(kind, name, target)
+            cls = entry.cls
+            plugins.append({
+                "name": name,
+                "source": entry.source,
+                "available": not reasons,
+                "reasons": reasons,
+                "description": getattr(cls, "description", "") if cls is not None else "",
+                "priority": getattr(cls, "priority", None) if cls is not None else None,
+            })
+        if kind == "model":  # the engine picks the model plugin by the checkpoint's architecture
+            arch = target.model.architecture if target.model else None
+            auto = next((p["name"] for p in plugins if p["available"] and p["name"] == arch), None)
+        else:
+            auto = next((p["name"] for p in plugins if p["available"]), None)
+        kinds[kind] = {"auto": auto, "plugins": plugins}
+    return {
+        "target": {
+            "device": str(target.device),
+            "dtype": str(target.dtype).removeprefix("torch."),
+            "model": target.config.model or None,
+            "architecture": target.model.architecture if target.model else None,
+        },
+        "kinds": kinds,
+        "broken": [{"name": b.name, "source": b.source, "error": b.error} for b in registry.broken],
+    }
+
+
+def format_table(data: dict[str, Any]) -> str:
+    t = data["target"]
+    lines = [f"judged for device {t['device']}, dtype {t['dtype']}, model {t['model'] or '(none)'}"]
+    for kind, info in data["kinds"].items():
+        header = f"\n{kind}" + (f"  (auto picks {info['auto']})" if info["auto"] else "")
+        lines.append(header)
+        width = max((len(p["name"]) for p in info["plugins"]), default=0)
+        for p in info["plugins"]:
+            status = "available  " if p["available"] else "unavailable"
+            lines.append(f"  {p['name']:<{width}}  {status}  [{p['source']}]  {p['description']}".rstrip())
+            lines += [f"  {'':<{width}}    - {r}" for r in p["reasons"]]
+    if data["broken"]:
+        lines.append("\nbroken plugins (failed to load)")
+        lines += [f"  {b['name']}  [{b['source']}]  {b['error']}" for b in data["broken"]]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    try:
+        target = build_target(args.model, args.device, args.dtype)
+    except (ValidationError, RuntimeError) as exc:  # a bad --device/--dtype, or cuda asked on a CPU machine
+        print(f"nanoplug plugins: error: {exc}", file=sys.stderr)
+        return 2
+    data = listing(Registry(), target)
+    print(json.dumps(data, indent=2) if args.json else format_table(data))
+    return 0

@@ -1,0 +1,118 @@
+"""Attention `xformers`: `xformers.ops` memory-efficient attention.
+
+Prefill without cached context attends over the new K/V with a block-diagonal causal mask (one
+block per sequence). Decode, chunked prefill and prefix-cache hits read keys from the paged cache
+through xformers' paged mask (`PagedBlockDiagonalCausalWithOffsetPaddedKeysMask`); if no xformers
+operator on this GPU takes paged masks, the keys of each sequence are gathered from their pages
+and a bottom-right causal block-diagonal mask is used instead (same result, more copying).
+Masks hold host-side lengths, so decode does not run under CUDA graphs.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from nanoplug.core.hookspecs import hookimpl
+from nanoplug.core.interfaces import PLUGIN_API_VERSION, AttentionBackend, AttentionMetadata, Target
+
+NANOPLUG_API_VERSION = PLUGIN_API_VERSION
+log = logging.getLogger("nanoplug")
+
+
+@functools.lru_cache(maxsize=None)
+def load_xformers():
+    """(xformers.ops, attn_bias module) or (None, why). xformers 0.0.35 raises on import when
+    flash_attn.cute is importable (it takes it for FlashAttention-2): that is a reason, not a crash."""
+    try:
+        import xformers.ops as xops
+        from xformers.ops.fmha import attn_bias
+    except Exception as exc:
+        return None, f"xformers does not import ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    return (xops, attn_bias), None
+
+
+class XformersAttention(AttentionBackend):
+    description = "xformers memory-efficient attention (block-diagonal and paged masks)"
+    priority = 80
+
+    @classmethod
+    def unavailable(cls, target: Target) -> list[str]:
+        if target.device.type != "cuda":
+            return [f"needs CUDA (device is {target.device.type}); use attention='sdpa' or 'manual' on CPU"]
+        reasons = []
+        if target.dtype not in (torch.float16, torch.bfloat16):
+            reasons.append(f"needs dtype float16 or bfloat16 (got {str(target.dtype).removeprefix('torch.')}); "
+                           "pass dtype='bfloat16'")
+        lib, why = load_xformers()
+        if lib is None:
+            reasons.append(f"{why}; pip install xformers (a build matching this torch), and if flash_attn.cute "
+                           "(flash-attn-4) is installed, run xformers in a process where it is not importable")
+        return reasons
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        (self.xops, self.bias_mod), _ = load_xformers()
+        self.use_paged = True  # turned off once if no operator takes paged masks here
+        self.group = spec.num_heads // spec.num_kv_heads
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        self.meta = meta
+        b = self.bias_mod
+        q_lens, seq_lens = meta.query_lens_host, meta.seq_lens_host
+        if meta.is_prefill and not meta.has_cached_context:
+            self.bias = b.BlockDiagonalCausalMask.from_seqlens(q_lens, device=meta.slot_mapping.device)
+            self.mode = "fresh"
+        elif self.use_paged:
+            tables = meta.block_tables.clamp(min=0)
+            self.bias = b.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(
+                q_seqlen=q_lens, kv_seqlen=seq_lens, block_tables=tables, page_size=self.spec.block_size,
+                device=meta.slot_mapping.device)
+            self.mode = "paged"
+        else:
+            self._prepare_gather(meta)
+
+    def _prepare_gather(self, meta: AttentionMetadata) -> None:
+        """Flat indices of every context token of every sequence in the flattened cache."""
+        bs, dev = self.spec.block_size, meta.slot_mapping.device
+        seq_lens = meta.seq_lens.long()
+        seq_idx = torch.repeat_interleave(torch.arange(len(meta.seq_lens_host), device=dev), seq_lens)
+        pos = torch.arange(seq_idx.numel(), device=dev) - meta.cu_seqlens_k[:-1].long()[seq_idx]
+        self.gather_idx = meta.block_tables.long()[seq_idx, pos // bs] * bs + pos % bs
+        self.bias = self.bias_mod.BlockDiagonalCausalFromBottomRightMask.from_seqlens(
+            meta.query_lens_host, meta.seq_lens_host, device=dev)
+        self.mode = "gather"
+
+    def _grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, Hkv, D] -> [1, T, Hkv, group, D], xformers' grouped-query layout (a view)."""
+        t, hkv, d = x.shape
+        return x.view(1, t, hkv, 1, d).expand(1, t, hkv, self.group, d)
+
+    def forward(self, q, k, v, k_cache, v_cache):
+        n, h, d = q.shape
+        qg = q.view(1, n, self.spec.num_kv_heads, self.group, d)
+        if self.mode == "fresh":
+            keys, values = self._grouped(k), self._grouped(v)
+        elif self.mode == "paged":
+            keys, values = self._grouped(k_cache.view(-1, *k_cache.shape[2:])), self._grouped(v_cache.view(-1, *v_cache.shape[2:]))
+        else:
+            flat_k, flat_v = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
+            keys, values = self._grouped(flat_k[self.gather_idx]), self._grouped(flat_v[self.gather_idx])
+        try:
+            out = self.xops.memory_efficient_attention_forward(qg, keys, values, attn_bias=self.bias,
+                                                               scale=self.spec.scale)
+        except (NotImplementedError, ValueError) as exc:
+            if self.mode != "paged":
+                raise
+            log.warning("xformers: no operator takes paged masks here (%s); gathering keys instead",
+                        str(exc).splitlines()[0])
+            self.use_paged = False
+            self._prepare_gather(self.meta)
+            return self.forward(q, k, v, k_cache, v_cache)
+        return out.reshape(n, h, d)
+
+
+@hookimpl
+def nanoplug_register_attention(register) -> None:
+    register.add("xformers", XformersAttention)

@@ -1,0 +1,92 @@
+"""Tiny random checkpoints and the transformers references the engine tests compare against.
+
+Each checkpoint is written once per test process (into one temporary folder removed at exit), so
+every test module can ask for the same ones without paying for `save_pretrained` twice.
+"""
+from __future__ import annotations
+
+import atexit
+import shutil
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from nanoplug.checkpoints import write_random_checkpoint
+
+# name -> (architecture, shape overrides of nanoplug.checkpoints.TINY_SHAPE)
+CHECKPOINTS = {
+    "qwen3": ("Qwen3ForCausalLM", dict(tie_word_embeddings=False)),  # GQA: 4 heads over 2 KV heads
+    "qwen3_tied": ("Qwen3ForCausalLM", dict(tie_word_embeddings=True, seed=1)),
+    "qwen2": ("Qwen2ForCausalLM", dict(tie_word_embeddings=False, seed=2)),  # q/k/v bias, no q/k norm
+    "qwen2_tied": ("Qwen2ForCausalLM", dict(tie_word_embeddings=True, num_key_value_heads=1, seed=3)),
+}
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "Once upon a time, in a land far away, there lived a dragon who loved to read books about the sea.",
+    "1, 2, 3, 4,",
+]
+
+
+@lru_cache(maxsize=None)
+def _root() -> Path:
+    root = Path(tempfile.mkdtemp(prefix="nanoplug-tests-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
+
+
+@lru_cache(maxsize=None)
+def checkpoint(name: str = "qwen3") -> str:
+    """The folder of a tiny random checkpoint (see CHECKPOINTS), written on first use."""
+    architecture, shape = CHECKPOINTS[name]
+    shape = dict(shape)
+    seed = shape.pop("seed", 0)
+    return str(write_random_checkpoint(_root() / name, architecture, seed=seed, **shape))
+
+
+def scratch_dir(name: str) -> Path:
+    """A fresh folder under the session's temporary root, for tests that write their own files."""
+    folder = _root() / name
+    folder.mkdir(parents=True, exist_ok=False)
+    return folder
+
+
+@lru_cache(maxsize=None)
+def hf_model(name: str = "qwen3"):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(checkpoint(name), dtype=torch.float32).eval()
+
+
+@lru_cache(maxsize=None)
+def tokenizer(name: str = "qwen3"):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(checkpoint(name))
+
+
+def prompt_ids(name: str = "qwen3", prompts: list[str] = PROMPTS) -> list[list[int]]:
+    return [tokenizer(name).encode(p) for p in prompts]
+
+
+@torch.no_grad()
+def hf_greedy(name: str, ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy `generate` for one prompt (no padding, so nothing blurs the tokens)."""
+    model = hf_model(name)
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@torch.no_grad()
+def hf_logits(name: str, ids: list[int]) -> torch.Tensor:
+    """transformers' logits at every position of `ids`: [len(ids), vocab]."""
+    return hf_model(name)(torch.tensor([ids])).logits[0].float()
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest absolute difference relative to the largest reference magnitude."""
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-12))

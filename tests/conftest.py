@@ -1,0 +1,12 @@
+"""Fixtures shared by the test files: tiny seeded checkpoints written once per session."""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory):
+    """A tiny random Qwen3 checkpoint (2 layers, head size 16, GQA 4:2) with the real Qwen3 tokenizer."""
+    from nanoplug.checkpoints import write_random_checkpoint
+
+    return write_random_checkpoint(tmp_path_factory.mktemp("checkpoints") / "qwen3")

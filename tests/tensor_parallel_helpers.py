@@ -1,0 +1,102 @@
+"""Helpers for tests/test_tensor_parallel.py that must be importable in worker processes, and the
+script each torchrun rank runs (`python -m torch.distributed.run ... tensor_parallel_helpers.py CKPT OUT`).
+
+The faulty models are ordinary model plugins (registered under the Qwen3 architecture name in a
+test's own Registry) that fail on rank 1 only, the way a real rank-local fault would.
+"""
+from __future__ import annotations
+
+import sys
+
+from nanoplug import hookimpl
+from nanoplug.core.interfaces import PLUGIN_API_VERSION
+from nanoplug.plugins.models.qwen3 import Qwen3ForCausalLM
+
+FAIL_TOKEN = 4242  # a prompt holding this token id makes rank 1 fail in that step
+PROMPT_PREFIX = "A shared system prompt that every request starts with, long enough to fill two KV blocks: "
+PROMPTS = [PROMPT_PREFIX + "what is one plus one?", PROMPT_PREFIX + "name a colour.", "Hello"]
+ENGINE_OPTIONS = dict(
+    device="cpu", dtype="float32", attention="manual", kv_cache="torch", kv_block_size=16, num_kv_blocks=96,
+    max_model_len=256, max_num_batched_tokens=24,  # prompts are longer: prefill is chunked
+    enable_prefix_caching=True,
+)
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+class FailsToLoadOnRank1(Qwen3ForCausalLM):
+    def __init__(self, hf_config, layers, *args, **kwargs):
+        if layers.group.rank == 1:
+            raise InjectedFault("injected fault while building the model on rank 1")
+        super().__init__(hf_config, layers, *args, **kwargs)
+
+
+class FailsInStepOnRank1(Qwen3ForCausalLM):
+    def __init__(self, hf_config, layers, *args, **kwargs):
+        super().__init__(hf_config, layers, *args, **kwargs)
+        self.rank = layers.group.rank
+
+    def forward(self, input_ids, positions):
+        if self.rank == 1 and bool((input_ids == FAIL_TOKEN).any()):
+            raise InjectedFault("injected fault in a step on rank 1")
+        return super().forward(input_ids, positions)
+
+
+class ModelPlugin:
+    """A plugin object registering `cls` as the Qwen3 architecture."""
+
+    NANOPLUG_API_VERSION = PLUGIN_API_VERSION
+
+    def __init__(self, cls):
+        self.cls = cls
+
+    @hookimpl
+    def nanoplug_register_model(self, register) -> None:
+        register.add("Qwen3ForCausalLM", self.cls)
+
+
+def generate_twice(llm):
+    """Greedy outputs of PROMPTS, then again (the second round hits the prefix cache)."""
+    from nanoplug import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=6, output_logits=True, ignore_eos=True)
+    return [llm.generate(PROMPTS, params, use_tqdm=False) for _ in range(2)]
+
+
+def torchrun_rank(checkpoint: str, out_dir: str) -> None:
+    """What each torchrun process runs: the same engine and requests; saves what generate returned."""
+    import os
+
+    import torch
+
+    from nanoplug import LLM
+
+    llm = LLM(checkpoint, parallel="auto", tensor_parallel_size=2, **ENGINE_OPTIONS)
+    rounds = generate_twice(llm)
+    chosen = llm.choices["parallel"].name
+    llm.close()
+    saved = [[(o.token_ids, o.logits, o.num_cached_tokens) for o in outs] for outs in rounds]
+    torch.save({"parallel": chosen, "rounds": saved}, os.path.join(out_dir, f"rank{os.environ['RANK']}.pt"))
+
+
+def hold_engine(checkpoint: str) -> None:
+    """Start a tp=2 engine, print its worker pids, then keep generating until killed or interrupted."""
+    from nanoplug import LLM, SamplingParams
+
+    llm = LLM(checkpoint, parallel="tensor", tensor_parallel_size=2, **ENGINE_OPTIONS)
+    print("PIDS", *llm.executor.worker_pids, flush=True)
+    try:
+        while True:
+            llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+    except KeyboardInterrupt:
+        print("INTERRUPTED", flush=True)
+        raise
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "hold":
+        hold_engine(sys.argv[2])
+    else:
+        torchrun_rank(sys.argv[1], sys.argv[2])

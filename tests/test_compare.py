@@ -1,0 +1,68 @@
+"""Fast paths against the plain ones on identical inputs (`nanoplug compare`'s scenario): the CPU
+subset. Attention `sdpa` against `manual`, and the `triton` KV store (through the Triton interpreter)
+against `torch`, in prefill, decode, prefix-cache hits and chunked prefill. tests/gpu/ runs every
+backend on CUDA in bf16."""
+from __future__ import annotations
+
+import importlib
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before any triton kernel is defined: the CPU runs Triton kernels
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from nanoplug.checkpoints import write_random_checkpoint  # noqa: E402
+from nanoplug.cli import compare  # noqa: E402
+
+import nanoplug.plugins.cache.triton as triton_store  # noqa: E402
+
+importlib.reload(triton_store)
+CASES = ("prefill", "decode", "prefix-hit", "chunked", "decode-mixed")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory):
+    return str(write_random_checkpoint(tmp_path_factory.mktemp("compare") / "q3"))
+
+
+@pytest.fixture(scope="session")
+def manual_outcome(tiny_qwen3):
+    outcome = compare.run_backend(tiny_qwen3, "manual", device="cpu", dtype="float32", block_size=16)
+    assert outcome.error is None
+    return outcome
+
+
+def test_scenario_really_hits_the_cache():
+    """The prefix step reuses seq 0's blocks and starts after them; chunks continue their sequence."""
+    state = compare.ScenarioState(16, 1000)
+    batches = [state.batch(step) for step in state.steps]
+    prefix = batches[3]
+    assert prefix.starts == [32, 0] and prefix.block_tables[0][:2] == batches[0].block_tables[0][:2]
+    assert prefix.input_ids[:5] == state.tokens[3][32:37]
+    assert batches[5].starts == [16 + 3]
+    assert [b.is_prefill for b in batches] == [True, False, False, True, True, True, False]
+
+
+@pytest.mark.parametrize("kind,name,options", [
+    ("attention", "sdpa", {}),
+    ("kv_cache", "triton", {"attention": "manual"}),
+    ("kv_cache", "triton", {"attention": "sdpa"}),
+])
+def test_backend_matches_reference(tiny_qwen3, manual_outcome, kind, name, options):
+    outcome = compare.run_backend(tiny_qwen3, name, kind, device="cpu", dtype="float32", block_size=16, **options)
+    assert outcome.error is None, outcome.error
+    diffs = compare.differences(outcome, manual_outcome)
+    assert set(diffs) == set(CASES)
+    for case, (abs_diff, rel_diff) in diffs.items():
+        assert rel_diff < 1e-5 and abs_diff < 1e-4, (case, abs_diff, rel_diff)
+
+
+def test_cli_table_names_reasons(tiny_qwen3, capsys):
+    parser = __import__("nanoplug.cli", fromlist=["build_parser"]).build_parser()
+    args = parser.parse_args(["compare", "--attention", "sdpa,flash,manual", "--model", tiny_qwen3,
+                              "--device", "cpu", "--dtype", "float32", "--kv-block-size", "16"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "sdpa       decode" in out and "flash      cannot serve" in out and "needs CUDA" in out
+    assert torch.isfinite(torch.tensor([float(line.split()[2]) for line in out.splitlines() if line.startswith("sdpa")])).all()

@@ -1,0 +1,97 @@
+"""EngineConfig and SamplingParams: wrong values fail naming the field and the rule; LLM options are checked."""
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from nanoplug import LLM, AdapterSpec, EngineConfig, SamplingParams
+
+
+def assert_rejected(model_cls, field: str, rule: str, **values):
+    with pytest.raises(ValidationError) as err:
+        model_cls(**values)
+    (error,) = err.value.errors()
+    assert ".".join(map(str, error["loc"])) == field
+    assert rule in error["msg"]
+    assert field.split(".")[0] in str(err.value)  # the printed message names the field too
+
+
+@pytest.mark.parametrize("field, value, rule", [
+    ("dtype", "float64", "'auto', 'float32', 'float16' or 'bfloat16'"),
+    ("device", "gpu", "device must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
+    ("device", "cuda:x", "device must be"),
+    ("attention", "", "at least 1 character"),
+    ("kv_cache", "my cache", "should match pattern"),
+    ("tensor_parallel_size", 0, "greater than or equal to 1"),
+    ("max_model_len", 0, "greater than or equal to 1"),
+    ("max_num_seqs", -1, "greater than or equal to 1"),
+    ("max_num_batched_tokens", 0, "greater than or equal to 1"),
+    ("kv_block_size", 24, "kv_block_size must be a power of two"),
+    ("kv_block_size", 0, "greater than or equal to 1"),
+    ("gpu_memory_utilization", 1.5, "less than or equal to 1"),
+    ("gpu_memory_utilization", 0, "greater than 0"),
+    ("cpu_kv_cache_gb", float("inf"), "finite number"),
+    ("enforce_eager", "maybe", "valid boolean"),
+    ("seed", 1.5, "valid integer"),
+    ("no_such_option", 1, "Extra inputs are not permitted"),
+])
+def test_engine_config_rejects_wrong_values_naming_field_and_rule(field, value, rule):
+    assert_rejected(EngineConfig, field, rule, model="m", **{field: value})
+
+
+def test_engine_config_defaults_and_conversions():
+    cfg = EngineConfig(model="m", dtype=torch.bfloat16, device=torch.device("cpu"), adapters="/lora")
+    assert (cfg.dtype, cfg.device, cfg.attention, cfg.kv_cache, cfg.parallel) == ("bfloat16", "cpu", "auto", "auto", "auto")
+    assert cfg.adapters == [AdapterSpec(kind="lora", path="/lora")]
+    assert EngineConfig(model="m", device="cuda:1").device == "cuda:1"
+
+
+def test_engine_config_checks_assignments_too():
+    cfg = EngineConfig(model="m")
+    with pytest.raises(ValidationError, match="max_num_seqs"):
+        cfg.max_num_seqs = 0
+
+
+def test_adapter_spec_rules():
+    assert_rejected(AdapterSpec, "path", "at least 1 character", path="")
+    assert_rejected(AdapterSpec, "scale", "finite number", path="p", scale=float("nan"))
+    assert_rejected(EngineConfig, "adapters.0.bogus", "Extra inputs", model="m", adapters=[{"path": "p", "bogus": 1}])
+
+
+@pytest.mark.parametrize("field, value, rule", [
+    ("temperature", -0.1, "greater than or equal to 0"),
+    ("temperature", float("nan"), "finite number"),
+    ("top_k", -1, "greater than or equal to 0"),
+    ("top_p", 0, "greater than 0"),
+    ("top_p", 1.1, "less than or equal to 1"),
+    ("min_p", 2, "less than or equal to 1"),
+    ("max_tokens", 0, "greater than or equal to 1"),
+    ("stop", [""], "stop strings must not be empty"),
+    ("stop_token_ids.0", [-3], "greater than or equal to 0"),
+    ("seed", "abc", "valid integer"),
+    ("temprature", 0.5, "Extra inputs are not permitted"),
+])
+def test_sampling_params_reject_wrong_values_naming_field_and_rule(field, value, rule):
+    assert_rejected(SamplingParams, field, rule, **{field.split(".")[0]: value})
+
+
+def test_sampling_params_defaults_and_conversions():
+    assert SamplingParams(temperature=0).greedy and not SamplingParams().greedy
+    assert SamplingParams(stop="END").stop == ["END"]
+    with pytest.raises(ValidationError, match="frozen"):
+        SamplingParams().max_tokens = 3
+
+
+def test_llm_rejects_unknown_options_by_name(qwen3_dir):
+    with pytest.raises(TypeError) as err:
+        LLM(str(qwen3_dir), attenton="manual", max_tokens=5)
+    msg = str(err.value)
+    assert "unknown option(s) 'attenton', 'max_tokens' for LLM" in msg
+    assert "valid options:" in msg and "attention" in msg and "kv_block_size" in msg
+
+
+def test_llm_rejects_wrong_values_before_loading(qwen3_dir):
+    with pytest.raises(ValidationError) as err:
+        LLM(str(qwen3_dir), max_num_seqs=0)
+    assert "max_num_seqs" in str(err.value) and "greater than or equal to 1" in str(err.value)

@@ -1,0 +1,106 @@
+"""The example third-party plugin: `pip install` is the whole integration.
+
+The package in examples/nanoplug-example-plugin is pip-installed (from a copy, so the source tree
+stays clean) into this environment, found through a fresh Registry's entry points, and its `chunked`
+attention must generate what the `manual` oracle generates.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanoplug import LLM, EngineConfig, SamplingParams
+from nanoplug.core.interfaces import Target
+from nanoplug.core.registry import Registry
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "nanoplug-example-plugin"
+DIST = "nanoplug-example-plugin"
+
+
+def pip(*args: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"pip {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}"
+
+
+def installed() -> bool:
+    try:
+        importlib.metadata.distribution(DIST)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def example_plugin(tmp_path_factory):
+    """Install the example package (non-editable, so this very process can import it); remove it after."""
+    was_installed = installed()
+    source = shutil.copytree(EXAMPLE, tmp_path_factory.mktemp("example_src") / "pkg",
+                             ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    pip("install", "--no-deps", "--no-build-isolation", "--no-index", "--quiet", str(source))
+    importlib.invalidate_caches()
+    yield importlib.metadata.distribution(DIST)
+    if not was_installed:
+        pip("uninstall", "--yes", "--quiet", DIST)
+    for name in [m for m in sys.modules if m.startswith("nanoplug_example_plugin")]:
+        del sys.modules[name]
+
+
+def test_entry_point_discovery(example_plugin):
+    reg = Registry(load_entry_points=True)
+    assert reg.broken == []
+    entry = reg.entries["attention"]["chunked"]
+    assert entry.source == f"{DIST} {example_plugin.version}" == f"{DIST} 0.1.0"
+    cls = reg.get("attention", "chunked")
+    assert cls.__module__ == "nanoplug_example_plugin.chunked"
+    assert EXAMPLE not in Path(sys.modules[cls.__module__].__file__).parents  # the installed copy, not the source
+    from nanoplug.core.interfaces import AttentionBackend
+
+    assert issubclass(cls, AttentionBackend) and cls.description
+
+
+def test_availability_and_auto(example_plugin):
+    reg = Registry(load_entry_points=True)
+    config = EngineConfig(model="unused", device="cpu")
+    assert reg.reasons("attention", "chunked", Target(config, torch.device("cpu"), torch.float32)) == []
+    reasons = reg.reasons("attention", "chunked", Target(config, torch.device("cpu"), torch.float64))
+    assert reasons == ["dtype torch.float64 unsupported; use float32, float16 or bfloat16"]
+    assert reg.resolve("attention", "auto", Target(config, torch.device("cpu"), torch.float32)).name != "chunked"
+
+
+def test_cli_lists_it_with_its_distribution(example_plugin):
+    result = subprocess.run([sys.executable, "-m", "nanoplug", "plugins", "--json"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    plugins = json.loads(result.stdout)["kinds"]["attention"]["plugins"]
+    chunked = next(p for p in plugins if p["name"] == "chunked")
+    assert chunked["source"] == f"{DIST} 0.1.0" and chunked["available"] and chunked["priority"] == -10
+
+
+def test_generates_what_manual_generates(example_plugin, qwen3_dir):
+    """Prefill in chunks (max_num_batched_tokens 16), decode, and a prefix-cache hit on the second round."""
+    reg = Registry(load_entry_points=True)
+    prompts = ["The quick brown fox jumps over the lazy dog, and then it runs far away into the forest",
+               "Hello", "The quick brown fox jumps over the lazy dog, and then it sleeps"]
+    params = SamplingParams(temperature=0, max_tokens=5, output_logits=True)
+    results = {}
+    for attention in ("manual", "chunked"):
+        llm = LLM(str(qwen3_dir), registry=reg, attention=attention, kv_cache="torch", kv_block_size=16,
+                  max_model_len=128, num_kv_blocks=32, max_num_batched_tokens=16)
+        first = llm.generate(prompts, params, use_tqdm=False)
+        second = llm.generate(prompts[:1], params, use_tqdm=False)
+        assert second[0].num_cached_tokens > 0
+        assert llm.choices["attention"].name == attention
+        results[attention] = first + second
+        llm.close()
+    for ours, oracle in zip(results["chunked"], results["manual"]):
+        assert ours.token_ids == oracle.token_ids
+        for a, b in zip(ours.logits, oracle.logits):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
