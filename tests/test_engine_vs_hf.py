@@ -142,6 +142,15 @@ def test_preemption_with_sampling_keeps_seeded_outputs():
     assert all(len(o.token_ids) == 20 for o in tight)
 
 
+@pytest.mark.parametrize("attention", ["manual", "sdpa"])
+def test_garbage_in_a_fresh_kv_cache_never_reaches_the_output(attention):
+    """A CPU cache starts as uninitialized memory: NaN there must not leak through padded reads."""
+    llm = engine(attention=attention, max_num_batched_tokens=20)
+    llm.executor.worker.kv_cache.fill_(float("nan"))
+    prompts = cache_prompts()
+    assert tokens_of(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference("qwen3", GREEDY.max_tokens, "cache")
+
+
 # ---------------------------------------------------------------------------- triton KV store
 TRITON_SCRIPT = """
 import json, sys

@@ -227,7 +227,7 @@ def test_adapter_of_other_shapes_is_refused():
 
 def test_target_module_the_model_lacks_is_refused():
     def extra_layer(tensors):
-        extra = {k.replace("layers.1.", "layers.7."): v for k, v in tensors.items() if "layers.1.self_attn.q_proj" in k}
+        extra = {k.replace("layers.1.", "layers.7."): v.clone() for k, v in tensors.items() if "layers.1.self_attn.q_proj" in k}
         return {**tensors, **extra}
 
     lora = edited_copy(peft_lora("qwen3", seed=1), "lora-extra-layer", edit_tensors=extra_layer)
@@ -265,3 +265,20 @@ def test_missing_adapter_files_are_named():
     (Path(no_weights) / "adapter_config.json").unlink()
     with pytest.raises(ModelLoadError, match="adapter_config.json' is missing"):
         engine("qwen3", adapters=[no_weights])
+
+
+# -------------------------------------------------------------------------------------- CLI
+def test_cli_generate_merges_each_lora_flag_in_order(capsys):
+    from nanoplug.cli import main
+
+    first, second = peft_lora("qwen3", seed=1), peft_lora("qwen3", seed=6, r=4, alpha=8)
+    prompt = PROMPTS[0]
+    argv = ["generate", "--model", base("qwen3"), "--device", "cpu", "--max-model-len", "256", "-n", str(STEPS)]
+    assert main(argv + ["--lora", first, "--lora", second, prompt]) == 0
+    printed = capsys.readouterr().out
+    llm = engine("qwen3", adapters=[first, second])
+    want = "".join(d.text for d in llm.stream(prompt, SamplingParams(temperature=0, max_tokens=STEPS)))
+    assert printed == want + "\n"
+    assert want != "".join(d.text for d in engine("qwen3").stream(prompt, SamplingParams(temperature=0, max_tokens=STEPS)))
+    assert main(argv + ["--lora", "/nonexistent/adapter", prompt]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -35,6 +35,9 @@ class BlockManager:
         self.tokens: list[list[int] | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
         self.free_ids: deque[int] = deque(range(num_blocks))
+        # a block's memory is cleared the first time it is handed out (see take_new_blocks)
+        self.never_used = bytearray(b"\x01") * num_blocks
+        self.new_blocks: list[int] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -89,7 +92,19 @@ class BlockManager:
                 del self.hash_to_block[self.hashes[b]]
             self.hashes[b], self.tokens[b] = -1, None
         self.ref_counts[b] = 1
+        if self.never_used[b]:
+            self.never_used[b] = 0
+            self.new_blocks.append(b)
         return b
+
+    def take_new_blocks(self) -> list[int]:
+        """Blocks handed out for the first time since the last call: the runner clears them before use.
+
+        A fresh CPU cache is uninitialized memory, and backends that read a whole padded block (sdpa)
+        would turn NaN garbage past a sequence's end into NaN outputs (0 * NaN). Clearing each block
+        once, when first used, costs nothing per step and commits no memory the run never touches."""
+        new, self.new_blocks = self.new_blocks, []
+        return new
 
     def free(self, seq: Sequence) -> None:
         for b in reversed(seq.block_table):

@@ -29,6 +29,14 @@ class IncrementalDetokenizer:
             self.text += full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
 
+    def flush(self) -> None:
+        """The request ended: keep even an incomplete character, as a full decode would show it."""
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        full = decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
+        self.text += full[len(prefix):]
+        self.prefix_offset = self.read_offset = len(self.ids)
+
     def find_stop(self) -> int | None:
         """Index where the first stop string starts in the text, if one appeared."""
         search_from = max(0, self.emitted - self.holdback - 1)

@@ -84,8 +84,9 @@ class LLM:
         self.hf_config = load_hf_config(config.model)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
-        self.facts = ModelFacts.from_hf_config(self.hf_config)
         self.config = config
+        self._check_architecture()
+        self.facts = ModelFacts.from_hf_config(self.hf_config)
         # per-request adapters (merge=False), by the name requests give: ids 1..K in config order, 0 = none
         self.request_adapter_ids = {spec.label: i for i, spec in enumerate((s for s in config.adapters if not s.merge), 1)}
         self.choices = self._resolve_plugins()
@@ -111,15 +112,19 @@ class LLM:
         self.scheduler = Scheduler(config, BlockManager(num_blocks, config.kv_block_size, config.enable_prefix_caching))
 
     # --------------------------------------------------------------------------- start-up
+    def _check_architecture(self) -> None:
+        """Name the supported architectures before reading fields an unknown config may not have."""
+        arch = (getattr(self.hf_config, "architectures", None) or ["?"])[0]
+        if arch not in self.registry.entries["model"]:
+            raise ModelLoadError(
+                f"architecture {arch!r} of {self.config.model!r} is not supported; supported architectures: "
+                + ", ".join(self.registry.names("model"))
+            )
+
     def _resolve_plugins(self) -> dict[str, Any]:
         cfg, reg = self.config, self.registry
         target = Target(cfg, self.device, self.dtype, self.facts)
         arch = self.facts.architecture
-        if arch not in reg.entries["model"]:
-            raise ModelLoadError(
-                f"architecture {arch!r} of {cfg.model!r} is not supported; supported architectures: "
-                + ", ".join(reg.names("model"))
-            )
         choices: dict[str, Any] = {
             "model": reg.resolve("model", arch, target),
             "attention": reg.resolve("attention", cfg.attention, target),
@@ -168,10 +173,12 @@ class LLM:
         return ids
 
     # ---------------------------------------------------------------------------- requests
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+    def _tokenize(self, index: int, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
-        return [int(t) for t in prompt]
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return [int(t) for t in prompt]
+        raise RequestError(f"prompt {index} is a {type(prompt).__name__}; give a string or a list of token ids (ints)")
 
     def _make_sequences(self, prompts: Seq[str | list[int]], params: Any) -> list[Sequence]:
         """Tokenize and check every prompt before any is queued: bad input never costs others their work."""
@@ -187,7 +194,7 @@ class LLM:
         limit = self.config.max_model_len
         seqs = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
-            ids = self._tokenize(prompt)
+            ids = self._tokenize(i, prompt)
             if not ids:
                 raise RequestError(f"prompt {i} is empty; give it at least one token")
             if len(ids) >= limit:
@@ -222,7 +229,10 @@ class LLM:
         for i, item in enumerate(batch):
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start:start + n])
+            if n == 1:  # decode: no slice
+                input_ids.append(seq.token_ids[start])
+            else:
+                input_ids.extend(seq.token_ids[start:start + n])
             starts.append(start)
             q_lens.append(n)
             tables.append(seq.block_table)
@@ -239,7 +249,8 @@ class LLM:
                 seeds.append(p.seed)
                 positions.append(len(seq))
         sampling = SamplingBatch(temps, top_ks, top_ps, min_ps, seeds, positions)
-        return StepBatch(is_prefill, input_ids, starts, q_lens, tables, rows, sampling, logits_rows, adapter_ids)
+        return StepBatch(is_prefill, input_ids, starts, q_lens, tables, rows, sampling, logits_rows, adapter_ids,
+                         new_blocks=self.scheduler.blocks.take_new_blocks())
 
     def step(self) -> list[tuple[Sequence, list[int]]]:
         """Run one step; returns each sampled sequence with the tokens it gained."""
@@ -251,11 +262,12 @@ class LLM:
         self.scheduler.step_done(batch)
         self.last_step = (is_prefill, sum(step.query_lens), len(batch))
         out = []
+        logits_of = dict(zip(step.logits_rows, logits))
         for k, (row, token) in enumerate(zip(step.sample_rows, tokens)):
             seq = batch[row].seq
             seq.token_ids.append(token)
-            if k in step.logits_rows:
-                seq.logits.append(logits[step.logits_rows.index(k)])
+            if k in logits_of:
+                seq.logits.append(logits_of[k])
             self._check_finish(seq)
             out.append((seq, [token]))
         return out
@@ -273,6 +285,8 @@ class LLM:
                 reason = "stop"
         if reason is None and (seq.num_completion_tokens >= p.max_tokens or len(seq) >= self.config.max_model_len):
             reason = "length"
+            if seq.detok is not None:
+                seq.detok.flush()
         if reason is not None:
             seq.finish_reason = reason
             self.scheduler.finish(seq)
@@ -281,7 +295,7 @@ class LLM:
         if seq.detok is not None and seq.params.stop:
             return seq.detok.text
         ids = seq.completion_token_ids
-        if seq.finish_reason == "stop" and ids and ids[-1] in self.eos_token_ids:
+        if seq.finish_reason == "stop" and ids and (ids[-1] in self.eos_token_ids or ids[-1] in seq.params.stop_token_ids):
             ids = ids[:-1]
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
@@ -312,6 +326,9 @@ class LLM:
         finally:
             if bar:
                 bar.close()
+            for seq in seqs:  # only when interrupted: its requests must not run on in later calls
+                if seq.status is not Status.FINISHED:
+                    self.scheduler.abort(seq)
         return [self._output(seq) for seq in seqs]
 
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
@@ -320,18 +337,21 @@ class LLM:
         if seq.detok is None:
             seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, [])
         self.scheduler.add(seq)
+        sent = 0
         try:
-            while seq.status is not Status.FINISHED:
-                for s, tokens in self.step():
-                    if s is seq:
-                        finished = s.status is Status.FINISHED
-                        yield StreamDelta(s.detok.take(final=finished), tokens, finished, s.finish_reason)
+            while True:
+                if seq.status is not Status.FINISHED:
+                    self.step()
+                finished = seq.status is Status.FINISHED
+                tokens = seq.completion_token_ids[sent:]
+                if tokens or finished:
+                    sent += len(tokens)
+                    yield StreamDelta(seq.detok.take(final=finished), tokens, finished, seq.finish_reason)
+                if finished:
+                    return
         finally:
             if seq.status is not Status.FINISHED:  # the caller stopped early: free its blocks
-                if seq in self.scheduler.running:
-                    self.scheduler.finish(seq)
-                elif seq in self.scheduler.waiting:
-                    self.scheduler.waiting.remove(seq)
+                self.scheduler.abort(seq)
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
@@ -388,16 +408,18 @@ class _Progress:
         from tqdm.auto import tqdm
 
         self.bar = tqdm(total=total, desc="Generating", dynamic_ncols=True)
-        self.prefill = self.decode = 0.0
+        self.tokens = {True: 0, False: 0}  # is_prefill -> tokens computed
+        self.seconds = {True: 0.0, False: 0.0}
+
+    def rate(self, prefill: bool) -> float:
+        return self.tokens[prefill] / max(self.seconds[prefill], 1e-9)
 
     def update(self, last_step: tuple[bool, int, int], seconds: float, finished: int) -> None:
         is_prefill, tokens, _ = last_step
-        rate = tokens / max(seconds, 1e-9)
-        if is_prefill:
-            self.prefill = rate
-        else:
-            self.decode = rate
-        self.bar.set_postfix_str(f"prefill {self.prefill:,.0f} tok/s, decode {self.decode:,.0f} tok/s", refresh=False)
+        self.tokens[is_prefill] += tokens
+        self.seconds[is_prefill] += seconds
+        self.bar.set_postfix_str(f"prefill {self.rate(True):,.0f} tok/s, decode {self.rate(False):,.0f} tok/s",
+                                 refresh=False)
         self.bar.update(finished)
 
     def close(self) -> None:

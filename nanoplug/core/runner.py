@@ -36,6 +36,7 @@ class StepBatch:
     sampling: SamplingBatch
     logits_rows: list[int] = field(default_factory=list)  # of sample_rows, the ones that want logits
     adapter_ids: list[int] = field(default_factory=list)
+    new_blocks: list[int] = field(default_factory=list)  # KV blocks used for the first time: cleared first
 
 
 @dataclass
@@ -88,7 +89,8 @@ class ModelRunner(Worker):
         if device.type == "cuda" and not config.enforce_eager:
             if os.environ.get("NANOPLUG_TORCH_COMPILE", "1") != "0" and hasattr(self.model, "compile_fused_ops"):
                 self.model.compile_fused_ops()
-            if decode.supports_cuda_graphs and os.environ.get("NANOPLUG_CUDA_GRAPHS", "1") != "0":
+            graphs_ok = decode.supports_cuda_graphs and self.request_adapters is None  # per-request LoRA: eager
+            if graphs_ok and os.environ.get("NANOPLUG_CUDA_GRAPHS", "1") != "0":
                 self._capture_graphs()
 
     # ---------------------------------------------------------------------------- KV cache
@@ -202,6 +204,8 @@ class ModelRunner(Worker):
     def run(self, batch: StepBatch) -> tuple[list[int], list[Any]] | None:
         """Compute one step; rank 0 returns the sampled tokens and the requested logits rows."""
         num_seqs = len(batch.query_lens)
+        if batch.new_blocks:  # never-written memory may hold NaN that padded reads would spread
+            self.kv_cache.index_fill_(2, torch.tensor(batch.new_blocks, device=self.device), 0)
         graph = None if batch.is_prefill else self._graph_for(num_seqs)
         if self.request_adapters is not None:
             ids = np.asarray(batch.adapter_ids or [0] * num_seqs, dtype=np.int64)

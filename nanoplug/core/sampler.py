@@ -47,15 +47,7 @@ class Sampler:
             return greedy
         dev = logits.device
         temps = torch.tensor(batch.temperatures, dtype=torch.float32, device=dev)
-        logits = logits / torch.where(temps > 0, temps, 1.0).unsqueeze(1)
-        if any(k > 0 for k in batch.top_ks):
-            logits = self._top_k(logits, batch.top_ks)
-        if any(p < 1.0 for p in batch.top_ps):
-            logits = self._top_p(logits, torch.tensor(batch.top_ps, dtype=torch.float32, device=dev))
-        probs = torch.softmax(logits, dim=-1)
-        if any(p > 0.0 for p in batch.min_ps):
-            min_p = torch.tensor(batch.min_ps, dtype=torch.float32, device=dev).unsqueeze(1)
-            probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        probs = self.probabilities(logits, batch)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, seed in enumerate(batch.seeds):
             if seed is not None:
@@ -63,11 +55,35 @@ class Sampler:
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(temps == 0, greedy, sampled)
 
+    @classmethod
+    def probabilities(cls, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The distribution each row samples from: temperature, then top-k, top-p and min-p filtering.
+
+        min-p keeps tokens with at least min_p times the top token's probability; applying it after
+        top-k/top-p gives the same set as before them, since renormalising keeps the ratios."""
+        dev = logits.device
+        temps = torch.tensor(batch.temperatures, dtype=torch.float32, device=dev)
+        logits = logits.float() / torch.where(temps > 0, temps, 1.0).unsqueeze(1)
+        if any(k > 0 for k in batch.top_ks):
+            logits = cls._top_k(logits, batch.top_ks)
+        if any(p < 1.0 for p in batch.top_ps):
+            logits = cls._top_p(logits, torch.tensor(batch.top_ps, dtype=torch.float32, device=dev))
+        probs = torch.softmax(logits, dim=-1)
+        if any(p > 0.0 for p in batch.min_ps):
+            min_p = torch.tensor(batch.min_ps, dtype=torch.float32, device=dev).unsqueeze(1)
+            probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        return probs
+
     @staticmethod
     def _top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
         vocab = logits.shape[1]
-        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=logits.device)
-        kth = logits.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1).unsqueeze(1))
+        ks = [k if 0 < k < vocab else 0 for k in top_ks]  # 0: the row keeps every token
+        if max(ks) == 0:
+            return logits
+        # only the largest k is sorted out, not the whole vocabulary, even when some rows keep all
+        k = torch.tensor(ks, device=logits.device).unsqueeze(1)
+        kth = logits.topk(max(ks), dim=-1).values.gather(1, (k - 1).clamp(min=0))
+        kth = kth.masked_fill(k == 0, float("-inf"))
         return logits.masked_fill(logits < kth, float("-inf"))
 
     @staticmethod

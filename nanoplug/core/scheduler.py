@@ -74,11 +74,15 @@ class Scheduler:
     def _schedule_decode(self) -> list[Scheduled]:
         batch: list[Scheduled] = []
         budget = min(self.max_num_seqs, self.max_num_batched_tokens)
+        block_size = self.blocks.block_size
         for seq in list(self.running):
             if len(batch) == budget:
                 break
             if seq.status is not Status.RUNNING:
                 continue  # preempted below while serving an earlier sequence
+            if len(seq.token_ids) <= len(seq.block_table) * block_size:  # fast path: room in its last block
+                batch.append(Scheduled(seq, 1))
+                continue
             while not self.blocks.can_append(seq):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -107,3 +111,12 @@ class Scheduler:
         seq.status = Status.FINISHED
         self.running.remove(seq)
         self.blocks.free(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a request wherever it is (its caller went away), giving back its blocks."""
+        if seq in self.running:
+            self.finish(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+            seq.status = Status.FINISHED
+        seq.finish_reason = seq.finish_reason or "abort"

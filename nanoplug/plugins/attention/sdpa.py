@@ -11,6 +11,8 @@ import torch.nn.functional as F
 
 from nanoplug.core.hookspecs import hookimpl
 from nanoplug.core.interfaces import PLUGIN_API_VERSION, AttentionBackend, AttentionMetadata, Target
+from nanoplug.plugins.attention.paged_decode import PagedDecode
+from nanoplug.plugins.attention.sdpa_cuda import CudaVarlenAttention
 
 NANOPLUG_API_VERSION = PLUGIN_API_VERSION
 
@@ -25,8 +27,22 @@ class SdpaAttention(AttentionBackend):
             return ["torch lacks scaled_dot_product_attention; pip install 'torch>=2.6'"]
         return []
 
+    def __init__(self, spec):
+        super().__init__(spec)
+        # on CUDA in fp16/bf16, PyTorch's varlen FlashAttention serves the steps it can (sdpa_cuda.py)
+        self.cuda = CudaVarlenAttention(spec) if CudaVarlenAttention.usable(spec) else None
+        self.fast = False
+        self.paged_decode = PagedDecode(spec)  # decode steps elsewhere (CPU): gather live tokens only
+        self.decoding = False
+
     def prepare(self, meta: AttentionMetadata) -> None:
         self.meta = meta
+        self.fast = self.cuda is not None and self.cuda.serves(meta)
+        if self.fast:
+            return
+        self.decoding = self.paged_decode.serves(meta)
+        if self.decoding:
+            return self.paged_decode.prepare(meta)
         dev = meta.slot_mapping.device
         q_lens = torch.tensor(meta.query_lens_host, device=dev)
         seq_lens = meta.seq_lens.long()
@@ -44,6 +60,10 @@ class SdpaAttention(AttentionBackend):
         self.max_q = max_q
 
     def forward(self, q, k, v, k_cache, v_cache):
+        if self.fast:
+            return self.cuda.forward(q, k, v, k_cache, v_cache, self.meta)
+        if self.decoding:
+            return self.paged_decode.forward(q, k_cache, v_cache)
         num_seqs = self.blocks.shape[0]
         qp = q.new_zeros(num_seqs, self.max_q, q.shape[1], q.shape[2])
         qp[self.row, self.col] = q

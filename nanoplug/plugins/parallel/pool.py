@@ -16,6 +16,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -78,6 +79,15 @@ def _release(handles: _Handles, graceful: bool) -> None:
     handles.procs, handles.conns, handles.store = [], [], None
 
 
+def _worker_env() -> dict[str, str]:
+    """The caller's environment, with this nanoplug first on the path (it may not be installed)."""
+    import nanoplug
+
+    root = str(Path(nanoplug.__file__).resolve().parent.parent)
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
+
+
 class WorkerPool:
     """`world_size` worker processes on this host, one rank each."""
 
@@ -115,6 +125,7 @@ class WorkerPool:
                 [sys.executable, "-m", "nanoplug.plugins.parallel.worker", str(theirs.fileno()), str(rank),
                  str(os.getpid())],
                 pass_fds=(theirs.fileno(),), start_new_session=True,  # Ctrl-C reaches the caller only
+                stdin=subprocess.DEVNULL, env=_worker_env(),
             ))
         self._handles.conns.append(Connection(ours.detach()))
 

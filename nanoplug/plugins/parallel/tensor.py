@@ -113,7 +113,8 @@ class TensorParallel(ParallelStrategy):
         n = self.config.tensor_parallel_size
         cpu_threads = None
         if device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            cpu_threads = max(1, (os.cpu_count() or 1) // n)  # the ranks share this host's cores
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            cpu_threads = max(1, cores // n)  # the ranks share this host's cores
         self.ranks = WorkerPool(n)
         self.ranks.start(make_worker, backend, cpu_threads)
 

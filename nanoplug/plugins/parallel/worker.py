@@ -67,8 +67,13 @@ def _build(message: tuple, rank: int) -> Any:
     if cpu_threads:
         torch.set_num_threads(cpu_threads)
     timeout = timedelta(seconds=timeout_s)
+    device_id = None
+    if backend == "nccl" and world_size > 1:  # one GPU per rank; naming it makes NCCL connect now
+        device_id = torch.device("cuda", rank)
+        torch.cuda.set_device(device_id)
     store = dist.TCPStore(STORE_HOST, store_port, None, False, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                            device_id=device_id)
     factory = pickle.loads(factory_pickle)
     return factory(TorchGroup(rank, world_size, local_rank=rank))
 

@@ -1,0 +1,96 @@
+"""Options that `generate` and `chat` share: which model and plugins, how to sample, and building the engine.
+
+Bad input becomes a NanoplugError (one line on stderr, exit code 2, see nanoplug/cli/__init__.py).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from nanoplug.core.errors import ModelLoadError, NanoplugError
+
+log = logging.getLogger("nanoplug.cli")
+
+
+class OptionError(NanoplugError, ValueError):
+    """A command-line value the engine refuses (e.g. a negative temperature)."""
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", "-m", default=None, metavar="DIR_OR_ID",
+                        help="checkpoint folder or Hugging Face id (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--attention", default="auto", help="attention backend, e.g. sdpa, manual, flash (default: auto)")
+    parser.add_argument("--kv-cache", default="auto", help="KV-cache store, e.g. torch, triton (default: auto)")
+    parser.add_argument("--device", default="auto", help="auto (a GPU if present), cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    parser.add_argument("--max-model-len", type=int, default=4096, help="longest prompt plus answer, in tokens")
+
+
+def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    parser.add_argument("--max-tokens", "-n", type=int, default=max_tokens, help=f"new tokens at most (default: {max_tokens})")
+    parser.add_argument("--temperature", "-t", type=float, default=0.0, help="0 is greedy (the default)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0, off)")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (default: 0, off)")
+    parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+
+
+def sampling_params(args: argparse.Namespace, **extra: Any):
+    from pydantic import ValidationError
+
+    from nanoplug import SamplingParams
+
+    try:
+        return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                              max_tokens=args.max_tokens, seed=args.seed, **extra)
+    except ValidationError as exc:
+        raise OptionError(_first_problem(exc)) from exc
+
+
+def _first_problem(exc: Any) -> str:
+    err = exc.errors()[0]
+    field = "--" + str(err["loc"][0]).replace("_", "-") if err.get("loc") else "an option"
+    return f"{field}: {err['msg']}"
+
+
+def model_path(args: argparse.Namespace) -> str:
+    """The --model value, or the embedded default model (converted once, then read from the cache)."""
+    if args.model:
+        return args.model
+    from nanoplug.default_model import DefaultModelError, default_model_path
+
+    try:
+        path = default_model_path(progress=True)
+    except DefaultModelError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    log.info("default model: %s", path)
+    return str(path)
+
+
+def build_llm(args: argparse.Namespace):
+    """The engine the options describe; with -v, one line per plugin kind on stderr."""
+    import torch
+    from pydantic import ValidationError
+
+    from nanoplug import LLM
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise OptionError(f"--device {args.device}: torch sees no CUDA GPU here; use --device cpu (or auto)")
+    options = dict(attention=args.attention, kv_cache=args.kv_cache, device=args.device, dtype=args.dtype,
+                   max_model_len=args.max_model_len)
+    if args.seed is not None:
+        options["seed"] = args.seed
+    if getattr(args, "lora", None):  # `generate --lora DIR`: PEFT LoRA folders merged at load
+        options["adapters"] = list(args.lora)
+    try:
+        llm = LLM(model_path(args), **options)
+    except ValidationError as exc:
+        raise OptionError(_first_problem(exc)) from exc
+    if getattr(args, "verbose", False):
+        # the registry logs why for each "auto" choice; this line sums up every kind, named or auto
+        chosen = " ".join(f"{kind}={llm.choices[kind].name}"
+                          for kind in ("model", "attention", "prefill_attention", "kv_cache", "parallel"))
+        dtype = str(llm.dtype).replace("torch.", "")
+        print(f"nanoplug: {llm.config.model} on {llm.device} ({dtype}); plugins: {chosen}", file=sys.stderr)
+    return llm

@@ -1,0 +1,46 @@
+"""Decode steps (one new query per sequence) of the `sdpa` backend, shaped for the CPU.
+
+The padded path gathers whole blocks of K/V per layer with advanced indexing, repeats K/V for
+grouped-query attention and masks a square of padding. A decode step needs much less: gather just
+the `max_seqlen_k` live tokens of each sequence with one `index_select` (index built once per step),
+and let the query heads that share a KV head ride along as the query rows of that KV head, so
+neither K nor V is ever repeated. The additive padding mask is built once per step too.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nanoplug.core.interfaces import AttentionMetadata, AttentionSpec
+
+
+class PagedDecode:
+    def __init__(self, spec: AttentionSpec):
+        self.spec = spec
+        self.group = spec.num_heads // spec.num_kv_heads
+
+    @staticmethod
+    def serves(meta: AttentionMetadata) -> bool:
+        """Every sequence adds exactly one token at the end of its context."""
+        return meta.max_seqlen_q == 1
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        bs, dev = self.spec.block_size, meta.slot_mapping.device
+        max_k = meta.max_seqlen_k
+        pos = torch.arange(max_k, device=dev)
+        tables = meta.block_tables[:, : (max_k + bs - 1) // bs].clamp(min=0).long()
+        self.index = (tables[:, pos // bs] * bs + pos % bs).flatten()  # cache slot of every (seq, position)
+        pad = pos.unsqueeze(0) >= meta.seq_lens.long().unsqueeze(1)  # [B, Lk]
+        mask = torch.zeros(pad.shape, dtype=self.spec.dtype, device=dev).masked_fill_(pad, float("-inf"))
+        self.mask = mask.view(pad.shape[0], 1, 1, max_k)
+        self.max_k = max_k
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """q: [B, H, D] (one row per sequence) -> [B, H, D]."""
+        num_seqs, kv_heads, dim = q.shape[0], self.spec.num_kv_heads, q.shape[2]
+        shape = (num_seqs, self.max_k, kv_heads, dim)
+        keys = k_cache.view(-1, kv_heads, dim).index_select(0, self.index).view(shape).transpose(1, 2)
+        values = v_cache.view(-1, kv_heads, dim).index_select(0, self.index).view(shape).transpose(1, 2)
+        queries = q.reshape(num_seqs, kv_heads, self.group, dim)  # heads of one KV head as its query rows
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=self.spec.scale)
+        return out.reshape(num_seqs, self.spec.num_heads, dim)
