@@ -70,7 +70,7 @@ class Transformers:
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+                                  do_sample=False, eos_token_id=None, pad_token_id=0)
         return out[:, width:].tolist()
 
 

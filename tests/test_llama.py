@@ -56,7 +56,7 @@ def hf_models(llama_dirs):
 @torch.no_grad()
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                         max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+                         max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(ids):].tolist()
 
 

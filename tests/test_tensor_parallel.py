@@ -209,7 +209,8 @@ def test_mlp_size_that_does_not_divide_is_reported(tmp_path):
     path = tmp_path / "odd_mlp"
     Qwen3Config(hidden_size=32, intermediate_size=66, num_attention_heads=4, num_key_value_heads=4, head_dim=8,
                 num_hidden_layers=1, vocab_size=100, architectures=["Qwen3ForCausalLM"]).save_pretrained(path)
-    reasons = Registry(load_entry_points=False).reasons("parallel", "tensor", _target(str(path), tensor_parallel_size=4))
+    target = _target(str(path), tensor_parallel_size=4)
+    reasons = Registry(load_entry_points=False).reasons("parallel", "tensor", target)
     assert any("MLP intermediate size" in r and "sizes that do: 1, 2" in r for r in reasons), reasons
 
 
@@ -227,7 +228,8 @@ def test_more_gpus_than_present_is_reported(ckpt, monkeypatch):
 def test_launcher_world_size_must_match(ckpt, monkeypatch):
     for key, value in dict(RANK="0", WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT="1").items():
         monkeypatch.setenv(key, value)
-    reasons = Registry(load_entry_points=False).reasons("parallel", "tensor", _target(ckpt["qwen3"], tensor_parallel_size=2))
+    target = _target(ckpt["qwen3"], tensor_parallel_size=2)
+    reasons = Registry(load_entry_points=False).reasons("parallel", "tensor", target)
     assert len(reasons) == 1 and "has 4 processes but tensor_parallel_size=2" in reasons[0]
 
 

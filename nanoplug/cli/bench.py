@@ -17,6 +17,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-input-len", type=int, default=bench.MAX_INPUT_LEN)
     p.add_argument("--max-output-len", type=int, default=bench.MAX_OUTPUT_LEN)
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--kv-block-size", type=int, default=256, help="tokens per KV block (page)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no torch.compile")
     p.add_argument("--device", default="auto")
@@ -28,7 +29,7 @@ def run(args) -> int:
     from nanoplug import bench
 
     options = dict(attention=args.attention, kv_cache=args.kv_cache, max_model_len=args.max_model_len,
-                   tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+                   kv_block_size=args.kv_block_size, tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
                    device=args.device, dtype=args.dtype)
     if args.prefill_attention:
         options["prefill_attention"] = args.prefill_attention

@@ -273,21 +273,21 @@ class LLM:
         return out
 
     def _check_finish(self, seq: Sequence) -> None:
-        token, p = seq.token_ids[-1], seq.params
-        reason = None
+        """Stop on EOS or a stop token (left out of the text), a stop string (text cut before it), or length."""
+        token, p, detok = seq.token_ids[-1], seq.params, seq.detok
+        reason, cut = None, None
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
             reason = "stop"
-        elif seq.detok is not None:
-            seq.detok.add(token)
-            cut = seq.detok.find_stop() if p.stop else None
+        elif detok is not None:
+            detok.add(token)
+            cut = detok.find_stop() if p.stop else None
             if cut is not None:
-                seq.detok.text = seq.detok.text[:cut]
-                reason = "stop"
+                detok.text, reason = detok.text[:cut], "stop"
         if reason is None and (seq.num_completion_tokens >= p.max_tokens or len(seq) >= self.config.max_model_len):
             reason = "length"
-            if seq.detok is not None:
-                seq.detok.flush()
         if reason is not None:
+            if detok is not None and cut is None:
+                detok.flush()  # the text ends here: keep even a partial character, as decode() of the ids does
             seq.finish_reason = reason
             self.scheduler.finish(seq)
 

@@ -45,7 +45,7 @@ def resolve_model_path(model: str) -> str:
         # local_files_only follows the environment now, not the value huggingface_hub read at import
         return snapshot_download(model, allow_patterns=CHECKPOINT_FILES, local_files_only=offline)
     except Exception as exc:
-        why = ("HF_HUB_OFFLINE is set and the model is not in the local Hugging Face cache" if offline
+        why = ("this machine is offline (HF_HUB_OFFLINE is set) and the model is not in the local Hugging Face cache" if offline
                else f"this machine looks offline or the hub refused ({type(exc).__name__}: {exc})")
         raise ModelLoadError(
             f"{model!r} is not a local folder and could not be fetched from the Hugging Face hub: {why}; "

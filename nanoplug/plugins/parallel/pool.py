@@ -16,8 +16,8 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -109,13 +109,13 @@ class WorkerPool:
         try:
             h.store = dist.TCPStore(STORE_HOST, 0, None, True, timeout=timedelta(seconds=self.start_timeout),
                                     wait_for_workers=False)
+            init = ("init", list(sys.path), pickle.dumps(factory), h.store.port, self.world_size, backend,
+                    self.call_timeout, cpu_threads)
             for rank in range(self.world_size):
                 self._spawn(rank)
         except BaseException as exc:
             self._stop(graceful=False, reason=f"{type(exc).__name__} while starting workers")
             raise
-        init = ("init", list(sys.path), pickle.dumps(factory), h.store.port, self.world_size, backend,
-                self.call_timeout, cpu_threads)
         self._round(init, "start-up (loading the model)", self.start_timeout)
 
     def _spawn(self, rank: int) -> None:
@@ -195,8 +195,8 @@ class WorkerPool:
         return found
 
     def _describe(self, errors: dict[int, str], what: str) -> str:
-        ranks = ", ".join(str(r) for r in sorted(errors))
-        parts = [f"tensor-parallel worker rank {ranks} failed during {what}; all workers are stopped."]
+        ranks = ("rank " if len(errors) == 1 else "ranks ") + ", ".join(str(r) for r in sorted(errors))
+        parts = [f"tensor-parallel worker {ranks} failed during {what}; all workers are stopped."]
         parts += [f"--- rank {rank} ---\n{text.rstrip()}" for rank, text in sorted(errors.items())]
         return "\n".join(parts)
 

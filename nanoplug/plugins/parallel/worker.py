@@ -102,7 +102,15 @@ def serve(conn: Connection, rank: int) -> int:
         except BaseException:
             failed = True
             reply = _error(f"rank {rank}, {kind} {message[1] if kind == 'call' else ''}".strip())
-        send(conn, reply)
+        try:
+            payload = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # a result that cannot cross the process boundary is this rank's error too
+            failed = True
+            payload = pickle.dumps(_error(f"rank {rank}, sending the result of {kind}"))
+        try:
+            conn.send_bytes(payload)
+        except OSError:
+            return 0  # the caller is gone
     if failed:
         return 1  # the group may be mid-collective: tearing it down could block
     import torch.distributed as dist

@@ -1,0 +1,116 @@
+"""`nanoplug generate` and `nanoplug chat`, and how a model name becomes a folder.
+
+End to end in a subprocess on the embedded SmolLM2 (real text, the cache reused, not converted
+again); the options, the chat loop and the one-line errors in-process, where they are cheaper.
+"""
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+
+from _checkpoints import checkpoint
+from nanoplug.cli import main
+from nanoplug.core.errors import ModelLoadError
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir():
+    from nanoplug.default_model import default_model_path
+
+    return default_model_path(progress=True)
+
+
+def nanoplug_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nanoplug", *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
+
+
+def test_generate_end_to_end_reuses_the_cache(smollm2_dir):
+    weights = smollm2_dir / "model.safetensors"
+    mtime = weights.stat().st_mtime_ns
+
+    first = nanoplug_cli("generate", "The capital of France is")  # no other option: the default model
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.startswith(" Paris"), first.stdout
+
+    second = nanoplug_cli("-v", "generate", "--chat", "What is the capital of France?", "--max-tokens", "24")
+    assert second.returncode == 0, second.stderr
+    assert "Paris" in second.stdout
+    assert f"default model: {smollm2_dir}" in second.stderr
+    assert "plugins: model=LlamaForCausalLM attention=sdpa" in second.stderr  # -v names the choices
+    for run in (first, second):
+        assert "one-time conversion" not in run.stderr and "dequantizing" not in run.stderr
+    assert weights.stat().st_mtime_ns == mtime
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, err: str, *words: str) -> None:
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("nanoplug: error: "), err
+    assert "Traceback" not in err
+    for word in words:
+        assert word in err, (word, err)
+
+
+def test_errors_are_one_clear_line(capsys, tmp_path):
+    tiny = checkpoint("qwen3")
+    assert_one_line_error(*run_cli(capsys, "generate", "--model", str(tmp_path / "missing"), "hi")[::2],
+                          "does not exist", "config.json")
+    assert_one_line_error(*run_cli(capsys, "generate", "--model", tiny, "--attention", "nope", "hi")[::2],
+                          "unknown attention plugin 'nope'", "sdpa", "manual")
+    assert_one_line_error(*run_cli(capsys, "generate", "--model", tiny, "--kv-cache", "nope", "hi")[::2],
+                          "unknown kv_cache plugin 'nope'", "torch")
+    assert_one_line_error(*run_cli(capsys, "generate", "--model", tiny, "--top-p", "0", "hi")[::2], "--top-p")
+    if not __import__("torch").cuda.is_available():
+        assert_one_line_error(*run_cli(capsys, "generate", "--model", tiny, "--device", "cuda", "hi")[::2], "--device cpu")
+
+
+def test_offline_hub_id_names_the_local_folder(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # an empty cache: nothing to fall back on
+    from nanoplug import LLM
+
+    with pytest.raises(ModelLoadError) as info:
+        LLM("Qwen/Qwen3-0.6B")
+    msg = str(info.value)
+    assert "offline" in msg and "HF_HUB_OFFLINE" in msg and "LLM('/path/to/Qwen3-0.6B')" in msg
+    assert_one_line_error(*run_cli(capsys, "generate", "--model", "Qwen/Qwen3-0.6B", "hi")[::2],
+                          "offline", "--model /path/to/Qwen3-0.6B")
+
+
+def test_sampling_options_and_seed(capsys):
+    tiny = checkpoint("qwen3")
+    common = ["generate", "--model", tiny, "--attention", "manual", "--kv-cache", "torch", "-n", "8"]
+    greedy = [run_cli(capsys, *common, "Hello")[1] for _ in range(2)]
+    assert greedy[0] == greedy[1] and greedy[0].strip()
+    sampled = [run_cli(capsys, *common, "--temperature", "1.5", "--top-k", "50", "--top-p", "0.9",
+                       "--seed", str(seed), "Hello")[1] for seed in (1, 1, 2)]
+    assert sampled[0] == sampled[1] != sampled[2]
+
+
+def test_chat_loop_keeps_history_and_resets(capsys, monkeypatch, smollm2_dir):
+    from nanoplug.core.engine import LLM
+
+    seen: list[list[dict]] = []
+    original = LLM.chat_prompt_ids
+    monkeypatch.setattr(LLM, "chat_prompt_ids", lambda self, messages: seen.append(
+        [dict(m) for m in messages]) or original(self, messages))
+    typed = "What is the capital of France?\nAnd what is it famous for?\n/reset\nHello!\n/exit\nnever read\n"
+    monkeypatch.setattr(sys, "stdin", io.StringIO(typed))
+    code, out, err = run_cli(capsys, "chat", "--max-tokens", "24")
+    assert code == 0, err
+    assert "Paris" in out.splitlines()[0]
+    assert [m["role"] for m in seen[1]] == ["user", "assistant", "user"]  # the first exchange is kept
+    assert "Paris" in seen[1][1]["content"]
+    assert seen[2] == [{"role": "user", "content": "Hello!"}]  # /reset forgot it
+    assert len(seen) == 3  # /exit stopped the loop
