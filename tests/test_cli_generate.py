@@ -48,6 +48,7 @@ def test_generate_end_to_end_reuses_the_cache(smollm2_dir):
 
 
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    capsys.readouterr()  # drop what came before (e.g. progress bars of writing a checkpoint)
     code = main(list(args))
     out, err = capsys.readouterr()
     return code, out, err

@@ -22,6 +22,8 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.prompt is None and sys.stdin.isatty():
+        raise OptionError("no prompt given; pass it as an argument: nanoplug generate \"The capital of France is\"")
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
         raise OptionError("the prompt is empty; pass it as an argument: nanoplug generate \"The capital of France is\"")
