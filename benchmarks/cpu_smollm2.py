@@ -1,6 +1,6 @@
 """SmolLM2-135M decode throughput on CPU: nanoplug against transformers' `generate`, same run.
 
-Both engines get the same token-id prompts (lengths 32..64), greedy, eos ignored, float32.
+Both engines get the same token-id prompts (lengths 32..64), greedy, eos ignored, float32 (or --dtype).
 Decode tokens/s = batch * (new_tokens - 1) / (time(new_tokens) - time(1)): the prefill and the
 first token cost the same in both runs, so the difference is pure decode steps. The machine may
 be shared, so the two engines are measured alternately, best of `--repeats`.
@@ -42,11 +42,11 @@ def make_prompts(tokenizer, batch: int) -> list[list[int]]:
 class Nanoplug:
     name = "nanoplug"
 
-    def __init__(self, path: str, attention: str, kv_cache: str):
+    def __init__(self, path: str, attention: str, kv_cache: str, dtype: str):
         from nanoplug import LLM
 
         self.llm = LLM(path, attention=attention, kv_cache=kv_cache, kv_block_size=16, max_model_len=512,
-                       cpu_kv_cache_gb=1.0, enable_prefix_caching=False)
+                       cpu_kv_cache_gb=1.0, enable_prefix_caching=False, dtype=dtype)
         self.label = f"nanoplug ({attention}, {kv_cache})"
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -59,10 +59,10 @@ class Nanoplug:
 class Transformers:
     label = "transformers generate"
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, dtype: str):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -111,6 +111,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--attention", default="sdpa")
     parser.add_argument("--kv-cache", default="torch")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
     if args.threads:
@@ -124,10 +125,10 @@ def main() -> None:
     import transformers
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    engines = [Nanoplug(args.model, args.attention, args.kv_cache), Transformers(args.model)]
+    engines = [Nanoplug(args.model, args.attention, args.kv_cache, args.dtype), Transformers(args.model, args.dtype)]
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
           f"({torch.get_num_threads()} threads), transformers {transformers.__version__}")
-    print(f"# greedy, eos ignored, float32, prompts of 32-64 tokens, {args.new_tokens} new tokens, "
+    print(f"# greedy, eos ignored, {args.dtype}, prompts of 32-64 tokens, {args.new_tokens} new tokens, "
           f"best of {args.repeats}, engines measured alternately in one process")
     print("| batch | engine | decode tok/s | end-to-end tok/s | speed-up (decode) | greedy tokens equal to transformers |")
     print("|---:|---|---:|---:|---:|---:|")
