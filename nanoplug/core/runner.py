@@ -146,11 +146,9 @@ class ModelRunner(Worker):
         self.ctx.kv_caches = []
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        current = torch.cuda.memory_allocated(self.device)
         used_elsewhere = total - free - torch.cuda.memory_reserved(self.device)
         budget = total * self.config.gpu_memory_utilization - used_elsewhere - peak
         num_blocks = int(budget // self._block_bytes())
-        del current
         if num_blocks < 1:
             raise RuntimeError(
                 "no GPU memory left for the KV cache; raise gpu_memory_utilization or lower max_num_batched_tokens"
