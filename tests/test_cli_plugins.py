@@ -125,6 +125,7 @@ def test_judged_against_a_checkpoint_dtype_and_device(qwen3_dir, capsys):
     assert data["target"] == {"device": "cpu", "dtype": "bfloat16", "model": str(qwen3_dir),
                               "architecture": "Qwen3ForCausalLM"}
     assert data["kinds"]["model"]["auto"] == "Qwen3ForCausalLM"
+    assert data["kinds"]["adapter"]["auto"] is None  # adapters are named by the user, never auto-picked
 
 
 def test_bad_target_option_is_a_clear_error(capsys):

@@ -62,6 +62,8 @@ def listing(registry: Registry, target) -> dict[str, Any]:
         if kind == "model":  # the engine picks the model plugin by the checkpoint's architecture
             arch = target.model.architecture if target.model else None
             auto = next((p["name"] for p in plugins if p["available"] and p["name"] == arch), None)
+        elif kind == "adapter":  # adapters are listed by the user, never picked by "auto"
+            auto = None
         else:
             auto = next((p["name"] for p in plugins if p["available"]), None)
         kinds[kind] = {"auto": auto, "plugins": plugins}
