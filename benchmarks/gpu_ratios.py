@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -89,10 +88,10 @@ def bench_store() -> None:
 
 def bench_decode(model: str) -> None:
     prompt = torch.randint(0, 10000, (512,)).tolist()
-    configs = (("eager", True, "0"), ("graphs", False, "0"), ("graphs+compile", False, "1"))
+    configs = (("eager", True, False), ("graphs", False, False), ("graphs+compile", False, True))
     for name, eager, compile_ in configs:
-        os.environ["NANOPLUG_TORCH_COMPILE"] = compile_
         llm = LLM(model, attention="flash", kv_cache="triton", dtype="bfloat16", enforce_eager=eager,
+                  compile_fused_ops=compile_,
                   kv_block_size=BLOCK, num_kv_blocks=8, max_num_seqs=4, max_model_len=1024)
         runs = {}
         for new in (1, 256, 1, 256):
@@ -106,7 +105,6 @@ def bench_decode(model: str) -> None:
         llm.close()
         del llm
         free()
-    os.environ.pop("NANOPLUG_TORCH_COMPILE", None)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ class EngineConfig(BaseModel):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    compile_fused_ops: bool = Field(True, description="torch.compile the small fused ops on CUDA (off: measure without)")
     seed: int = 0
 
     @field_validator("adapters", mode="before")

@@ -6,7 +6,6 @@ plugin classes, so nothing per step goes through the registry or pluggy.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,10 +86,10 @@ class ModelRunner(Worker):
         self.num_blocks = self._allocate_kv_cache()
         self.graphs: dict[int, Any] = {}
         if device.type == "cuda" and not config.enforce_eager:
-            if os.environ.get("NANOPLUG_TORCH_COMPILE", "1") != "0" and hasattr(self.model, "compile_fused_ops"):
+            if config.compile_fused_ops and hasattr(self.model, "compile_fused_ops"):
                 self.model.compile_fused_ops()
             graphs_ok = decode.supports_cuda_graphs and self.request_adapters is None  # per-request LoRA: eager
-            if graphs_ok and os.environ.get("NANOPLUG_CUDA_GRAPHS", "1") != "0":
+            if graphs_ok:
                 self._capture_graphs()
 
     # ---------------------------------------------------------------------------- KV cache
