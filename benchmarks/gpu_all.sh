@@ -47,8 +47,17 @@ case $part in
     step "bench manual (8 seqs, 128 out)" 90 python3 -m nanoplug bench --attention manual --kv-cache triton --num-seqs 8 --max-output-len 128
     step "profile decode (flash)" 120 python3 benchmarks/gpu_profile.py flash
     ;;
+  overlap)  # the bench with overlapped steps (the default) and without, and where a step's time goes
+    step "bench flash (overlap)" 150 python3 -m nanoplug bench --attention flash --kv-cache triton
+    step "bench flash --no-overlap" 150 python3 -m nanoplug bench --attention flash --kv-cache triton --no-overlap
+    step "steps flash (overlap)" 150 python3 benchmarks/gpu_steps.py flash triton 1
+    ;;
+  checks)  # the gpu tests and the bench with 128-token pages (FlashAttention-4's TMA page size)
+    step "pytest -m gpu (FA4)" 240 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider
+    step "bench flash block 128" 150 python3 -m nanoplug bench --attention flash --kv-cache triton --kv-block-size 128
+    ;;
 esac
 echo "--- figures ($part)"
-grep -E "^decode, batch|Self CUDA|^Total:|^attention:|^kv_cache:|passed|failed|error|Error|^\{|^(flash|xformers|sdpa|manual) " "$log" | grep -v "^=== " | cut -c1-300 | tail -60
+grep -E "^prefill steps|^steps |^prefill  |^decode [0-9]|overlap=|^decode, batch|Self CUDA|^Total:|^attention:|^kv_cache:|passed|failed|error|Error|^\{|^(flash|xformers|sdpa|manual) " "$log" | grep -v "^=== " | cut -c1-300 | tail -60
 echo "--- steps ($part)"
 printf '%s\n' "${summary[@]}"

@@ -103,6 +103,9 @@ VARIANTS = {
     "preemption": dict(num_kv_blocks=9, max_model_len=144),
     "preemption_chunks_sdpa": dict(attention="sdpa", num_kv_blocks=9, max_model_len=144, max_num_batched_tokens=20),
     "two_seqs_at_a_time": dict(max_num_seqs=2),
+    "overlapped_steps": dict(overlap_steps=True),
+    "overlapped_preemption_chunks_sdpa": dict(attention="sdpa", num_kv_blocks=9, max_model_len=144,
+                                              max_num_batched_tokens=20, overlap_steps=True),
 }
 
 

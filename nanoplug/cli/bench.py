@@ -20,6 +20,8 @@ def add_parser(sub) -> None:
     p.add_argument("--kv-block-size", type=int, default=256, help="tokens per KV block (page)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no torch.compile")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="run steps one after another (default: the host prepares the next step while the GPU computes)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.set_defaults(func=run)
@@ -31,6 +33,8 @@ def run(args) -> int:
     options = dict(attention=args.attention, kv_cache=args.kv_cache, max_model_len=args.max_model_len,
                    kv_block_size=args.kv_block_size, tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
                    device=args.device, dtype=args.dtype)
+    if args.no_overlap:
+        options["overlap_steps"] = False
     if args.prefill_attention:
         options["prefill_attention"] = args.prefill_attention
     if args.tensor_parallel_size > 1:

@@ -128,7 +128,7 @@ class BlockManager:
         if not self.prefix_caching:
             return
         bs = self.block_size
-        full = min(seq.num_computed_tokens, len(seq)) // bs
+        full = min(seq.num_computed_tokens, seq.num_known_tokens) // bs
         while len(seq.block_hashes) < full:
             i = len(seq.block_hashes)
             ids = seq.token_ids[i * bs:(i + 1) * bs]

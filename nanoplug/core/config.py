@@ -54,6 +54,8 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     compile_fused_ops: bool = Field(True, description="torch.compile the small fused ops on CUDA (off: measure without)")
+    overlap_steps: bool | None = Field(None, description="prepare step N+1 on the host while the device computes "
+                                       "step N; None: on for CUDA when the parallel strategy supports it")
     seed: int = 0
 
     @field_validator("adapters", mode="before")

@@ -6,6 +6,7 @@ tokens and check stops.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence as Seq
@@ -23,7 +24,9 @@ from nanoplug.core.registry import Registry, Resolution, default_registry
 from nanoplug.core.runner import ModelRunner, PluginClasses, StepBatch
 from nanoplug.core.sampler import SamplingBatch
 from nanoplug.core.scheduler import Scheduled, Scheduler
-from nanoplug.core.sequence import Sequence, Status
+from nanoplug.core.sequence import PENDING, Sequence, Status
+
+log = logging.getLogger("nanoplug")
 
 
 @dataclass
@@ -110,8 +113,21 @@ class LLM:
             )
         self.num_kv_blocks = num_blocks
         self.scheduler = Scheduler(config, BlockManager(num_blocks, config.kv_block_size, config.enable_prefix_caching))
+        self.overlap = self._wants_overlap()
+        self.in_flight: _Launched | None = None  # overlapped: the launched step whose tokens are still to come
+        self.last_step = (False, 0, 0)  # (is_prefill, tokens, sequences) of the last step resolved
 
     # --------------------------------------------------------------------------- start-up
+    def _wants_overlap(self) -> bool:
+        """Overlapped steps: asked for, or by default on CUDA (on a CPU the host computes the step itself)."""
+        asked = self.config.overlap_steps
+        if not self.executor.supports_overlap:
+            if asked:
+                log.warning("parallel strategy %r cannot overlap steps; they run one after another",
+                            self.choices["parallel"].name)
+            return False
+        return self.device.type == "cuda" if asked is None else asked
+
     def _check_architecture(self) -> None:
         """Name the supported architectures before reading fields an unknown config may not have."""
         arch = (getattr(self.hf_config, "architectures", None) or ["?"])[0]
@@ -226,11 +242,17 @@ class LLM:
     def _build_step(self, batch: list[Scheduled], is_prefill: bool) -> StepBatch:
         input_ids, starts, q_lens, tables, rows, logits_rows = [], [], [], [], [], []
         temps, top_ks, top_ps, min_ps, seeds, positions, adapter_ids = [], [], [], [], [], [], []
+        prev_at, prev_rows = [], []
+        row_of = self.in_flight.row_of if self.in_flight is not None else {}
         for i, item in enumerate(batch):
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed_tokens
             if n == 1:  # decode: no slice
-                input_ids.append(seq.token_ids[start])
+                token = seq.token_ids[start]
+                if token == PENDING:  # sampled by the step still on the device: read it there
+                    prev_at.append(len(input_ids))
+                    prev_rows.append(row_of[seq.seq_id])
+                input_ids.append(token)
             else:
                 input_ids.extend(seq.token_ids[start:start + n])
             starts.append(start)
@@ -250,31 +272,88 @@ class LLM:
                 positions.append(len(seq))
         sampling = SamplingBatch(temps, top_ks, top_ps, min_ps, seeds, positions)
         return StepBatch(is_prefill, input_ids, starts, q_lens, tables, rows, sampling, logits_rows, adapter_ids,
-                         new_blocks=self.scheduler.blocks.take_new_blocks())
+                         new_blocks=self.scheduler.blocks.take_new_blocks(),
+                         from_previous_at=prev_at, from_previous_rows=prev_rows)
 
     def step(self) -> list[tuple[Sequence, list[int]]]:
-        """Run one step; returns each sampled sequence with the tokens it gained."""
+        """Run one step; returns each sampled sequence with the tokens it gained.
+
+        Overlapped (`overlap_steps`), a call launches the next step and then waits for the tokens of
+        the one launched before it, so the device never waits for the host's bookkeeping. A
+        sequence's newest token is then a placeholder that the device fills in; when that token
+        ends the sequence (EOS, a stop string), the one step it ran ahead is thrown away."""
+        if not self.overlap:
+            batch, is_prefill = self._schedule()
+            step = self._build_step(batch, is_prefill)
+            tokens, logits = self.executor.call("run", step)
+            self.scheduler.step_done(batch)
+            return self._resolve(_Launched(batch, step, {}), tokens, logits)
+        launched = None
+        if self.scheduler.has_work():
+            batch, is_prefill = self.scheduler.schedule()
+            if batch:
+                step = self._build_step(batch, is_prefill)
+                self.executor.call("launch", step)
+                self.scheduler.advance(batch)
+                row_of = {}
+                for k, row in enumerate(step.sample_rows):
+                    seq = batch[row].seq
+                    seq.add_pending()
+                    row_of[seq.seq_id] = k
+                launched = _Launched(batch, step, row_of)
+        previous, self.in_flight = self.in_flight, launched
+        if previous is None:
+            if launched is None:
+                self._schedule()  # raises: nothing runs although requests wait
+            return []
+        tokens, logits = self.executor.call("collect")
+        return self._resolve(previous, tokens, logits)
+
+    def _schedule(self) -> tuple[list[Scheduled], bool]:
         batch, is_prefill = self.scheduler.schedule()
         if not batch:
             raise RuntimeError("the scheduler found nothing to run although requests wait; the KV cache is too small")
-        step = self._build_step(batch, is_prefill)
-        tokens, logits = self.executor.call("run", step)
-        self.scheduler.step_done(batch)
-        self.last_step = (is_prefill, sum(step.query_lens), len(batch))
-        out = []
+        return batch, is_prefill
+
+    def _resolve(self, launched: "_Launched", tokens: list[int], logits: list[Any]) -> list[tuple[Sequence, list[int]]]:
+        """Give a finished step's tokens to their sequences, register full blocks, check for stops."""
+        batch, step = launched.batch, launched.step
+        self.last_step = (step.is_prefill, sum(step.query_lens), len(batch))
+        got = []
         logits_of = dict(zip(step.logits_rows, logits))
         for k, (row, token) in enumerate(zip(step.sample_rows, tokens)):
             seq = batch[row].seq
-            seq.token_ids.append(token)
+            if seq.status is Status.FINISHED:
+                continue  # it ended at the step before: this one ran ahead for nothing
+            seq.resolve_pending(token)
             if k in logits_of:
                 seq.logits.append(logits_of[k])
-            self._check_finish(seq)
-            out.append((seq, [token]))
-        return out
+            got.append((seq, token))
+        if self.overlap:  # blocks are registered once their tokens are known (step_done did it otherwise)
+            for item in batch:
+                if item.seq.status is Status.RUNNING:
+                    self.scheduler.blocks.commit(item.seq)
+        for seq, token in got:
+            self._check_finish(seq, token)
+        return [(seq, [token]) for seq, token in got]
 
-    def _check_finish(self, seq: Sequence) -> None:
+    def _drain(self, quiet: bool = False) -> None:
+        """Collect the step still on the device, if any (the end of a generate call or stream).
+
+        `quiet`: another error is on its way up; one from draining must not hide it."""
+        previous, self.in_flight = self.in_flight, None
+        if previous is None:
+            return
+        try:
+            tokens, logits = self.executor.call("collect")
+            self._resolve(previous, tokens, logits)
+        except Exception:
+            if not quiet:
+                raise
+
+    def _check_finish(self, seq: Sequence, token: int) -> None:
         """Stop on EOS or a stop token (left out of the text), a stop string (text cut before it), or length."""
-        token, p, detok = seq.token_ids[-1], seq.params, seq.detok
+        p, detok = seq.params, seq.detok
         reason, cut = None, None
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
             reason = "stop"
@@ -283,7 +362,7 @@ class LLM:
             cut = detok.find_stop() if p.stop else None
             if cut is not None:
                 detok.text, reason = detok.text[:cut], "stop"
-        if reason is None and (seq.num_completion_tokens >= p.max_tokens or len(seq) >= self.config.max_model_len):
+        if reason is None and (seq.num_completion_tokens >= p.max_tokens or seq.num_known_tokens >= self.config.max_model_len):
             reason = "length"
         if reason is not None:
             if detok is not None and cut is None:
@@ -323,6 +402,10 @@ class LLM:
                 pending.difference_update(seq.seq_id for seq in done)
                 if bar:
                     bar.update(self.last_step, time.perf_counter() - start, len(done))
+            self._drain()
+        except BaseException:
+            self._drain(quiet=True)
+            raise
         finally:
             if bar:
                 bar.close()
@@ -348,7 +431,11 @@ class LLM:
                     sent += len(tokens)
                     yield StreamDelta(seq.detok.take(final=finished), tokens, finished, seq.finish_reason)
                 if finished:
+                    self._drain()
                     return
+        except BaseException:  # GeneratorExit included: the caller stopped reading
+            self._drain(quiet=True)
+            raise
         finally:
             if seq.status is not Status.FINISHED:  # the caller stopped early: free its blocks
                 self.scheduler.abort(seq)
@@ -385,6 +472,15 @@ class LLM:
             self.close()
         except Exception:
             pass
+
+
+@dataclass
+class _Launched:
+    """A step handed to the device: its schedule, its inputs, and each sampled sequence's row."""
+
+    batch: list[Scheduled]
+    step: StepBatch
+    row_of: dict[int, int]  # seq_id -> row of the step's sampled tokens
 
 
 class _RunnerFactory:

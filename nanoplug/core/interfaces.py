@@ -178,6 +178,11 @@ class ParallelStrategy(Plugin, ABC):
     runs `worker.method(*args)` on every rank and returns rank 0's result.
     """
 
+    # True when call("launch", step) returns at once and call("collect") later gives that step's
+    # tokens, with every rank able to read the next step's inputs from the last sampled tokens
+    # (the engine then overlaps host and device work)
+    supports_overlap = False
+
     def __init__(self, config: "EngineConfig"):
         self.config = config
 

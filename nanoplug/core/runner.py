@@ -5,7 +5,9 @@ plugin classes, so nothing per step goes through the registry or pluggy.
 """
 from __future__ import annotations
 
+import itertools
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +38,17 @@ class StepBatch:
     logits_rows: list[int] = field(default_factory=list)  # of sample_rows, the ones that want logits
     adapter_ids: list[int] = field(default_factory=list)
     new_blocks: list[int] = field(default_factory=list)  # KV blocks used for the first time: cleared first
+    # input tokens not yet known on the host (overlapped steps): input_ids[i] for i in from_previous_at
+    # is row from_previous_rows[k] of the previous step's sampled tokens, taken on the device
+    from_previous_at: list[int] = field(default_factory=list)
+    from_previous_rows: list[int] = field(default_factory=list)
+
+
+def fill_rows(table: np.ndarray, rows: list[list[int]]) -> None:
+    """table[i, :len(rows[i])] = rows[i] for every i, in a few numpy calls instead of one per row."""
+    lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=table.dtype, count=int(lens.sum()))
+    table[: len(rows)][np.arange(table.shape[1]) < lens[:, None]] = flat
 
 
 @dataclass
@@ -83,11 +96,16 @@ class ModelRunner(Worker):
         ) if per_request else None
         self.model.eval()
         self.sampler = Sampler(device, config.seed)
+        self.pending: deque = deque()  # launched steps whose tokens are not collected yet
+        self.last_tokens: torch.Tensor | None = None
         self.num_blocks = self._allocate_kv_cache()
         self.graphs: dict[int, Any] = {}
+        if device.type == "cuda" and not config.enforce_eager and config.compile_fused_ops \
+                and hasattr(self.model, "compile_fused_ops"):
+            self.model.compile_fused_ops()
+        if device.type == "cuda":
+            self._warm_up()
         if device.type == "cuda" and not config.enforce_eager:
-            if config.compile_fused_ops and hasattr(self.model, "compile_fused_ops"):
-                self.model.compile_fused_ops()
             graphs_ok = decode.supports_cuda_graphs and self.request_adapters is None  # per-request LoRA: eager
             if graphs_ok:
                 self._capture_graphs()
@@ -154,6 +172,19 @@ class ModelRunner(Worker):
             )
         return num_blocks
 
+    def _warm_up(self) -> None:
+        """Run each kind of step once on the first blocks: a fresh prefill, a prefill chunk over
+        cached context, and a decode. Kernels that compile on first use (FlashAttention-4 builds one
+        per variant, seconds each) then compile here, not inside the first requests' steps. The
+        blocks are cleared before the block manager first hands them out (`take_new_blocks`)."""
+        bs = self.block_size
+        table = [min(i, self.num_blocks) for i in range((bs + 3 + bs - 1) // bs)]
+        greedy = SamplingBatch([0.0], [0], [1.0], [0.0], [None], [0])
+        for is_prefill, start, n in ((True, 0, 2), (True, bs, 2), (False, bs + 2, 1)):
+            self.run(StepBatch(is_prefill=is_prefill, input_ids=[0] * n, starts=[start], query_lens=[n],
+                               block_tables=[table], sample_rows=[0], sampling=greedy))
+        torch.cuda.synchronize(self.device)
+
     @property
     def scratch_slot(self) -> int:
         return self.num_blocks * self.block_size
@@ -170,8 +201,7 @@ class ModelRunner(Worker):
         positions = np.arange(int(cu_q[-1])) - np.repeat(cu_q[:-1], q_lens) + np.repeat(starts, q_lens)
         width = max(len(t) for t in batch.block_tables)
         tables = np.full((len(q_lens), width), -1, dtype=np.int64)
-        for i, t in enumerate(batch.block_tables):
-            tables[i, : len(t)] = t
+        fill_rows(tables, batch.block_tables)
         slots = tables[seq_idx, positions // bs] * bs + positions % bs
         cu_k = np.zeros(len(q_lens) + 1, dtype=np.int64)
         np.cumsum(seq_lens, out=cu_k[1:])
@@ -197,12 +227,20 @@ class ModelRunner(Worker):
         return put(np.asarray(batch.input_ids), torch.int64), put(positions, torch.int64), meta, put(last, torch.int64)
 
     # ----------------------------------------------------------------------------------- step
-    @torch.inference_mode()
     def run(self, batch: StepBatch) -> tuple[list[int], list[Any]] | None:
         """Compute one step; rank 0 returns the sampled tokens and the requested logits rows."""
+        self.launch(batch)
+        return self.collect()
+
+    @torch.inference_mode()
+    def launch(self, batch: StepBatch) -> None:
+        """Queue one step's device work (model, sampler, the copy of the tokens back) without waiting.
+
+        The host may then prepare the next step while the device computes this one; `collect`
+        waits for the tokens. Every host buffer a queued copy reads stays untouched until then."""
         num_seqs = len(batch.query_lens)
         if batch.new_blocks:  # never-written memory may hold NaN that padded reads would spread
-            self.kv_cache.index_fill_(2, torch.tensor(batch.new_blocks, device=self.device), 0)
+            self.kv_cache.index_fill_(2, self._on_device(np.asarray(batch.new_blocks, dtype=np.int64)), 0)
         graph = None if batch.is_prefill else self._graph_for(num_seqs)
         if self.request_adapters is not None:
             ids = np.asarray(batch.adapter_ids or [0] * num_seqs, dtype=np.int64)
@@ -211,14 +249,42 @@ class ModelRunner(Worker):
             logits = self._replay(graph, batch)
         else:
             input_ids, positions, meta, last = self._prepare(batch)
+            if batch.from_previous_at:
+                at = self._on_device(np.asarray(batch.from_previous_at, dtype=np.int64))
+                rows = self._on_device(np.asarray(batch.from_previous_rows, dtype=np.int64))
+                input_ids.index_copy_(0, at, self.last_tokens.index_select(0, rows))
             self.ctx.set_step(meta)
             hidden = self.model(input_ids, positions)
             logits = self.model.compute_logits(hidden[last]) if batch.sample_rows else None
         if self.group.rank != 0 or not batch.sample_rows:
-            return None if self.group.rank != 0 else ([], [])
-        tokens = self.sampler(logits, batch.sampling).tolist()
-        rows = [logits[i].float().cpu() for i in batch.logits_rows]
-        return tokens, rows
+            self.pending.append(None)
+            return
+        tokens = self.sampler(logits, batch.sampling)
+        self.last_tokens = tokens  # the next step may read its inputs from here
+        rows = logits[batch.logits_rows].float() if batch.logits_rows else None  # before a replay overwrites them
+        if self.device.type == "cuda":
+            tokens, rows = tokens.to("cpu", non_blocking=True), rows.to("cpu", non_blocking=True) if rows is not None else None
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            done = None
+        self.pending.append((tokens, rows, done))
+
+    def collect(self) -> tuple[list[int], list[Any]] | None:
+        """Wait for the oldest launched step's tokens (rank 0; None on other ranks)."""
+        entry = self.pending.popleft()
+        if self.group.rank != 0:
+            return None
+        if entry is None:
+            return [], []
+        tokens, rows, done = entry
+        if done is not None:
+            done.synchronize()
+        return tokens.tolist(), list(rows) if rows is not None else []
+
+    def _on_device(self, array: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(array)
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
     # ------------------------------------------------------------------------------- graphs
     def _graph_for(self, num_seqs: int):
@@ -246,10 +312,13 @@ class ModelRunner(Worker):
         sizes = [s for s in GRAPH_BATCH_SIZES if s <= max_bs]
         max_blocks = (self.config.max_model_len + self.block_size - 1) // self.block_size
         dev = self.device
-        # the graphs' inputs live in two device buffers fed from two pinned host buffers: a replay
-        # costs two host-to-device copies, with no allocation
-        self._host64 = torch.zeros(3, max_bs, dtype=torch.int64).pin_memory()
-        self._host32 = torch.zeros(2 * max_bs + 1 + max_bs * max_blocks, dtype=torch.int32).pin_memory()
+        # the graphs' inputs live in two device buffers fed from pinned host buffers: a replay costs
+        # two host-to-device copies, with no allocation. Two sets of host buffers, used in turn: the
+        # host fills one while the copy of the last step may still be reading the other
+        self._hosts = [(torch.zeros(5, max_bs, dtype=torch.int64).pin_memory(),
+                        torch.zeros(2 * max_bs + 1 + max_bs * max_blocks, dtype=torch.int32).pin_memory())
+                       for _ in range(2)]
+        self._host64, self._host32 = self._hosts[0]
         self._dev64, self._dev32 = self._host64.to(dev), self._host32.to(dev)
         d32 = self._dev32
         st = {
@@ -285,22 +354,28 @@ class ModelRunner(Worker):
     def _replay(self, entry, batch: StepBatch) -> torch.Tensor:
         graph, meta, logits = entry
         n, size = len(batch.query_lens), meta.seq_lens.shape[0]
+        self._hosts.reverse()
+        self._host64, self._host32 = self._hosts[0]
         bs, max_bs = self.block_size, self._host64.shape[1]
         starts = np.asarray(batch.starts, dtype=np.int64)
         h64, h32 = self._host64.numpy(), self._host32.numpy()
         seq_lens, cu_k = h32[:max_bs], h32[max_bs:2 * max_bs + 1]
         tables = h32[2 * max_bs + 1:].reshape(max_bs, -1)
         tables[:size] = self.num_blocks  # padding rows and columns point at the scratch block
-        for i, t in enumerate(batch.block_tables):
-            tables[i, : len(t)] = t
+        fill_rows(tables, batch.block_tables)
         h64[0, :n], h64[0, n:size] = batch.input_ids, 0
         h64[1, :n], h64[1, n:size] = starts, 0
         h64[2, :n] = tables[np.arange(n), starts // bs].astype(np.int64) * bs + starts % bs
         h64[2, n:size] = self.scratch_slot
         seq_lens[:n], seq_lens[n:size] = starts + 1, 1
         np.cumsum(seq_lens[:size], out=cu_k[1:size + 1])
+        k = len(batch.from_previous_at)
+        h64[3, :k], h64[4, :k] = batch.from_previous_at, batch.from_previous_rows
         self._dev64.copy_(self._host64, non_blocking=True)
         self._dev32.copy_(self._host32, non_blocking=True)
+        if k:
+            d64 = self._dev64
+            d64[0].index_copy_(0, d64[3, :k], self.last_tokens.index_select(0, d64[4, :k]))
         meta.query_lens_host, meta.seq_lens_host = [1] * size, seq_lens[:size].tolist()
         meta.max_seqlen_k = int(seq_lens[:size].max())
         self.ctx.meta = meta

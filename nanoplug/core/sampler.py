@@ -33,6 +33,13 @@ def _seeded_noise(seed: int, position: int, vocab: int, device: torch.device) ->
     return torch.empty(vocab).exponential_(generator=gen).to(device)
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device without waiting for the device: pinned, copied asynchronously
+    (a plain torch.tensor(..., device=cuda) blocks the host until the queued GPU work is done)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
@@ -41,36 +48,37 @@ class Sampler:
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        logits = logits.float()
-        greedy = logits.argmax(dim=-1)
         if batch.all_greedy:
-            return greedy
+            return logits.argmax(dim=-1)
         dev = logits.device
-        temps = torch.tensor(batch.temperatures, dtype=torch.float32, device=dev)
-        probs = self.probabilities(logits, batch)
+        temps = to_device(batch.temperatures, torch.float32, dev)
+        probs = self.probabilities(logits, batch, temps)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, seed in enumerate(batch.seeds):
             if seed is not None:
                 noise[row] = _seeded_noise(seed, batch.positions[row], probs.shape[1], dev)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(temps == 0, greedy, sampled)
+        sampled = probs.div_(noise).argmax(dim=-1)
+        if any(t == 0.0 for t in batch.temperatures):
+            sampled = torch.where(temps == 0, logits.argmax(dim=-1), sampled)
+        return sampled
 
     @classmethod
-    def probabilities(cls, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def probabilities(cls, logits: torch.Tensor, batch: SamplingBatch, temps: torch.Tensor | None = None) -> torch.Tensor:
         """The distribution each row samples from: temperature, then top-k, top-p and min-p filtering.
 
         min-p keeps tokens with at least min_p times the top token's probability; applying it after
         top-k/top-p gives the same set as before them, since renormalising keeps the ratios."""
         dev = logits.device
-        temps = torch.tensor(batch.temperatures, dtype=torch.float32, device=dev)
+        if temps is None:
+            temps = to_device(batch.temperatures, torch.float32, dev)
         logits = logits.float() / torch.where(temps > 0, temps, 1.0).unsqueeze(1)
         if any(k > 0 for k in batch.top_ks):
             logits = cls._top_k(logits, batch.top_ks)
         if any(p < 1.0 for p in batch.top_ps):
-            logits = cls._top_p(logits, torch.tensor(batch.top_ps, dtype=torch.float32, device=dev))
+            logits = cls._top_p(logits, to_device(batch.top_ps, torch.float32, dev))
         probs = torch.softmax(logits, dim=-1)
         if any(p > 0.0 for p in batch.min_ps):
-            min_p = torch.tensor(batch.min_ps, dtype=torch.float32, device=dev).unsqueeze(1)
+            min_p = to_device(batch.min_ps, torch.float32, dev).unsqueeze(1)
             probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
         return probs
 
@@ -81,7 +89,7 @@ class Sampler:
         if max(ks) == 0:
             return logits
         # only the largest k is sorted out, not the whole vocabulary, even when some rows keep all
-        k = torch.tensor(ks, device=logits.device).unsqueeze(1)
+        k = to_device(ks, torch.int64, logits.device).unsqueeze(1)
         kth = logits.topk(max(ks), dim=-1).values.gather(1, (k - 1).clamp(min=0))
         kth = kth.masked_fill(k == 0, float("-inf"))
         return logits.masked_fill(logits < kth, float("-inf"))

@@ -30,6 +30,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
         self.blocks = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -80,6 +81,8 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:
                 continue  # preempted below while serving an earlier sequence
+            if seq.num_pending and self._ends_with_pending(seq):
+                continue  # its last token is still on the device: nothing follows it
             if len(seq.token_ids) <= len(seq.block_table) * block_size:  # fast path: room in its last block
                 batch.append(Scheduled(seq, 1))
                 continue
@@ -93,6 +96,11 @@ class Scheduler:
                 batch.append(Scheduled(seq, 1))
         return batch
 
+    def _ends_with_pending(self, seq: Sequence) -> bool:
+        """Whether the token on its way is the sequence's last one (it reaches max_tokens or max_model_len)."""
+        return (seq.num_completion_tokens + seq.num_pending >= seq.params.max_tokens
+                or len(seq) >= self.max_model_len)
+
     def _preempt(self, seq: Sequence) -> None:
         """Give back the sequence's blocks; it returns to the front of the queue and is recomputed."""
         self.running.remove(seq)
@@ -103,20 +111,26 @@ class Scheduler:
 
     def step_done(self, batch: list[Scheduled]) -> None:
         """Account for the computed tokens and register newly full blocks for prefix caching."""
+        self.advance(batch)
         for item in batch:
-            item.seq.num_computed_tokens += item.num_tokens
             self.blocks.commit(item.seq)
 
+    def advance(self, batch: list[Scheduled]) -> None:
+        """The step is launched: its tokens count as computed for scheduling the next one."""
+        for item in batch:
+            item.seq.num_computed_tokens += item.num_tokens
+
     def finish(self, seq: Sequence) -> None:
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self.blocks.free(seq)
+        elif seq in self.waiting:  # e.g. preempted while its last token was on the device
+            self.waiting.remove(seq)
         seq.status = Status.FINISHED
-        self.running.remove(seq)
-        self.blocks.free(seq)
+        seq.drop_pending()
 
     def abort(self, seq: Sequence) -> None:
         """Drop a request wherever it is (its caller went away), giving back its blocks."""
-        if seq in self.running:
+        if seq.status is not Status.FINISHED:
             self.finish(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-            seq.status = Status.FINISHED
         seq.finish_reason = seq.finish_reason or "abort"

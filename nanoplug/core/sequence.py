@@ -16,6 +16,7 @@ class Status(Enum):
 
 
 _ids = count()
+PENDING = -1  # a token sampled by a step still on the device (overlapped steps); replaced when it arrives
 
 
 @dataclass(eq=False)
@@ -36,6 +37,7 @@ class Sequence:
     logits: list[Any] = field(default_factory=list)
     adapter_id: int = 0
     detok: Any = None  # the engine's incremental detokenizer state
+    num_pending: int = 0  # trailing PENDING placeholders in token_ids
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
@@ -44,12 +46,35 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host has (all but the pending placeholders)."""
+        return len(self.token_ids) - self.num_pending
+
+    @property
     def completion_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens:self.num_known_tokens]
 
     @property
     def num_completion_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return self.num_known_tokens - self.num_prompt_tokens
+
+    def add_pending(self) -> None:
+        self.token_ids.append(PENDING)
+        self.num_pending += 1
+
+    def resolve_pending(self, token: int) -> None:
+        """The oldest pending token arrived (or, with none pending, a new token)."""
+        if self.num_pending:
+            self.token_ids[len(self.token_ids) - self.num_pending] = token
+            self.num_pending -= 1
+        else:
+            self.token_ids.append(token)
+
+    def drop_pending(self) -> None:
+        """The sequence ended: tokens still on the way are not part of it."""
+        if self.num_pending:
+            del self.token_ids[len(self.token_ids) - self.num_pending:]
+            self.num_pending = 0
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -31,6 +31,7 @@ class LocalGroup(ProcessGroup):
 class SingleDevice(ParallelStrategy):
     description = "one process, one device"
     priority = 100
+    supports_overlap = True
 
     @classmethod
     def unavailable(cls, target: Target) -> list[str]:

@@ -1,0 +1,92 @@
+"""FlashAttention-4's paged decode call, in the shapes and settings the `flash` backend could use,
+on one batch-256 decode step of the bench workload's shape (Qwen3-0.6B: 16 query / 8 KV heads of 128).
+
+Prints time per call and the KV bytes read per second (the floor is the GPU's copy rate).
+usage: python benchmarks/gpu_decode_attention.py [context_len ...]
+"""
+from __future__ import annotations
+
+import random
+import sys
+
+import torch
+from flash_attn.cute.interface import flash_attn_varlen_func
+
+torch.manual_seed(0)
+random.seed(0)
+dev, dt = torch.device("cuda"), torch.bfloat16
+B, H, KVH, D = 256, 16, 8, 128
+
+
+def bench(fn, iters=50):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def case(lens: list[int], page: int):
+    pages = [(n + page - 1) // page for n in lens]
+    total = sum(pages) + 1
+    k = torch.randn(total, page, KVH, D, device=dev, dtype=dt)
+    v = torch.randn_like(k)
+    perm = torch.randperm(total - 1).tolist()
+    width = max(pages)
+    table = torch.full((B, width), total - 1, dtype=torch.int32)
+    at = 0
+    for i, p in enumerate(pages):
+        table[i, :p] = torch.tensor(perm[at:at + p])
+        at += p
+    return k, v, table.to(dev), torch.tensor(lens, dtype=torch.int32, device=dev)
+
+
+def main() -> None:
+    spans = [int(a) for a in sys.argv[1:]] or [600, 1200]
+    q = torch.randn(B, H, D, device=dev, dtype=dt)
+    cu_q = torch.arange(B + 1, dtype=torch.int32, device=dev)
+    rows = []
+    for mean in spans:
+        lens = [max(1, int(random.uniform(0.2, 1.8) * mean)) for _ in range(B)]
+        gbytes = sum(lens) * KVH * D * 2 * 2 / 1e9
+        for page in (256, 128, 64):
+            k, v, table, used = case(lens, page)
+            ref = None
+            variants = {
+                "varlen q (now)": lambda: flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, seqused_k=used, max_seqlen_q=1,
+                                                                 page_table=table, causal=True),
+                "batch q [B,1,H,D]": lambda: flash_attn_varlen_func(q.unsqueeze(1), k, v, seqused_k=used, page_table=table,
+                                                                    causal=True),
+                "varlen, num_splits auto": lambda: flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, seqused_k=used,
+                                                                          max_seqlen_q=1, page_table=table, causal=True,
+                                                                          num_splits=0),
+                "batch q, num_splits auto": lambda: flash_attn_varlen_func(q.unsqueeze(1), k, v, seqused_k=used,
+                                                                           page_table=table, causal=True, num_splits=0),
+                "batch q, pack_gqa off": lambda: flash_attn_varlen_func(q.unsqueeze(1), k, v, seqused_k=used,
+                                                                        page_table=table, causal=True, pack_gqa=False),
+            }
+            for name, fn in variants.items():
+                try:
+                    out = fn()
+                    out = (out[0] if isinstance(out, tuple) else out).reshape(B, H, D)
+                    if ref is None:
+                        ref = out
+                    diff = (out.float() - ref.float()).abs().max().item()
+                    ms = bench(fn)
+                    rows.append((mean, page, name, f"{ms:.3f}", f"{gbytes / ms:.2f}", f"{diff:.1e}"))
+                except Exception as exc:  # noqa: BLE001
+                    rows.append((mean, page, name, "fail", f"{type(exc).__name__}: {str(exc)[:80]}", ""))
+            del k, v
+            torch.cuda.empty_cache()
+    print(f"{'ctx mean':>8} {'page':>5} {'variant':<28} {'ms':>7} {'TB/s':>6} maxdiff")
+    for r in rows:
+        print(f"{r[0]:>8} {r[1]:>5} {r[2]:<28} {r[3]:>7} {r[4]:>6} {r[5]}")
+
+
+if __name__ == "__main__":
+    main()
