@@ -173,14 +173,16 @@ class ModelRunner(Worker):
         return num_blocks
 
     def _warm_up(self) -> None:
-        """Run each kind of step once on the first blocks: a fresh prefill, a prefill chunk over
-        cached context, and a decode. Kernels that compile on first use (FlashAttention-4 builds one
-        per variant, seconds each) then compile here, not inside the first requests' steps. The
-        blocks are cleared before the block manager first hands them out (`take_new_blocks`)."""
-        bs = self.block_size
-        table = [min(i, self.num_blocks) for i in range((bs + 3 + bs - 1) // bs)]
+        """Run each kind of step once on the first blocks: fresh prefills and prefill chunks over
+        cached context, with short and long queries, and a decode. Kernels that compile on first use
+        (FlashAttention-4 builds one per variant, seconds each, and a query longer than one tile is
+        another variant) then compile here, not inside the first requests' steps. The blocks are
+        cleared before the block manager first hands them out (`take_new_blocks`)."""
+        cfg, bs = self.config, self.block_size
+        long = max(2, min(512, cfg.max_model_len - 2, cfg.max_num_batched_tokens))
+        table = [min(i, self.num_blocks) for i in range((long + 1 + bs - 1) // bs)]
         greedy = SamplingBatch([0.0], [0], [1.0], [0.0], [None], [0])
-        for is_prefill, start, n in ((True, 0, 2), (True, bs, 2), (False, bs + 2, 1)):
+        for is_prefill, start, n in ((True, 0, 2), (True, 0, long), (True, 1, 2), (True, 1, long), (False, 1, 1)):
             self.run(StepBatch(is_prefill=is_prefill, input_ids=[0] * n, starts=[start], query_lens=[n],
                                block_tables=[table], sample_rows=[0], sampling=greedy))
         torch.cuda.synchronize(self.device)

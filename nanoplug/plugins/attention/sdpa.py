@@ -32,7 +32,8 @@ class SdpaAttention(AttentionBackend):
         # on CUDA in fp16/bf16, PyTorch's varlen FlashAttention serves the steps it can (sdpa_cuda.py)
         self.cuda = CudaVarlenAttention(spec) if CudaVarlenAttention.usable(spec) else None
         self.fast = False
-        self.paged_decode = PagedDecode(spec)  # decode steps elsewhere (CPU): gather live tokens only
+        # decode steps on the CPU: gather live tokens only (on a GPU the padded path measured faster)
+        self.paged_decode = PagedDecode(spec) if spec.device.type == "cpu" else None
         self.decoding = False
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -40,7 +41,7 @@ class SdpaAttention(AttentionBackend):
         self.fast = self.cuda is not None and self.cuda.serves(meta)
         if self.fast:
             return
-        self.decoding = self.paged_decode.serves(meta)
+        self.decoding = self.paged_decode is not None and self.paged_decode.serves(meta)
         if self.decoding:
             return self.paged_decode.prepare(meta)
         dev = meta.slot_mapping.device
