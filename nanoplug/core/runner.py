@@ -239,7 +239,8 @@ class ModelRunner(Worker):
         """Queue one step's device work (model, sampler, the copy of the tokens back) without waiting.
 
         The host may then prepare the next step while the device computes this one; `collect`
-        waits for the tokens. Every host buffer a queued copy reads stays untouched until then."""
+        waits for the tokens. At most one step may be uncollected when the next is launched (the
+        graph inputs' pinned host buffers come in two, used in turn)."""
         num_seqs = len(batch.query_lens)
         if batch.new_blocks:  # never-written memory may hold NaN that padded reads would spread
             self.kv_cache.index_fill_(2, self._on_device(np.asarray(batch.new_blocks, dtype=np.int64)), 0)
