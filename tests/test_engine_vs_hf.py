@@ -147,6 +147,17 @@ def test_preemption_with_sampling_keeps_seeded_outputs():
     assert all(len(o.token_ids) == 16 for o in tight)
 
 
+def test_sdpa_padded_decode_equals_transformers():
+    """sdpa's decode steps take the padded path on CUDA (the gather-only one is for CPUs): the same
+    path, checked here on the CPU with the gather-only decode turned off."""
+    llm = engine(attention="sdpa", max_num_batched_tokens=20)
+    backend = llm.executor.worker.ctx.decode
+    assert backend.paged_decode is not None  # CPU: gather-only decode by default
+    backend.paged_decode = None
+    assert tokens_of(llm.generate(cache_prompts(), GREEDY, use_tqdm=False)) == reference("qwen3", GREEDY.max_tokens, "cache")
+    assert not backend.decoding  # the padded path served every decode step
+
+
 @pytest.mark.parametrize("attention", ["manual", "sdpa"])
 def test_garbage_in_a_fresh_kv_cache_never_reaches_the_output(attention):
     """A CPU cache starts as uninitialized memory: NaN there must not leak through padded reads."""
