@@ -16,6 +16,7 @@ import torch
 
 from nanoplug.core.attention_layer import PagedAttention, StepContext
 from nanoplug.core.config import EngineConfig
+from nanoplug.core.device_copy import to_device
 from nanoplug.core.interfaces import AttentionMetadata, AttentionSpec, ModelFacts, ProcessGroup, Worker
 from nanoplug.core.loader import load_hf_config, load_weights
 from nanoplug.core.sampler import Sampler, SamplingBatch
@@ -210,8 +211,7 @@ class ModelRunner(Worker):
         dev = self.device
 
         def put(a, dtype):
-            t = torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
-            return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+            return to_device(np.ascontiguousarray(a), dtype, dev)
 
         meta = AttentionMetadata(
             is_prefill=batch.is_prefill,
@@ -243,7 +243,7 @@ class ModelRunner(Worker):
         graph inputs' pinned host buffers come in two, used in turn)."""
         num_seqs = len(batch.query_lens)
         if batch.new_blocks:  # never-written memory may hold NaN that padded reads would spread
-            self.kv_cache.index_fill_(2, self._on_device(np.asarray(batch.new_blocks, dtype=np.int64)), 0)
+            self.kv_cache.index_fill_(2, to_device(batch.new_blocks, torch.int64, self.device), 0)
         graph = None if batch.is_prefill else self._graph_for(num_seqs)
         if self.request_adapters is not None:
             ids = np.asarray(batch.adapter_ids or [0] * num_seqs, dtype=np.int64)
@@ -253,8 +253,8 @@ class ModelRunner(Worker):
         else:
             input_ids, positions, meta, last = self._prepare(batch)
             if batch.from_previous_at:
-                at = self._on_device(np.asarray(batch.from_previous_at, dtype=np.int64))
-                rows = self._on_device(np.asarray(batch.from_previous_rows, dtype=np.int64))
+                at = to_device(batch.from_previous_at, torch.int64, self.device)
+                rows = to_device(batch.from_previous_rows, torch.int64, self.device)
                 input_ids.index_copy_(0, at, self.last_tokens.index_select(0, rows))
             self.ctx.set_step(meta)
             hidden = self.model(input_ids, positions)
@@ -284,10 +284,6 @@ class ModelRunner(Worker):
         if done is not None:
             done.synchronize()
         return tokens.tolist(), list(rows) if rows is not None else []
-
-    def _on_device(self, array: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(array)
-        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
     # ------------------------------------------------------------------------------- graphs
     def _graph_for(self, num_seqs: int):
@@ -321,8 +317,7 @@ class ModelRunner(Worker):
         self._hosts = [(torch.zeros(5, max_bs, dtype=torch.int64).pin_memory(),
                         torch.zeros(2 * max_bs + 1 + max_bs * max_blocks, dtype=torch.int32).pin_memory())
                        for _ in range(2)]
-        self._host64, self._host32 = self._hosts[0]
-        self._dev64, self._dev32 = self._host64.to(dev), self._host32.to(dev)
+        self._dev64, self._dev32 = (t.to(dev) for t in self._hosts[0])
         d32 = self._dev32
         st = {
             "input_ids": self._dev64[0], "positions": self._dev64[1], "slot_mapping": self._dev64[2],
@@ -358,10 +353,10 @@ class ModelRunner(Worker):
         graph, meta, logits = entry
         n, size = len(batch.query_lens), meta.seq_lens.shape[0]
         self._hosts.reverse()
-        self._host64, self._host32 = self._hosts[0]
-        bs, max_bs = self.block_size, self._host64.shape[1]
+        host64, host32 = self._hosts[0]
+        bs, max_bs = self.block_size, host64.shape[1]
         starts = np.asarray(batch.starts, dtype=np.int64)
-        h64, h32 = self._host64.numpy(), self._host32.numpy()
+        h64, h32 = host64.numpy(), host32.numpy()
         seq_lens, cu_k = h32[:max_bs], h32[max_bs:2 * max_bs + 1]
         tables = h32[2 * max_bs + 1:].reshape(max_bs, -1)
         tables[:size] = self.num_blocks  # padding rows and columns point at the scratch block
@@ -374,8 +369,8 @@ class ModelRunner(Worker):
         np.cumsum(seq_lens[:size], out=cu_k[1:size + 1])
         k = len(batch.from_previous_at)
         h64[3, :k], h64[4, :k] = batch.from_previous_at, batch.from_previous_rows
-        self._dev64.copy_(self._host64, non_blocking=True)
-        self._dev32.copy_(self._host32, non_blocking=True)
+        self._dev64.copy_(host64, non_blocking=True)
+        self._dev32.copy_(host32, non_blocking=True)
         if k:
             d64 = self._dev64
             d64[0].index_copy_(0, d64[3, :k], self.last_tokens.index_select(0, d64[4, :k]))

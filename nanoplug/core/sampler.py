@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoplug.core.device_copy import to_device
+
 
 @dataclass
 class SamplingBatch:
@@ -31,13 +33,6 @@ def _seeded_noise(seed: int, position: int, vocab: int, device: torch.device) ->
     gen = torch.Generator(device="cpu")
     gen.manual_seed((seed * 1_000_003 + position) & ((1 << 63) - 1))
     return torch.empty(vocab).exponential_(generator=gen).to(device)
-
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on the device without waiting for the device: pinned, copied asynchronously
-    (a plain torch.tensor(..., device=cuda) blocks the host until the queued GPU work is done)."""
-    t = torch.tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 class Sampler:

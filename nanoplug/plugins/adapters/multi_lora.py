@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoplug.core.device_copy import to_device
 from nanoplug.core.errors import AdapterError
 from nanoplug.core.interfaces import RequestAdapters
 from nanoplug.plugins.adapters.peft_folder import LoraModule, PeftLora
@@ -50,8 +51,8 @@ class LoraSlots(RequestAdapters):
                 self.mask[: self.filled].zero_()
                 self.filled = 0
             return
-        ids = token_adapter_ids.pin_memory() if self.cuda else token_adapter_ids
-        torch.index_select(self.onehot, 0, ids.to(self.onehot.device, non_blocking=True), out=self.mask[:n])
+        ids = to_device(token_adapter_ids, torch.int64, self.onehot.device)
+        torch.index_select(self.onehot, 0, ids, out=self.mask[:n])
         if self.filled > n:
             self.mask[n: self.filled].zero_()
         self.filled = n
