@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from _checkpoints import PROMPTS, checkpoint
+from _engine_checks import assert_idle, interrupt_generate
 from nanoplug import LLM, SamplingParams
 from nanoplug.core.sequence import PENDING
 
@@ -21,12 +22,6 @@ def engine(overlap: bool, **options) -> LLM:
 @pytest.fixture(scope="module")
 def pair():
     return engine(False), engine(True)
-
-
-def assert_idle(llm: LLM) -> None:
-    assert not llm.scheduler.has_work() and llm.in_flight is None
-    assert not llm.executor.worker.pending
-    assert llm.scheduler.blocks.num_free_blocks == llm.num_kv_blocks
 
 
 def outputs_equal(a, b, same_cache_hits: bool = True) -> None:
@@ -120,19 +115,6 @@ def test_streams_match_and_an_early_exit_frees_everything(pair):
 def test_an_interrupted_generate_leaves_nothing_behind(pair):
     sync, fast = pair
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    real_step, calls = fast.step, []
-
-    def failing_step():
-        calls.append(1)
-        if len(calls) == 4:
-            raise KeyboardInterrupt
-        return real_step()
-
-    fast.step = failing_step
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            fast.generate(PROMPTS, params, use_tqdm=False)
-    finally:
-        del fast.step
+    interrupt_generate(fast, 4, PROMPTS, params)
     assert_idle(fast)
     outputs_equal(sync.generate(PROMPTS, params, use_tqdm=False), fast.generate(PROMPTS, params, use_tqdm=False))

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from _checkpoints import PROMPTS, checkpoint, prompt_ids, scratch_dir, tokenizer
+from _engine_checks import assert_idle, interrupt_generate
 from nanoplug import LLM, SamplingParams
 from nanoplug.checkpoints import qwen_tokenizer_dir
 from nanoplug.core.detokenizer import IncrementalDetokenizer
@@ -27,12 +28,6 @@ def llm():
 def greedy(llm):
     """Unconstrained greedy outputs of PROMPTS: what every stop test cuts."""
     return llm.generate(PROMPTS, LONG, use_tqdm=False)
-
-
-def assert_idle(llm: LLM) -> None:
-    """Nothing left running or waiting, and every KV block back in the free list."""
-    assert not llm.scheduler.has_work()
-    assert llm.scheduler.blocks.num_free_blocks == llm.num_kv_blocks
 
 
 # ------------------------------------------------------------------------------ prompt forms
@@ -258,19 +253,6 @@ def test_outputs_after_bad_input_equal_a_fresh_engine():
 
 
 def test_a_generate_interrupted_mid_run_leaves_nothing_behind(llm, greedy):
-    real_step, calls = llm.step, []
-
-    def failing_step():
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real_step()
-
-    llm.step = failing_step
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            llm.generate(PROMPTS, LONG, use_tqdm=False)
-    finally:
-        del llm.step
+    interrupt_generate(llm, 3, PROMPTS, LONG)
     assert_idle(llm)
     assert [o.token_ids for o in llm.generate(PROMPTS, LONG, use_tqdm=False)] == [g.token_ids for g in greedy]
