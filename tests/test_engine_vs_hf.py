@@ -18,7 +18,7 @@ from functools import lru_cache
 import pytest
 import torch
 
-from _checkpoints import PROMPTS, checkpoint, hf_greedy, hf_logits, prompt_ids, relative_error, tokenizer
+from _checkpoints import checkpoint, hf_greedy, hf_logits, prompt_ids, relative_error, tokenizer
 from nanoplug import LLM, SamplingParams
 
 BLOCK = 16

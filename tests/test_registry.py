@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-import sys
 import types
 from types import SimpleNamespace
 

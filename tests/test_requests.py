@@ -13,7 +13,6 @@ from nanoplug import LLM, SamplingParams
 from nanoplug.checkpoints import qwen_tokenizer_dir
 from nanoplug.core.detokenizer import IncrementalDetokenizer
 from nanoplug.core.errors import RequestError
-from nanoplug.core.sequence import Status
 
 OPTIONS = dict(kv_block_size=16, attention="sdpa", kv_cache="torch", num_kv_blocks=64, max_model_len=256)
 LONG = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

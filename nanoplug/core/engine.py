@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Sequence as Seq
+from typing import Any, Iterator, Sequence as Seq
 
 import torch
 

@@ -108,8 +108,8 @@ def read_config(folder: Path) -> dict[str, Any]:
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     file = folder / WEIGHTS_FILE
     if not file.is_file():
-        hint = (f"the folder holds the legacy adapter_model.bin: re-save the adapter with "
-                f"save_pretrained(DIR, safe_serialization=True)") if (folder / "adapter_model.bin").is_file() \
+        hint = ("the folder holds the legacy adapter_model.bin: re-save the adapter with "
+                "save_pretrained(DIR, safe_serialization=True)") if (folder / "adapter_model.bin").is_file() \
             else "pass the folder PEFT's save_pretrained wrote"
         raise ModelLoadError(f"{str(file)!r} is missing; {hint}")
     return load_file(str(file), device="cpu")

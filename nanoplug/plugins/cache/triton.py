@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 from nanoplug.core.hookspecs import hookimpl
 from nanoplug.core.interfaces import PLUGIN_API_VERSION, KVCacheStore, Target
 
