@@ -20,22 +20,15 @@ from pathlib import Path
 
 import torch
 
+from _engines import TEXT, Nanoplug, Transformers
+
 SHAPE = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6,
              num_key_value_heads=2, head_dim=64, tie_word_embeddings=True, max_position_embeddings=1024)
-TEXT = (
-    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
-    "movable metal type, oil-based ink and a screw press into a system that could produce books quickly. "
-    "Before that, texts were copied by hand, which made them expensive and rare. Within a few decades, "
-    "printing shops had spread across Europe, and the number of books grew from thousands to millions. "
-    "Scholars could compare identical copies, news travelled faster, and literacy slowly rose. "
-    "Rivers shape the land they cross: they carve valleys, carry sediment to the sea and build deltas. "
-    "A recipe for bread needs only flour, water, salt and yeast, yet bakers argue about every step. "
-) * 3
 
 
 def make_prompts(tokenizer, count: int, shortest: int = 64, longest: int = 256) -> list[list[int]]:
     """`count` different prompts of `shortest`..`longest` tokens, cut from one text at different offsets."""
-    ids = tokenizer.encode(TEXT)
+    ids = tokenizer.encode(TEXT * 3)
     span = longest - shortest + 1
     prompts = []
     for i in range(count):
@@ -43,39 +36,6 @@ def make_prompts(tokenizer, count: int, shortest: int = 64, longest: int = 256) 
         start = (i * 11) % (len(ids) - length)
         prompts.append(ids[start:start + length])
     return prompts
-
-
-class Nanoplug:
-    def __init__(self, path: str, attention: str, kv_cache: str):
-        from nanoplug import LLM
-
-        self.llm = LLM(path, attention=attention, kv_cache=kv_cache, kv_block_size=32, max_model_len=512,
-                       num_kv_blocks=640, device="cpu", dtype="float32")
-        self.label = f"nanoplug ({attention}, {kv_cache})"
-
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-        from nanoplug import SamplingParams
-
-        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-        return [o.token_ids for o in self.llm.generate(prompts, params, use_tqdm=False)]
-
-
-class Transformers:
-    label = "transformers generate (left-padded batch)"
-
-    def __init__(self, path: str):
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-    @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-        width = max(map(len, prompts))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-        return out[:, width:].tolist()
 
 
 def measure(engines, prompts, new_tokens: int, repeats: int) -> dict[str, dict]:
@@ -121,7 +81,9 @@ def main() -> None:
         path = args.model or str(write_random_checkpoint(Path(tmp) / "qwen3-small", "Qwen3ForCausalLM", **SHAPE))
         tokenizer = AutoTokenizer.from_pretrained(path)
         prompts = make_prompts(tokenizer, args.prompts)
-        engines = [Nanoplug(path, args.attention, args.kv_cache), Transformers(path)]
+        engines = [Nanoplug(path, attention=args.attention, kv_cache=args.kv_cache, kv_block_size=32, max_model_len=512,
+                            num_kv_blocks=640, device="cpu", dtype="float32"),
+                   Transformers(path, label="transformers generate (left-padded batch)")]
         result = measure(engines, prompts, args.new_tokens, args.repeats)
     lengths = sorted(map(len, prompts))
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "

@@ -17,15 +17,7 @@ import time
 
 import torch
 
-TEXT = (
-    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
-    "movable metal type, oil-based ink and a screw press into a system that could produce books quickly. "
-    "Before that, texts were copied by hand, which made them expensive and rare. Within a few decades, "
-    "printing shops had spread across Europe, and the number of books grew from thousands to millions. "
-    "Scholars could compare identical copies, news travelled faster, and literacy slowly rose. "
-    "Rivers shape the land they cross: they carve valleys, carry sediment to the sea and build deltas. "
-    "A recipe for bread needs only flour, water, salt and yeast, yet bakers argue about every step. "
-)
+from _engines import TEXT, Nanoplug, Transformers
 
 
 def make_prompts(tokenizer, batch: int) -> list[list[int]]:
@@ -37,41 +29,6 @@ def make_prompts(tokenizer, batch: int) -> list[list[int]]:
         start = (i * 7) % (len(ids) - length)
         prompts.append(ids[start:start + length])
     return prompts
-
-
-class Nanoplug:
-    name = "nanoplug"
-
-    def __init__(self, path: str, attention: str, kv_cache: str, dtype: str):
-        from nanoplug import LLM
-
-        self.llm = LLM(path, attention=attention, kv_cache=kv_cache, kv_block_size=16, max_model_len=512,
-                       cpu_kv_cache_gb=1.0, enable_prefix_caching=False, dtype=dtype)
-        self.label = f"nanoplug ({attention}, {kv_cache})"
-
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-        from nanoplug import SamplingParams
-
-        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-        return [o.token_ids for o in self.llm.generate(prompts, params, use_tqdm=False)]
-
-
-class Transformers:
-    label = "transformers generate"
-
-    def __init__(self, path: str, dtype: str):
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-
-    @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-        width = max(map(len, prompts))  # left padding, as batched generation needs
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                  do_sample=False, eos_token_id=None, pad_token_id=0)
-        return out[:, width:].tolist()
 
 
 def timed(engine, prompts, new_tokens) -> tuple[float, list[list[int]]]:
@@ -125,7 +82,9 @@ def main() -> None:
     import transformers
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    engines = [Nanoplug(args.model, args.attention, args.kv_cache, args.dtype), Transformers(args.model, args.dtype)]
+    engines = [Nanoplug(args.model, attention=args.attention, kv_cache=args.kv_cache, kv_block_size=16, max_model_len=512,
+                        cpu_kv_cache_gb=1.0, enable_prefix_caching=False, dtype=args.dtype),
+               Transformers(args.model, args.dtype)]
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
           f"({torch.get_num_threads()} threads), transformers {transformers.__version__}")
     print(f"# greedy, eos ignored, {args.dtype}, prompts of 32-64 tokens, {args.new_tokens} new tokens, "
