@@ -47,12 +47,13 @@ def fake_step(sched: Scheduler, next_token=lambda s: 1000 + len(s)) -> list[tupl
     Returns (sequence, tokens computed, whether it sampled) for each scheduled sequence."""
     batch, is_prefill = sched.schedule()
     plan = [(item.seq, item.num_tokens, item.samples) for item in batch]
-    sched.step_done(batch)
+    sched.advance(batch)
     for s, _, samples in plan:
         if samples:
             s.token_ids.append(next_token(s))
-            if s.num_completion_tokens >= s.params.max_tokens:
-                sched.finish(s)
+        sched.blocks.commit(s)  # as the engine does: full blocks register once their tokens are known
+        if samples and s.num_completion_tokens >= s.params.max_tokens:
+            sched.finish(s)
     return plan
 
 

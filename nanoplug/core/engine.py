@@ -27,6 +27,7 @@ from nanoplug.core.scheduler import Scheduled, Scheduler
 from nanoplug.core.sequence import PENDING, Sequence, Status
 
 log = logging.getLogger("nanoplug")
+NOTHING_TO_RUN = "the scheduler found nothing to run although requests wait; the KV cache is too small"
 
 
 @dataclass
@@ -283,10 +284,12 @@ class LLM:
         sequence's newest token is then a placeholder that the device fills in; when that token
         ends the sequence (EOS, a stop string), the one step it ran ahead is thrown away."""
         if not self.overlap:
-            batch, is_prefill = self._schedule()
+            batch, is_prefill = self.scheduler.schedule()
+            if not batch:
+                raise RuntimeError(NOTHING_TO_RUN)
             step = self._build_step(batch, is_prefill)
             tokens, logits = self.executor.call("run", step)
-            self.scheduler.step_done(batch)
+            self.scheduler.advance(batch)
             return self._resolve(_Launched(batch, step, {}), tokens, logits)
         launched = None
         if self.scheduler.has_work():
@@ -304,16 +307,10 @@ class LLM:
         previous, self.in_flight = self.in_flight, launched
         if previous is None:
             if launched is None:
-                self._schedule()  # raises: nothing runs although requests wait
+                raise RuntimeError(NOTHING_TO_RUN)
             return []
         tokens, logits = self.executor.call("collect")
         return self._resolve(previous, tokens, logits)
-
-    def _schedule(self) -> tuple[list[Scheduled], bool]:
-        batch, is_prefill = self.scheduler.schedule()
-        if not batch:
-            raise RuntimeError("the scheduler found nothing to run although requests wait; the KV cache is too small")
-        return batch, is_prefill
 
     def _resolve(self, launched: "_Launched", tokens: list[int], logits: list[Any]) -> list[tuple[Sequence, list[int]]]:
         """Give a finished step's tokens to their sequences, register full blocks, check for stops."""
@@ -329,10 +326,9 @@ class LLM:
             if k in logits_of:
                 seq.logits.append(logits_of[k])
             got.append((seq, token))
-        if self.overlap:  # blocks are registered once their tokens are known (step_done did it otherwise)
-            for item in batch:
-                if item.seq.status is Status.RUNNING:
-                    self.scheduler.blocks.commit(item.seq)
+        for item in batch:  # full blocks are registered once their tokens are known
+            if item.seq.status is Status.RUNNING:
+                self.scheduler.blocks.commit(item.seq)
         for seq, token in got:
             self._check_finish(seq, token)
         return [(seq, [token]) for seq, token in got]

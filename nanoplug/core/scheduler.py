@@ -109,14 +109,11 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def step_done(self, batch: list[Scheduled]) -> None:
-        """Account for the computed tokens and register newly full blocks for prefix caching."""
-        self.advance(batch)
-        for item in batch:
-            self.blocks.commit(item.seq)
-
     def advance(self, batch: list[Scheduled]) -> None:
-        """The step is launched: its tokens count as computed for scheduling the next one."""
+        """The step is launched: its tokens count as computed for scheduling the next one.
+
+        Full blocks are registered for prefix caching (`blocks.commit`) once the tokens they hold
+        are known, which under overlapped steps is a step later."""
         for item in batch:
             item.seq.num_computed_tokens += item.num_tokens
 
