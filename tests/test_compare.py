@@ -33,6 +33,21 @@ def manual_outcome(tiny_qwen3):
     return outcome
 
 
+@pytest.fixture(autouse=True)
+def nan_fresh_cache(monkeypatch):
+    """A fresh CPU cache is uninitialized memory; make it NaN so a backend reading unwritten slots fails
+    here every time, not only when the allocator happens to hand back NaN bytes."""
+    from nanoplug.core.runner import ModelRunner
+
+    allocate = ModelRunner._set_cache
+
+    def allocate_poisoned(self, num_blocks):
+        allocate(self, num_blocks)
+        self.kv_cache.fill_(float("nan"))
+
+    monkeypatch.setattr(ModelRunner, "_set_cache", allocate_poisoned)
+
+
 def test_scenario_really_hits_the_cache():
     """The prefix step reuses seq 0's blocks and starts after them; chunks continue their sequence."""
     state = compare.ScenarioState(16, 1000)

@@ -65,6 +65,7 @@ class ScenarioState:
         self.tokens = [torch.randint(0, vocab, (n + 8,), generator=gen).tolist() for n in self.prompt_lens]
         self.tokens[3][: 2 * block_size] = self.tokens[0][: 2 * block_size]  # a shared prefix
         self.next_block = 0
+        self.new_blocks: list[int] = []  # first used in the coming step: the runner clears them (NaN garbage)
         self.tables: list[list[int]] = [[] for _ in self.prompt_lens]
         self.starts = [0] * len(self.prompt_lens)
         self.starts[3] = 2 * block_size
@@ -74,6 +75,7 @@ class ScenarioState:
             self.tables[3] = list(self.tables[0][:2])  # the prefix hit: seq 0's first two blocks, reused
         while len(self.tables[i]) * self.bs < length:
             self.tables[i].append(self.next_block)
+            self.new_blocks.append(self.next_block)
             self.next_block += 1
 
     def batch(self, step: Step):
@@ -91,7 +93,9 @@ class ScenarioState:
         rows = list(range(len(step.seqs)))
         k = len(rows)
         sampling = SamplingBatch([0.0] * k, [0] * k, [1.0] * k, [0.0] * k, [None] * k, [0] * k)
-        return StepBatch(step.is_prefill, ids, starts, list(step.query_lens), tables, rows, sampling, rows)
+        new, self.new_blocks = self.new_blocks, []
+        return StepBatch(step.is_prefill, ids, starts, list(step.query_lens), tables, rows, sampling, rows,
+                         new_blocks=new)
 
 
 def blocks_needed(block_size: int) -> int:
