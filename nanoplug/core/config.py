@@ -56,6 +56,9 @@ class EngineConfig(BaseModel):
     compile_fused_ops: bool = Field(True, description="torch.compile the small fused ops on CUDA (off: measure without)")
     overlap_steps: bool | None = Field(None, description="prepare step N+1 on the host while the device computes "
                                        "step N; None: on for CUDA when the parallel strategy supports it")
+    cpu_weight_packing: bool | None = Field(None, description="pack linear weights once for MKL's GEMM on the "
+                                            "CPU in float32 (a second copy of them); None: when it fits in a quarter "
+                                            "of the available memory")
     seed: int = 0
 
     @field_validator("adapters", mode="before")

@@ -19,6 +19,7 @@ from nanoplug.core.config import EngineConfig
 from nanoplug.core.device_copy import to_device
 from nanoplug.core.interfaces import AttentionMetadata, AttentionSpec, ModelFacts, ProcessGroup, Worker
 from nanoplug.core.loader import load_hf_config, load_weights
+from nanoplug.core.packed_linear import pack_linear_weights
 from nanoplug.core.sampler import Sampler, SamplingBatch
 
 log = logging.getLogger("nanoplug")
@@ -96,6 +97,7 @@ class ModelRunner(Worker):
             self.model, per_request, group, max(config.max_num_batched_tokens, config.max_num_seqs)
         ) if per_request else None
         self.model.eval()
+        pack_linear_weights(self.model, config.cpu_weight_packing, dtype, device)  # after LoRA merges change weights
         self.sampler = Sampler(device, config.seed)
         self.pending: deque = deque()  # launched steps whose tokens are not collected yet
         self.last_tokens: torch.Tensor | None = None

@@ -24,6 +24,7 @@ from torch import nn
 from nanoplug.core.device_copy import to_device
 from nanoplug.core.errors import AdapterError
 from nanoplug.core.interfaces import RequestAdapters
+from nanoplug.core.packed_linear import linear
 from nanoplug.plugins.adapters.peft_folder import LoraModule, PeftLora
 
 
@@ -80,7 +81,7 @@ class MultiLoraLinear(nn.Module):
             y = self.base(x)
             return self._add_update(x, y) if self.slots.needed() else y
         base = self.base  # row parallel: add this shard's partial update before the sum over shards
-        y = F.linear(x, base.weight, base.bias if group.rank == 0 else None)
+        y = linear(x, base.weight, base.bias if group.rank == 0 else None, getattr(base, "packed", None))
         if self.slots.needed():
             y = self._add_update(x, y)
         return group.all_reduce(y)

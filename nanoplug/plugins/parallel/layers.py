@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoplug.core.interfaces import ProcessGroup
+from nanoplug.core.packed_linear import linear
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -24,6 +25,8 @@ def _plain_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> N
 
 
 class LinearBase(nn.Module):
+    packed: torch.Tensor | None = None  # the weight packed for MKL on the CPU (core/packed_linear.py)
+
     def __init__(self, group: ProcessGroup, in_features: int, out_features: int, bias: bool, tp_dim: int | None):
         super().__init__()
         self.group, self.tp_dim = group, tp_dim
@@ -45,7 +48,7 @@ class LinearBase(nn.Module):
         param.data.copy_(self._shard(param, tensor))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class ReplicatedLinear(LinearBase):
@@ -111,7 +114,7 @@ class RowParallelLinear(LinearBase):
             super().weight_loader(param, tensor)
 
     def forward(self, x):
-        y = F.linear(x, self.weight, self.bias if self.group.rank == 0 else None)
+        y = linear(x, self.weight, self.bias if self.group.rank == 0 else None, self.packed)
         return self.group.all_reduce(y) if self.group.world_size > 1 else y
 
 
@@ -144,12 +147,14 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection, vocabulary split over ranks; logits gathered on every rank."""
 
+    packed: torch.Tensor | None = None  # as LinearBase.packed
+
     def __init__(self, group, vocab_size: int, hidden_size: int, bias: bool = False):
         super().__init__(group, vocab_size, hidden_size)
         self.bias = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, None, self.packed)
         if self.group.world_size > 1:
             logits = self.group.all_gather(logits, dim=-1)
         return logits[..., : self.vocab_size]
