@@ -68,6 +68,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--attention", default="sdpa")
     parser.add_argument("--kv-cache", default="torch")
+    parser.add_argument("--no-weight-packing", action="store_true",
+                        help="nanoplug with F.linear on the unpacked weights (cpu_weight_packing=False)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
     if args.threads:
@@ -82,7 +84,8 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(path)
         prompts = make_prompts(tokenizer, args.prompts)
         engines = [Nanoplug(path, attention=args.attention, kv_cache=args.kv_cache, kv_block_size=32, max_model_len=512,
-                            num_kv_blocks=640, device="cpu", dtype="float32"),
+                            num_kv_blocks=640, device="cpu", dtype="float32",
+                            cpu_weight_packing=False if args.no_weight_packing else None),
                    Transformers(path, label="transformers generate (left-padded batch)")]
         result = measure(engines, prompts, args.new_tokens, args.repeats)
     lengths = sorted(map(len, prompts))

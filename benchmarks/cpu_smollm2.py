@@ -69,6 +69,8 @@ def main() -> None:
     parser.add_argument("--attention", default="sdpa")
     parser.add_argument("--kv-cache", default="torch")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--no-weight-packing", action="store_true",
+                        help="nanoplug with F.linear on the unpacked weights (cpu_weight_packing=False)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
     if args.threads:
@@ -83,7 +85,8 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     engines = [Nanoplug(args.model, attention=args.attention, kv_cache=args.kv_cache, kv_block_size=16, max_model_len=512,
-                        cpu_kv_cache_gb=1.0, enable_prefix_caching=False, dtype=args.dtype),
+                        cpu_kv_cache_gb=1.0, enable_prefix_caching=False, dtype=args.dtype,
+                        cpu_weight_packing=False if args.no_weight_packing else None),
                Transformers(args.model, args.dtype)]
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
           f"({torch.get_num_threads()} threads), transformers {transformers.__version__}")
