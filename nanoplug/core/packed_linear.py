@@ -2,10 +2,10 @@
 
 `F.linear` on the CPU hands the weight to MKL's sgemm, which re-packs it into its blocked layout on
 every call. For the 4-64 token rows of a decode step that packing costs about as much as the multiply
-itself (SmolLM2-135M's layer GEMMs at 32 rows: 1.4-2.9x faster packed, benchmarks/RESULTS.md).
-Packing once at load (`cblas_sgemm_pack`, reached through `torch.ops.mkl`) removes it; at 16 rows and
-more the result is the same sgemm's, bit for bit, and within float32 rounding below that. Prefill-sized
-inputs keep `F.linear`, which is as fast or faster there.
+itself (SmolLM2-135M's GEMMs at 32 rows: 1.25-2.2x faster packed, benchmarks/RESULTS.md). Packing
+once at load (`cblas_sgemm_pack`, reached through `torch.ops.mkl`) removes it. The result is F.linear's
+to float32 rounding (bit for bit from 16 rows with torch 2.13's MKL). Prefill-sized inputs keep
+`F.linear`, which is as fast or faster there.
 
 A layer opts in by having a `packed` attribute (None until packed); `linear()` is its forward. The
 packed copy costs as much memory as the weight, so `pack_linear_weights` packs only when asked, or,
