@@ -41,6 +41,10 @@ def test_packed_gemm_equals_f_linear_at_every_row_count():
         x = torch.randn(rows, 72)
         torch.testing.assert_close(linear(x, probe.weight, probe.bias, probe.packed), F.linear(x, probe.weight, probe.bias),
                                    rtol=1e-5, atol=1e-5)
+    wide = torch.randn(MIN_ROWS + 4, 100)
+    for x in (wide[:, :72], wide[:, 28:], torch.randn(72, 9).t()):  # strided views, as split/transpose give
+        torch.testing.assert_close(linear(x, probe.weight, probe.bias, probe.packed), F.linear(x, probe.weight, probe.bias),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_only_decode_sized_inputs_take_the_packed_path(monkeypatch):
