@@ -84,9 +84,13 @@ def pack_linear_weights(model: nn.Module, enabled: bool | None, dtype: torch.dty
         available = _available_memory()
         if available is None or 4 * size > available:
             reason = f"the packed copies ({size / 2**20:.0f} MiB) would not fit in a quarter of the available memory"
-    if reason is not None or not layers:
-        if enabled and reason:
+    if reason is None and not layers:
+        reason = "the model has no layers that opt in (a `packed` attribute beside the weight)"
+    if reason is not None:
+        if enabled:
             log.warning("cpu_weight_packing: not packing: %s", reason)
+        elif device.type == "cpu":  # by default on a GPU it is not news
+            log.info("cpu_weight_packing: not packing: %s", reason)
         return 0
     for m in layers:
         m.packed = torch.ops.mkl._mkl_reorder_linear_weight(m.weight.detach(), MAX_ROWS // 2)
