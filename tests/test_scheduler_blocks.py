@@ -22,6 +22,15 @@ def seq(tokens, max_tokens: int = 4) -> Sequence:
     return Sequence(list(tokens), SamplingParams(temperature=0, max_tokens=max_tokens))
 
 
+def prefilled(blocks: BlockManager, tokens) -> Sequence:
+    """A sequence allocated, its whole prompt computed and its full blocks committed, as after a prefill."""
+    s = seq(tokens)
+    blocks.allocate(s)
+    s.num_computed_tokens = len(s.token_ids)
+    blocks.commit(s)
+    return s
+
+
 def scheduler(num_blocks: int = 64, budget: int = 64, max_num_seqs: int = 8, prefix_caching: bool = True) -> Scheduler:
     config = EngineConfig(model="unused", kv_block_size=BS, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)
     return Scheduler(config, BlockManager(num_blocks, BS, prefix_caching))
@@ -77,10 +86,7 @@ def test_allocate_free_and_reference_counts():
 
 def test_prefix_hits_reuse_committed_blocks_but_never_the_last_token_block():
     blocks = BlockManager(16, BS)
-    a = seq(range(12))  # exactly 3 blocks
-    blocks.allocate(a)
-    a.num_computed_tokens = 12
-    blocks.commit(a)
+    a = prefilled(blocks, range(12))  # exactly 3 blocks
     assert len(a.block_hashes) == 3
 
     same = seq(range(12))  # 100% cached: the block holding the last token is recomputed
@@ -105,10 +111,7 @@ def test_prefix_hits_reuse_committed_blocks_but_never_the_last_token_block():
 
 def test_freed_blocks_stay_reusable_until_handed_out_again():
     blocks = BlockManager(4, BS)
-    a = seq(range(9))
-    blocks.allocate(a)
-    a.num_computed_tokens = 9
-    blocks.commit(a)
+    a = prefilled(blocks, range(9))
     first_two = a.block_table[:2]
     blocks.free(a)
     b = seq(range(9))
@@ -128,10 +131,7 @@ def test_freed_blocks_stay_reusable_until_handed_out_again():
 
 def test_can_allocate_counts_reclaimed_hit_blocks_as_used():
     blocks = BlockManager(3, BS)
-    a = seq(range(8))
-    blocks.allocate(a)
-    a.num_computed_tokens = 8
-    blocks.commit(a)
+    a = prefilled(blocks, range(8))
     blocks.free(a)  # both blocks free, first one cached
     assert blocks.can_allocate(seq(range(12)))  # 1 hit (reclaimed) + 2 fresh = 3 blocks
     assert not blocks.can_allocate(seq(range(13)))  # 1 hit + 3 fresh > 3
@@ -139,10 +139,7 @@ def test_can_allocate_counts_reclaimed_hit_blocks_as_used():
 
 def test_no_prefix_caching_never_hits():
     blocks = BlockManager(8, BS, enable_prefix_caching=False)
-    a = seq(range(9))
-    blocks.allocate(a)
-    a.num_computed_tokens = 9
-    blocks.commit(a)
+    a = prefilled(blocks, range(9))
     b = seq(range(9))
     blocks.allocate(b)
     assert b.num_cached_tokens == 0 and not set(a.block_table) & set(b.block_table)
