@@ -3,6 +3,8 @@ their prompts are cut from. Both generate greedily with EOS ignored (an EOS is a
 so equal engines give equal tokens."""
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 TEXT = (
@@ -14,6 +16,27 @@ TEXT = (
     "Rivers shape the land they cross: they carve valleys, carry sediment to the sea and build deltas. "
     "A recipe for bread needs only flour, water, salt and yeast, yet bakers argue about every step. "
 )
+
+
+def parse_args(parser) -> "argparse.Namespace":
+    """Add the options both CPU races share, parse, and apply --threads."""
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--attention", default="sdpa")
+    parser.add_argument("--kv-cache", default="torch")
+    parser.add_argument("--no-weight-packing", action="store_true",
+                        help="nanoplug with F.linear on the unpacked weights (cpu_weight_packing=False)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args
+
+
+def nanoplug_options(args) -> dict:
+    """The engine options those shared arguments choose."""
+    return dict(attention=args.attention, kv_cache=args.kv_cache,
+                cpu_weight_packing=False if args.no_weight_packing else None)
 
 
 class Nanoplug:

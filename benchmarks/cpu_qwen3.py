@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from _engines import TEXT, Nanoplug, Transformers
+from _engines import TEXT, Nanoplug, Transformers, nanoplug_options, parse_args
 
 SHAPE = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6,
              num_key_value_heads=2, head_dim=64, tie_word_embeddings=True, max_position_embeddings=1024)
@@ -64,16 +64,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a Qwen3 checkpoint folder (default: write the small random one)")
     parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--attention", default="sdpa")
-    parser.add_argument("--kv-cache", default="torch")
-    parser.add_argument("--no-weight-packing", action="store_true",
-                        help="nanoplug with F.linear on the unpacked weights (cpu_weight_packing=False)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse_args(parser)
     import transformers
     from transformers import AutoTokenizer
 
@@ -83,9 +74,8 @@ def main() -> None:
         path = args.model or str(write_random_checkpoint(Path(tmp) / "qwen3-small", "Qwen3ForCausalLM", **SHAPE))
         tokenizer = AutoTokenizer.from_pretrained(path)
         prompts = make_prompts(tokenizer, args.prompts)
-        engines = [Nanoplug(path, attention=args.attention, kv_cache=args.kv_cache, kv_block_size=32, max_model_len=512,
-                            num_kv_blocks=640, device="cpu", dtype="float32",
-                            cpu_weight_packing=False if args.no_weight_packing else None),
+        engines = [Nanoplug(path, **nanoplug_options(args), kv_block_size=32, max_model_len=512,
+                            num_kv_blocks=640, device="cpu", dtype="float32"),
                    Transformers(path, label="transformers generate (left-padded batch)")]
         result = measure(engines, prompts, args.new_tokens, args.repeats)
     lengths = sorted(map(len, prompts))

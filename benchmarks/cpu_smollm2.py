@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from _engines import TEXT, Nanoplug, Transformers
+from _engines import TEXT, Nanoplug, Transformers, nanoplug_options, parse_args
 
 
 def make_prompts(tokenizer, batch: int) -> list[list[int]]:
@@ -64,17 +64,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="checkpoint folder (default: the embedded SmolLM2-135M)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--attention", default="sdpa")
-    parser.add_argument("--kv-cache", default="torch")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--no-weight-packing", action="store_true",
-                        help="nanoplug with F.linear on the unpacked weights (cpu_weight_packing=False)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse_args(parser)
     if args.model is None:
         from nanoplug.default_model import default_model_path
 
@@ -84,9 +75,8 @@ def main() -> None:
     import transformers
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    engines = [Nanoplug(args.model, attention=args.attention, kv_cache=args.kv_cache, kv_block_size=16, max_model_len=512,
-                        cpu_kv_cache_gb=1.0, enable_prefix_caching=False, dtype=args.dtype,
-                        cpu_weight_packing=False if args.no_weight_packing else None),
+    engines = [Nanoplug(args.model, **nanoplug_options(args), kv_block_size=16, max_model_len=512,
+                        cpu_kv_cache_gb=1.0, enable_prefix_caching=False, dtype=args.dtype),
                Transformers(args.model, args.dtype)]
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
           f"({torch.get_num_threads()} threads), transformers {transformers.__version__}")
