@@ -1,5 +1,5 @@
 """Fast paths against the plain ones on identical inputs (`nanoplug compare`'s scenario): the CPU
-subset. Attention `sdpa` against `manual`, and the `triton` KV store (through the Triton interpreter)
+subset. Attention `sdpa` and `cpu` against `manual`, and the `triton` KV store (through the Triton interpreter)
 against `torch`, in prefill, decode, prefix-cache hits and chunked prefill. tests/gpu/ runs every
 backend on CUDA in bf16."""
 from __future__ import annotations
@@ -68,6 +68,20 @@ def test_backend_matches_reference(tiny_qwen3, manual_outcome, kind, name, optio
     outcome = compare.run_backend(tiny_qwen3, name, kind, device="cpu", dtype="float32", block_size=16, **options)
     assert outcome.error is None, outcome.error
     diffs = compare.differences(outcome, manual_outcome)
+    assert set(diffs) == set(CASES)
+    for case, (abs_diff, rel_diff) in diffs.items():
+        assert rel_diff < 1e-5 and abs_diff < 1e-4, (case, abs_diff, rel_diff)
+
+
+def test_cpu_decode_kernel_matches_reference(tmp_path_factory):
+    """The `cpu` backend's C++ decode kernel (head size 64, 3 query heads per KV head, like SmolLM2's)
+    on the NaN-filled cache: it must read only the slots the scenario wrote."""
+    path = str(write_random_checkpoint(tmp_path_factory.mktemp("compare") / "q3h64", head_dim=64,
+                                       num_attention_heads=6, num_key_value_heads=2))
+    reference = compare.run_backend(path, "manual", device="cpu", dtype="float32", block_size=16)
+    outcome = compare.run_backend(path, "cpu", device="cpu", dtype="float32", block_size=16)
+    assert reference.error is None and outcome.error is None, (reference.error, outcome.error)
+    diffs = compare.differences(outcome, reference)
     assert set(diffs) == set(CASES)
     for case, (abs_diff, rel_diff) in diffs.items():
         assert rel_diff < 1e-5 and abs_diff < 1e-4, (case, abs_diff, rel_diff)

@@ -44,11 +44,15 @@ def reference(smollm2_dir):
     return prompts, outs, tok
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "manual"])
-def test_greedy_equals_transformers(smollm2_dir, reference, attention):
+@pytest.mark.parametrize("attention,cpu_kernels", [
+    ("cpu", True),  # the C++ decode kernel and fused ops (the default where a compiler is found)
+    ("sdpa", False),  # plain torch ops only
+    ("manual", None),
+])
+def test_greedy_equals_transformers(smollm2_dir, reference, attention, cpu_kernels):
     prompts, want, tok = reference
     llm = LLM(smollm2_dir, attention=attention, kv_cache="torch", kv_block_size=16, max_model_len=256,
-              cpu_kv_cache_gb=0.25)
+              cpu_kv_cache_gb=0.25, cpu_kernels=cpu_kernels)
     assert llm.choices["model"].name == "LlamaForCausalLM"
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
                         use_tqdm=False)

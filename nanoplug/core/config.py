@@ -56,9 +56,12 @@ class EngineConfig(BaseModel):
     compile_fused_ops: bool = Field(True, description="torch.compile the small fused ops on CUDA (off: measure without)")
     overlap_steps: bool | None = Field(None, description="prepare step N+1 on the host while the device computes "
                                        "step N; None: on for CUDA when the parallel strategy supports it")
-    cpu_weight_packing: bool | None = Field(None, description="pack linear weights once for MKL's GEMM on the "
-                                            "CPU in float32 (a second copy of them); None: when it fits in a quarter "
-                                            "of the available memory")
+    cpu_weight_packing: bool | None = Field(None, description="pack linear weights once for a decode-sized GEMM "
+                                            "on the CPU in float32 (nanoplug's with cpu_kernels, else MKL's; a second "
+                                            "copy of them); None: when it fits in a quarter of the available memory")
+    cpu_kernels: bool | None = Field(None, description="nanoplug's C++ kernels for float32 CPU steps (decode-sized "
+                                     "GEMM, RMSNorm, SiLU-and-mul, RoPE, greedy argmax), compiled once per machine; "
+                                     "None: when a C++ compiler is found")
     seed: int = 0
 
     @field_validator("adapters", mode="before")

@@ -1,19 +1,24 @@
-"""Linear layers on the CPU with their weights packed once for MKL's float32 GEMM.
+"""Linear layers on the CPU with their weights packed once for a decode-sized float32 GEMM.
 
 `F.linear` on the CPU hands the weight to MKL's sgemm, which re-packs it into its blocked layout on
-every call. For the 4-64 token rows of a decode step that packing costs about as much as the multiply
-itself (SmolLM2-135M's GEMMs at 32 rows: 1.25-2.2x faster packed, benchmarks/RESULTS.md). Packing
-once at load (`cblas_sgemm_pack`, reached through `torch.ops.mkl`) removes it. The result is F.linear's
-to float32 rounding (bit for bit from 16 rows with torch 2.13's MKL). Prefill-sized inputs keep
-`F.linear`, which is as fast or faster there.
+every call. For the few token rows of a decode step that packing costs about as much as the multiply
+itself. Packing once at load removes it. Two GEMMs can read a packed weight:
 
-A layer opts in by having a `packed` attribute (None until packed); `linear()` is its forward. The
-packed copy costs as much memory as the weight, so `pack_linear_weights` packs only when asked, or,
-by default, when the copies fit in a quarter of the memory available.
+- nanoplug's own (`nanoplug.cpu_kernels`, when they build here): panels that stream from memory while
+  the previous block is multiplied, for 1-64 rows; on SmolLM2-135M's 121 GEMMs at 32 rows 34.8 ms
+  against MKL's packed 45.7 and F.linear's 59.1 (benchmarks/RESULTS.md);
+- MKL's packed sgemm (`cblas_sgemm_pack` through `torch.ops.mkl`), for 4-64 rows, where the kernels
+  cannot be built.
+
+Both give F.linear's result to float32 rounding (checked at start-up); prefill-sized inputs keep
+`F.linear`. A layer opts in by having a `packed` attribute (None until packed); `linear()` is its
+forward. The packed copy costs as much memory as the weight, so `pack_linear_weights` packs only when
+asked, or, by default, when the copies fit in a quarter of the memory available.
 """
 from __future__ import annotations
 
 import logging
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -21,31 +26,49 @@ from torch import nn
 
 log = logging.getLogger("nanoplug")
 
-MIN_ROWS, MAX_ROWS = 4, 64  # below: MKL's matrix-vector path is as fast; above: packing pays for itself
+MKL_MIN_ROWS, MAX_ROWS = 4, 64  # MKL: below 4 rows its matrix-vector path is as fast; above 64 F.linear
 
 
-def _packed_mm(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+class PackedWeight(NamedTuple):
+    """A weight's packed copy and the GEMM that reads it, for inputs of min_rows..max_rows rows."""
+
+    data: torch.Tensor
+    mm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    min_rows: int
+    max_rows: int
+
+
+def _mkl_mm(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     # the last argument is the row count the packing is used for: the packed layout of the weight
     # does not depend on it (checked at start-up by _agrees), and giving x's own keeps MKL on it
     return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through the packed weight when there is one and x has decode-sized rows."""
-    if packed is not None and x.dim() == 2 and MIN_ROWS <= x.shape[0] <= MAX_ROWS:
-        return _packed_mm(x, packed, weight, bias)
+    if packed is not None and x.dim() == 2 and packed.min_rows <= x.shape[0] <= packed.max_rows:
+        return packed.mm(x, packed.data, weight, bias)
     return F.linear(x, weight, bias)
 
 
-def unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
+def unavailable(dtype: torch.dtype, device: torch.device, kernels: Any = None) -> str | None:
     """Why packing cannot serve here, or None."""
     if device.type != "cpu":
         return "only on the CPU"
     if dtype != torch.float32:
-        return "MKL's packed GEMM is float32 only"
-    if not torch.backends.mkl.is_available() or not hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"):
-        return "this torch build has no MKL"
+        return "the packed GEMMs are float32 only"
+    if kernels is None and (not torch.backends.mkl.is_available()
+                            or not hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")):
+        return "this torch build has no MKL and nanoplug's CPU kernels are not in use"
     return None
+
+
+def _packer(kernels: Any) -> Callable[[torch.Tensor], PackedWeight]:
+    """nanoplug's GEMM when its kernels are loaded, else MKL's."""
+    if kernels is not None:
+        return lambda w: PackedWeight(kernels.pack_weight(w), kernels.linear, 1, MAX_ROWS)
+    return lambda w: PackedWeight(torch.ops.mkl._mkl_reorder_linear_weight(w, MAX_ROWS // 2), _mkl_mm,
+                                  MKL_MIN_ROWS, MAX_ROWS)
 
 
 def _available_memory() -> int | None:
@@ -60,24 +83,25 @@ def _available_memory() -> int | None:
 
 
 def _agrees(module: nn.Module) -> bool:
-    """The packed GEMM gives F.linear's result at every row count it serves (probed at both ends)."""
-    weight = module.weight
+    """The packed GEMM gives F.linear's result at the row counts it serves (both ends and between)."""
+    weight, packed = module.weight, module.packed
     gen = torch.Generator().manual_seed(0)
-    for rows in (MIN_ROWS, 5, 33, MAX_ROWS):
+    for rows in sorted({packed.min_rows, packed.min_rows + 1, 33, packed.max_rows}):
         x = torch.randn(rows, weight.shape[1], generator=gen)
-        if not torch.allclose(_packed_mm(x, module.packed, weight, None), F.linear(x, weight), rtol=1e-4, atol=1e-5):
+        if not torch.allclose(packed.mm(x, packed.data, weight, None), F.linear(x, weight), rtol=1e-4, atol=1e-5):
             return False
     return True
 
 
-def pack_linear_weights(model: nn.Module, enabled: bool | None, dtype: torch.dtype, device: torch.device) -> int:
+def pack_linear_weights(model: nn.Module, enabled: bool | None, dtype: torch.dtype, device: torch.device,
+                        kernels: Any = None) -> int:
     """Pack the weight of every opted-in layer; returns the bytes packed (0: not packed, and why is logged).
 
     enabled: True packs whenever it can serve, False never, None when the copies fit in a quarter of
-    the available memory."""
+    the available memory. kernels: nanoplug's loaded CPU kernels (their GEMM), or None for MKL's."""
     if enabled is False:
         return 0
-    reason = unavailable(dtype, device)
+    reason = unavailable(dtype, device, kernels)
     layers = [m for m in model.modules() if hasattr(m, "packed") and isinstance(getattr(m, "weight", None), torch.Tensor)]
     size = sum(m.weight.numel() * m.weight.element_size() for m in layers)
     if reason is None and enabled is None:
@@ -92,12 +116,14 @@ def pack_linear_weights(model: nn.Module, enabled: bool | None, dtype: torch.dty
         elif device.type == "cpu":  # by default on a GPU it is not news
             log.info("cpu_weight_packing: not packing: %s", reason)
         return 0
+    pack = _packer(kernels)
     for m in layers:
-        m.packed = torch.ops.mkl._mkl_reorder_linear_weight(m.weight.detach(), MAX_ROWS // 2)
+        m.packed = pack(m.weight.detach())
+    gemm = "nanoplug's CPU GEMM" if kernels is not None else "MKL's packed GEMM"
     if not _agrees(layers[0]):
         for m in layers:
             m.packed = None
-        log.warning("cpu_weight_packing: MKL's packed GEMM disagreed with F.linear here; using F.linear")
+        log.warning("cpu_weight_packing: %s disagreed with F.linear here; using F.linear", gemm)
         return 0
-    log.info("packed %d linear weights for MKL (%.0f MiB)", len(layers), size / 2**20)
+    log.info("packed %d linear weights for %s (%.0f MiB)", len(layers), gemm, size / 2**20)
     return size

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from nanoplug import cpu_kernels
 from nanoplug.core.attention_layer import PagedAttention, StepContext
 from nanoplug.core.config import EngineConfig
 from nanoplug.core.device_copy import to_device
@@ -97,8 +98,12 @@ class ModelRunner(Worker):
             self.model, per_request, group, max(config.max_num_batched_tokens, config.max_num_seqs)
         ) if per_request else None
         self.model.eval()
-        pack_linear_weights(self.model, config.cpu_weight_packing, dtype, device)  # after LoRA merges change weights
-        self.sampler = Sampler(device, config.seed)
+        kernels = cpu_kernels.usable(config.cpu_kernels, dtype, device)  # float32 CPU steps' C++ kernels
+        # after LoRA merges change weights
+        pack_linear_weights(self.model, config.cpu_weight_packing, dtype, device, kernels)
+        if kernels is not None:
+            cpu_kernels.install(self.model, kernels)
+        self.sampler = Sampler(device, config.seed, greedy=kernels.argmax if kernels is not None else None)
         self.pending: deque = deque()  # launched steps whose tokens are not collected yet
         self.last_tokens: torch.Tensor | None = None
         self.num_blocks = self._allocate_kv_cache()

@@ -35,16 +35,22 @@ def _seeded_noise(seed: int, position: int, vocab: int, device: torch.device) ->
     return torch.empty(vocab).exponential_(generator=gen).to(device)
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0):
+    def __init__(self, device: torch.device, seed: int = 0, greedy=None):
+        """greedy: a faster `logits.argmax(dim=-1)` for this device, if there is one (same ties: first max)."""
         self.device = device
+        self.greedy = greedy or _argmax
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.all_greedy:
-            return logits.argmax(dim=-1)
+            return self.greedy(logits)
         dev = logits.device
         temps = to_device(batch.temperatures, torch.float32, dev)
         probs = self.probabilities(logits, batch, temps)
@@ -54,7 +60,7 @@ class Sampler:
                 noise[row] = _seeded_noise(seed, batch.positions[row], probs.shape[1], dev)
         sampled = probs.div_(noise).argmax(dim=-1)
         if any(t == 0.0 for t in batch.temperatures):
-            sampled = torch.where(temps == 0, logits.argmax(dim=-1), sampled)
+            sampled = torch.where(temps == 0, self.greedy(logits), sampled)
         return sampled
 
     @classmethod

@@ -64,7 +64,7 @@ class FlashAttention(AttentionBackend):
     def unavailable(cls, target: Target) -> list[str]:
         reasons = []
         if target.device.type != "cuda":
-            return [f"needs CUDA (device is {target.device.type}); use attention='sdpa' or 'manual' on CPU"]
+            return [f"needs CUDA (device is {target.device.type}); use attention='cpu', 'sdpa' or 'manual' on CPU"]
         if target.dtype not in (torch.float16, torch.bfloat16):
             reasons.append(f"needs dtype float16 or bfloat16 (got {str(target.dtype).removeprefix('torch.')}); "
                            "pass dtype='bfloat16'")

@@ -40,7 +40,7 @@ class XformersAttention(AttentionBackend):
     @classmethod
     def unavailable(cls, target: Target) -> list[str]:
         if target.device.type != "cuda":
-            return [f"needs CUDA (device is {target.device.type}); use attention='sdpa' or 'manual' on CPU"]
+            return [f"needs CUDA (device is {target.device.type}); use attention='cpu', 'sdpa' or 'manual' on CPU"]
         reasons = []
         if target.dtype not in (torch.float16, torch.bfloat16):
             reasons.append(f"needs dtype float16 or bfloat16 (got {str(target.dtype).removeprefix('torch.')}); "

@@ -23,7 +23,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
-    fused = None  # set by compile_fused_ops: one compiled kernel for add + norm
+    fused = None  # set by install_fused_ops: one kernel for norm, and fused_add for add + norm
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
@@ -77,7 +77,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    fused = None  # set by compile_fused_ops
+    fused = None  # set by install_fused_ops
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         return (self.fused or apply_rope)(positions, q, k, self.cos, self.sin)
@@ -126,7 +126,7 @@ class DecoderAttention(nn.Module):
 
 
 class SiluAndMul(nn.Module):
-    fused = None  # set by compile_fused_ops
+    fused = None  # set by install_fused_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (self.fused or silu_and_mul)(x)
@@ -137,12 +137,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def compile_fused_ops(model: nn.Module) -> None:
-    """torch.compile the small elementwise ops (add + RMSNorm, SiLU-and-mul, RoPE) into one kernel
-    each: on a GPU each eager op is a launch and a pass over memory. Dynamic shapes, so one compile
-    serves every batch; CUDA graphs capture the compiled kernels as they capture eager ones."""
-    compile_ = functools.partial(torch.compile, dynamic=True, fullgraph=True)
-    norm, add_norm, act, rope = compile_(rms_norm), compile_(add_rms_norm), compile_(silu_and_mul), compile_(apply_rope)
+def install_fused_ops(model: nn.Module, norm, add_norm, act, rope) -> None:
+    """Route every RMSNorm, SiLU-and-mul and RoPE of `model` through the given implementations (same
+    signatures as rms_norm, add_rms_norm, silu_and_mul and apply_rope)."""
     for m in model.modules():
         if isinstance(m, RMSNorm):
             m.fused, m.fused_add = norm, add_norm
@@ -150,6 +147,14 @@ def compile_fused_ops(model: nn.Module) -> None:
             m.fused = act
         elif isinstance(m, RotaryEmbedding):
             m.fused = rope
+
+
+def compile_fused_ops(model: nn.Module) -> None:
+    """torch.compile the small elementwise ops (add + RMSNorm, SiLU-and-mul, RoPE) into one kernel
+    each: on a GPU each eager op is a launch and a pass over memory. Dynamic shapes, so one compile
+    serves every batch; CUDA graphs capture the compiled kernels as they capture eager ones."""
+    compile_ = functools.partial(torch.compile, dynamic=True, fullgraph=True)
+    install_fused_ops(model, compile_(rms_norm), compile_(add_rms_norm), compile_(silu_and_mul), compile_(apply_rope))
 
 
 class DecoderMLP(nn.Module):
@@ -238,3 +243,7 @@ class DecoderForCausalLM(nn.Module, ModelArchitecture):
 
     def compile_fused_ops(self) -> None:
         compile_fused_ops(self)
+
+    def install_fused_ops(self, norm, add_norm, act, rope) -> None:
+        """Take other implementations of the fused ops (the CPU kernels of nanoplug.cpu_kernels)."""
+        install_fused_ops(self, norm, add_norm, act, rope)

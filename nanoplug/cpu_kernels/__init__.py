@@ -1,0 +1,77 @@
+"""C++ kernels for float32 steps on the CPU, built once per machine at first use.
+
+A decode step of a small model on a CPU spends as long in its ~1,000 small ops (norms, RoPE, SiLU,
+gathering K/V for attention) as in its GEMMs, because each eager op pays dispatch and a pass over
+memory; and MKL's GEMM leaves memory and compute mostly in sequence at decode sizes. These kernels
+do each small op in one pass and a decode-sized GEMM with its weights streaming in the background:
+`kernels()` returns them (or raises `KernelsUnavailable` with the reason), `usable(...)` decides for an
+engine, `install(model, ...)` puts the fused ops into a model that accepts them,
+`core/packed_linear.py` packs the linear weights for their GEMM, the sampler takes their argmax, and
+the `cpu` attention backend runs decode attention on the paged cache.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from nanoplug.cpu_kernels.build import KernelsUnavailable, library_path
+from nanoplug.cpu_kernels.ops import DECODE_HEAD_DIMS, MAX_DECODE_GROUP, CpuKernels
+
+log = logging.getLogger("nanoplug")
+__all__ = ["CpuKernels", "KernelsUnavailable", "kernels", "unavailable", "usable", "install", "DECODE_HEAD_DIMS",
+           "MAX_DECODE_GROUP"]
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> CpuKernels | str:
+    try:
+        return CpuKernels(library_path())
+    except (KernelsUnavailable, OSError) as exc:
+        return str(exc)
+
+
+def kernels() -> CpuKernels:
+    """The loaded kernels (built on first call); raises KernelsUnavailable with the reason."""
+    loaded = _load()
+    if isinstance(loaded, str):
+        raise KernelsUnavailable(loaded)
+    return loaded
+
+
+def unavailable() -> str | None:
+    """Why the kernels cannot run here (building them if needed), or None."""
+    loaded = _load()
+    return loaded if isinstance(loaded, str) else None
+
+
+def usable(enabled: bool | None, dtype: torch.dtype, device: torch.device) -> CpuKernels | None:
+    """The kernels for an engine, or None (and why is logged: a warning when they were asked for).
+
+    enabled: True must, None does when they build here, False never."""
+    if enabled is False:
+        return None
+    reason = None
+    if device.type != "cpu" or dtype != torch.float32:
+        reason = f"they serve float32 on the CPU, this run is {str(dtype).removeprefix('torch.')} on {device}"
+    else:
+        reason = unavailable()
+    if reason is not None:
+        if enabled:
+            log.warning("cpu_kernels: not used: %s", reason)
+        elif device.type == "cpu":  # on a GPU it is not news
+            log.info("cpu_kernels: not used: %s", reason)
+        return None
+    return kernels()
+
+
+def install(model: torch.nn.Module, ops: CpuKernels) -> bool:
+    """Put the fused RMSNorm, SiLU-and-mul and RoPE kernels into `model` through its
+    `install_fused_ops`; False for a model plugin without one (it keeps its own ops)."""
+    if not hasattr(model, "install_fused_ops"):
+        log.info("cpu_kernels: the model plugin has no install_fused_ops; it runs its own RMSNorm, SiLU and RoPE")
+        return False
+    model.install_fused_ops(norm=ops.rms_norm, add_norm=ops.add_rms_norm, act=ops.silu_and_mul, rope=ops.rope)
+    log.info("cpu_kernels: fused RMSNorm, SiLU-and-mul, RoPE and greedy argmax kernels in use (%s)", ops.path)
+    return True

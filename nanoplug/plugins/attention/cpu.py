@@ -1,0 +1,67 @@
+"""Attention `cpu`: decode steps through a C++ kernel that reads the paged KV cache in place.
+
+On a CPU, `sdpa`'s decode gathers every sequence's keys and values into a padded batch before it
+attends (two `index_select`s and a mask per layer); for a small model that costs as much as the
+attention itself. This backend's decode kernel (nanoplug/cpu_kernels) walks each sequence's block
+table instead, with the query heads of a KV head sharing each K/V read, split over torch's threads.
+Prefill and mixed steps, where PyTorch's CPU flash kernel does well, go through `sdpa`'s path.
+float32 only; the kernels are compiled once per machine at first use (a C++ compiler is needed).
+"""
+from __future__ import annotations
+
+import torch
+
+from nanoplug import cpu_kernels
+from nanoplug.core.hookspecs import hookimpl
+from nanoplug.core.interfaces import PLUGIN_API_VERSION, AttentionMetadata, Target
+from nanoplug.plugins.attention.sdpa import SdpaAttention
+
+NANOPLUG_API_VERSION = PLUGIN_API_VERSION
+
+
+class CpuAttention(SdpaAttention):
+    description = "C++ decode kernel on the paged cache (float32 CPU, built once per machine); prefill via sdpa"
+    priority = 60
+
+    @classmethod
+    def unavailable(cls, target: Target) -> list[str]:
+        reasons = super().unavailable(target)
+        if target.device.type != "cpu":
+            reasons.append(f"runs on the CPU, not {target.device.type}; use flash, xformers or sdpa there")
+        if target.dtype != torch.float32:
+            reasons.append(f"float32 only, this run is {str(target.dtype).removeprefix('torch.')}; use sdpa")
+        facts = target.model
+        if facts is not None:
+            if facts.head_dim not in cpu_kernels.DECODE_HEAD_DIMS:
+                reasons.append(f"head size {facts.head_dim} is not one of {cpu_kernels.DECODE_HEAD_DIMS}; use sdpa")
+            if facts.num_heads // max(facts.num_kv_heads, 1) > cpu_kernels.MAX_DECODE_GROUP:
+                reasons.append(f"more than {cpu_kernels.MAX_DECODE_GROUP} query heads per KV head; use sdpa")
+        if not reasons:  # only build where it could serve (never on a GPU machine)
+            why = cpu_kernels.unavailable()
+            if why is not None:
+                reasons.append(why)
+        return reasons
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.kernels = cpu_kernels.kernels()
+        self.paged_decode = None  # decode steps take the kernel, not sdpa's gather
+        self.kernel_decoding = False
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        self.kernel_decoding = meta.max_seqlen_q == 1
+        if self.kernel_decoding:
+            self.meta = meta
+            return
+        super().prepare(meta)
+
+    def forward(self, q, k, v, k_cache, v_cache):
+        if self.kernel_decoding:
+            meta = self.meta
+            return self.kernels.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.spec.scale)
+        return super().forward(q, k, v, k_cache, v_cache)
+
+
+@hookimpl
+def nanoplug_register_attention(register) -> None:
+    register.add("cpu", CpuAttention)
