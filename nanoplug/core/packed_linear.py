@@ -5,8 +5,8 @@ every call. For the few token rows of a decode step that packing costs about as 
 itself. Packing once at load removes it. Two GEMMs can read a packed weight:
 
 - nanoplug's own (`nanoplug.cpu_kernels`, when they build here): panels that stream from memory while
-  the previous block is multiplied, for 1-64 rows; on SmolLM2-135M's 121 GEMMs at 32 rows 34.8 ms
-  against MKL's packed 45.7 and F.linear's 59.1 (benchmarks/RESULTS.md);
+  the previous block is multiplied, for 2-64 rows; on SmolLM2-135M's 121 GEMMs at 32 rows 34.8 ms
+  against MKL's packed 45.7 and F.linear's 59.1 (benchmarks/cpu_gemm.py, RESULTS.md);
 - MKL's packed sgemm (`cblas_sgemm_pack` through `torch.ops.mkl`), for 4-64 rows, where the kernels
   cannot be built.
 
@@ -26,7 +26,9 @@ from torch import nn
 
 log = logging.getLogger("nanoplug")
 
-MKL_MIN_ROWS, MAX_ROWS = 4, 64  # MKL: below 4 rows its matrix-vector path is as fast; above 64 F.linear
+# one row: F.linear's matrix-vector path is as fast (MKL's packed GEMM from 4 rows, nanoplug's from 2);
+# above 64 rows F.linear, compute-bound there, is faster
+MKL_MIN_ROWS, NANOPLUG_MIN_ROWS, MAX_ROWS = 4, 2, 64
 
 
 class PackedWeight(NamedTuple):
@@ -66,7 +68,7 @@ def unavailable(dtype: torch.dtype, device: torch.device, kernels: Any = None) -
 def _packer(kernels: Any) -> Callable[[torch.Tensor], PackedWeight]:
     """nanoplug's GEMM when its kernels are loaded, else MKL's."""
     if kernels is not None:
-        return lambda w: PackedWeight(kernels.pack_weight(w), kernels.linear, 1, MAX_ROWS)
+        return lambda w: PackedWeight(kernels.pack_weight(w), kernels.linear, NANOPLUG_MIN_ROWS, MAX_ROWS)
     return lambda w: PackedWeight(torch.ops.mkl._mkl_reorder_linear_weight(w, MAX_ROWS // 2), _mkl_mm,
                                   MKL_MIN_ROWS, MAX_ROWS)
 
