@@ -99,7 +99,7 @@ class ModelRunner(Worker):
         ) if per_request else None
         self.model.eval()
         kernels = cpu_kernels.usable(config.cpu_kernels, dtype, device)  # float32 CPU steps' C++ kernels
-        # after LoRA merges change weights
+        # packed after the LoRA merges, which change the weights
         pack_linear_weights(self.model, config.cpu_weight_packing, dtype, device, kernels)
         if kernels is not None:
             cpu_kernels.install(self.model, kernels)

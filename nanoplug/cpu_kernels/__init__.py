@@ -52,7 +52,6 @@ def usable(enabled: bool | None, dtype: torch.dtype, device: torch.device) -> Cp
     enabled: True must, None does when they build here, False never."""
     if enabled is False:
         return None
-    reason = None
     if device.type != "cpu" or dtype != torch.float32:
         reason = f"they serve float32 on the CPU, this run is {str(dtype).removeprefix('torch.')} on {device}"
     else:

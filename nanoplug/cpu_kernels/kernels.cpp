@@ -87,6 +87,18 @@ inline void rope_head(float* x, const float* c, const float* s, int64_t half) {
   }
 }
 
+// fn(t, row) for each of a sequence's L cached tokens in order, row pointing at token t's vector for
+// one KV head: the block table is walked block by block (no division per token)
+template <class Fn>
+inline void for_each_token(const float* cache, const int32_t* table, int64_t L, int64_t block_size,
+                           int64_t tok_stride, Fn fn) {
+  for (int64_t t0 = 0, blk = 0; t0 < L; t0 += block_size, ++blk) {
+    const float* base = cache + static_cast<int64_t>(table[blk]) * block_size * tok_stride;
+    const int64_t n = std::min(block_size, L - t0);
+    for (int64_t i = 0; i < n; ++i) fn(t0 + i, base + i * tok_stride);
+  }
+}
+
 // One sequence's decode query heads that share KV head `kh` (G of them, head size NV * 16) against its
 // L cached tokens: scores, softmax, weighted sum of values. K and V rows are read where they lie.
 template <int NV, int G>
@@ -96,19 +108,15 @@ void decode_group(const float* qb, const float* k_cache, const float* v_cache, c
   vf qv[16][NV];
   for (int64_t g = 0; g < gn; ++g)
     for (int v = 0; v < NV; ++v) qv[g][v] = load(qb + (g * NV + v) * W) * scale;
-  for (int64_t t0 = 0, blk = 0; t0 < L; t0 += block_size, ++blk) {
-    const float* kb = k_cache + static_cast<int64_t>(table[blk]) * block_size * tok_stride;
-    const int64_t n = std::min(block_size, L - t0);
-    for (int64_t i = 0; i < n; ++i) {
-      vf kv[NV];
-      for (int v = 0; v < NV; ++v) kv[v] = load(kb + i * tok_stride + v * W);
-      for (int64_t g = 0; g < gn; ++g) {
-        vf acc = qv[g][0] * kv[0];
-        for (int v = 1; v < NV; ++v) acc += qv[g][v] * kv[v];
-        scores[g * L + t0 + i] = hsum(acc);
-      }
+  for_each_token(k_cache, table, L, block_size, tok_stride, [&](int64_t t, const float* row) {
+    vf kv[NV];
+    for (int v = 0; v < NV; ++v) kv[v] = load(row + v * W);
+    for (int64_t g = 0; g < gn; ++g) {
+      vf acc = qv[g][0] * kv[0];
+      for (int v = 1; v < NV; ++v) acc += qv[g][v] * kv[v];
+      scores[g * L + t] = hsum(acc);
     }
-  }
+  });
   float inv_sum[16];
   for (int64_t g = 0; g < gn; ++g) {
     float* sg = scores + g * L;
@@ -127,18 +135,14 @@ void decode_group(const float* qb, const float* k_cache, const float* v_cache, c
   vf acc[16][NV];
   for (int64_t g = 0; g < gn; ++g)
     for (int v = 0; v < NV; ++v) acc[g][v] = vf{};
-  for (int64_t t0 = 0, blk = 0; t0 < L; t0 += block_size, ++blk) {
-    const float* vb = v_cache + static_cast<int64_t>(table[blk]) * block_size * tok_stride;
-    const int64_t n = std::min(block_size, L - t0);
-    for (int64_t i = 0; i < n; ++i) {
-      vf vv[NV];
-      for (int v = 0; v < NV; ++v) vv[v] = load(vb + i * tok_stride + v * W);
-      for (int64_t g = 0; g < gn; ++g) {
-        vf p = splat(scores[g * L + t0 + i]);
-        for (int v = 0; v < NV; ++v) acc[g][v] += p * vv[v];
-      }
+  for_each_token(v_cache, table, L, block_size, tok_stride, [&](int64_t t, const float* row) {
+    vf vv[NV];
+    for (int v = 0; v < NV; ++v) vv[v] = load(row + v * W);
+    for (int64_t g = 0; g < gn; ++g) {
+      vf p = splat(scores[g * L + t]);
+      for (int v = 0; v < NV; ++v) acc[g][v] += p * vv[v];
     }
-  }
+  });
   for (int64_t g = 0; g < gn; ++g)
     for (int v = 0; v < NV; ++v) store(ob + (g * NV + v) * W, acc[g][v] * inv_sum[g]);
 }
