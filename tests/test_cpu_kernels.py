@@ -78,6 +78,10 @@ def test_rope_in_place_on_the_qkv_views(kernels, head_dim):
     torch.testing.assert_close(out_q, ref_q, **TOL)
     torch.testing.assert_close(out_k, ref_k, **TOL)
     assert out_q.data_ptr() == q.data_ptr()  # in place on the views, as the model uses them
+    q2, k2 = kernels.rope(positions.int(), q.clone(), k.clone(), rotary.cos, rotary.sin)  # int32 positions too
+    torch.testing.assert_close(q2, apply_rope(positions, out_q.clone(), k.clone(), rotary.cos, rotary.sin)[0], **TOL)
+    with pytest.raises(ValueError, match="head size"):
+        kernels.rope(positions, q, k, rotary.cos[:, :8], rotary.sin[:, :8])
 
 
 @pytest.mark.parametrize("n,k", [(960, 576), (7, 5), (48, 48), (1000, 33), (3 * 48 + 1, 130)])
@@ -146,11 +150,18 @@ def test_paged_decode_matches_gathered_attention(kernels, head_dim, heads, kv_he
     torch.testing.assert_close(out, reference_decode(q, k_cache, v_cache, tables, seq_lens, scale), rtol=1e-4, atol=1e-5)
 
 
-def test_paged_decode_refuses_shapes_it_does_not_serve(kernels):
+def test_paged_decode_refuses_what_it_does_not_serve(kernels):
     k_cache = torch.zeros(4, 16, 2, 80)
+    table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="head sizes"):
-        kernels.paged_decode(torch.zeros(1, 4, 80), k_cache, k_cache, torch.zeros(1, 1, dtype=torch.int32),
-                             torch.ones(1, dtype=torch.int32), 0.1)
+        kernels.paged_decode(torch.zeros(1, 4, 80), k_cache, k_cache, table, lens, 0.1)
+    k_cache = torch.zeros(4, 16, 2, 64)
+    with pytest.raises(ValueError, match="int32"):
+        kernels.paged_decode(torch.zeros(1, 4, 64), k_cache, k_cache, table.long(), lens, 0.1)
+    with pytest.raises(ValueError, match="dense caches"):
+        kernels.paged_decode(torch.zeros(1, 4, 64), k_cache.transpose(1, 2), k_cache, table, lens, 0.1)
+    out = kernels.paged_decode(torch.ones(1, 4, 64), k_cache, k_cache, table, torch.zeros(1, dtype=torch.int32), 0.1)
+    assert torch.equal(out, torch.zeros(1, 4, 64))  # an empty context gives zeros, not garbage
 
 
 # ----------------------------------------------------------------------------------------- engines

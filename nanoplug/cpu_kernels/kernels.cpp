@@ -159,10 +159,13 @@ void decode_all(const float* q, int64_t q_stride, const float* k_cache, const fl
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t kh = 0; kh < Hkv; ++kh) {
         const int64_t L = seq_lens[b];
-        if (L <= 0) continue;
+        float* ob = out + (b * H + kh * group) * D;
+        if (L <= 0) {  // nothing to attend to: a zero output, not uninitialized memory
+          std::fill(ob, ob + group * D, 0.f);
+          continue;
+        }
         if (static_cast<int64_t>(scores.size()) < group * L) scores.resize(group * L);
         const float* qb = q + b * q_stride + kh * group * D;
-        float* ob = out + (b * H + kh * group) * D;
         const int32_t* table = block_tables + b * table_stride;
         const float* kc = k_cache + kh * D;
         const float* vc = v_cache + kh * D;

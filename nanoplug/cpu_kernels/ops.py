@@ -75,8 +75,13 @@ class CpuKernels:
         return out
 
     def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Rotate-half RoPE of q [N, H, D] and k [N, Hkv, D] in place; cos/sin tables are [positions, D]."""
+        """Rotate-half RoPE of q [N, H, D] and k [N, Hkv, D] in place; cos/sin tables are [positions, D]
+        and cover every position given (the engine's tables cover max_model_len)."""
         dim = q.shape[2]
+        if cos.shape[-1] != dim or not (cos.is_contiguous() and sin.is_contiguous()):
+            raise ValueError(f"the RoPE kernel needs dense cos/sin tables of the head size {dim}, not {tuple(cos.shape)}")
+        if positions.dtype != torch.int64:
+            positions = positions.long()
         if q.stride(2) != 1 or q.stride(1) != dim:
             q = q.contiguous()
         if k.stride(2) != 1 or k.stride(1) != dim:
@@ -120,6 +125,10 @@ class CpuKernels:
         num_seqs, heads, dim = q.shape
         if q.stride(2) != 1 or q.stride(1) != dim:
             q = q.contiguous()
+        if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+            raise ValueError("the CPU decode kernel takes int32 block tables and context lengths")
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("the CPU decode kernel reads dense caches [blocks, block_size, kv_heads, head_dim]")
         block_tables, seq_lens = _dense(block_tables), _dense(seq_lens)
         out = torch.empty(num_seqs, heads, dim, dtype=q.dtype)
         rc = self._lib.np_paged_decode(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
