@@ -62,7 +62,9 @@ def usable(enabled: bool | None, dtype: torch.dtype, device: torch.device) -> Cp
         elif device.type == "cpu":  # on a GPU it is not news
             log.info("cpu_kernels: not used: %s", reason)
         return None
-    return kernels()
+    ops = kernels()
+    log.info("cpu_kernels: in use for the GEMMs and greedy argmax (%s)", ops.path)
+    return ops
 
 
 def install(model: torch.nn.Module, ops: CpuKernels) -> bool:
@@ -72,5 +74,5 @@ def install(model: torch.nn.Module, ops: CpuKernels) -> bool:
         log.info("cpu_kernels: the model plugin has no install_fused_ops; it runs its own RMSNorm, SiLU and RoPE")
         return False
     model.install_fused_ops(norm=ops.rms_norm, add_norm=ops.add_rms_norm, act=ops.silu_and_mul, rope=ops.rope)
-    log.info("cpu_kernels: fused RMSNorm, SiLU-and-mul, RoPE and greedy argmax kernels in use (%s)", ops.path)
+    log.info("cpu_kernels: fused RMSNorm, SiLU-and-mul and RoPE kernels installed in the model")
     return True

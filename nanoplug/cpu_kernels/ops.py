@@ -31,6 +31,15 @@ def _dense(x: torch.Tensor) -> torch.Tensor:
     return x if x.is_contiguous() else x.contiguous()
 
 
+def _heads_dense(x: torch.Tensor) -> bool:
+    """x [N, H, D] has each row's heads back to back (its rows may be strided, as qkv views are)."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def _with_dense_heads(x: torch.Tensor) -> torch.Tensor:
+    return x if _heads_dense(x) else x.contiguous()
+
+
 class CpuKernels:
     """float32 CPU tensors in, new tensors out (RoPE works in place, as the model's own does not need
     the unrotated q and k)."""
@@ -48,7 +57,7 @@ class CpuKernels:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """`F.rms_norm` over the last dim; x may be a [N, H, D] view whose heads are dense (q/k norms)."""
         dim = x.shape[-1]
-        if x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == dim:
+        if x.dim() == 3 and _heads_dense(x):
             heads, outer = x.shape[1], x.stride(0)
         else:
             x = _dense(x)
@@ -82,10 +91,7 @@ class CpuKernels:
             raise ValueError(f"the RoPE kernel needs dense cos/sin tables of the head size {dim}, not {tuple(cos.shape)}")
         if positions.dtype != torch.int64:
             positions = positions.long()
-        if q.stride(2) != 1 or q.stride(1) != dim:
-            q = q.contiguous()
-        if k.stride(2) != 1 or k.stride(1) != dim:
-            k = k.contiguous()
+        q, k = _with_dense_heads(q), _with_dense_heads(k)
         positions = _dense(positions)
         self._lib.np_rope(positions.data_ptr(), q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
                           cos.data_ptr(), sin.data_ptr(), q.shape[0], q.shape[1], k.shape[1], dim)
@@ -123,8 +129,7 @@ class CpuKernels:
         """One query token per sequence: q [B, H, D] against caches [blocks, block_size, Hkv, D] through
         int32 block tables [B, max_blocks] and int32 context lengths [B] -> [B, H, D]."""
         num_seqs, heads, dim = q.shape
-        if q.stride(2) != 1 or q.stride(1) != dim:
-            q = q.contiguous()
+        q = _with_dense_heads(q)
         if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
             raise ValueError("the CPU decode kernel takes int32 block tables and context lengths")
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):

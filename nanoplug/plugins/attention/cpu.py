@@ -14,6 +14,7 @@ import torch
 from nanoplug import cpu_kernels
 from nanoplug.core.hookspecs import hookimpl
 from nanoplug.core.interfaces import PLUGIN_API_VERSION, AttentionMetadata, Target
+from nanoplug.plugins.attention.paged_decode import PagedDecode
 from nanoplug.plugins.attention.sdpa import SdpaAttention
 
 NANOPLUG_API_VERSION = PLUGIN_API_VERSION
@@ -49,7 +50,7 @@ class CpuAttention(SdpaAttention):
         self.kernel_decoding = False
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        self.kernel_decoding = meta.max_seqlen_q == 1
+        self.kernel_decoding = PagedDecode.serves(meta)
         if self.kernel_decoding:
             self.meta = meta
             return
