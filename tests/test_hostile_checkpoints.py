@@ -370,3 +370,30 @@ def test_a_hugging_face_cache_snapshot_whose_shards_link_into_its_blobs_loads(tm
         blob.write_bytes(item.resolve().read_bytes())
         (snapshot / item.name).symlink_to(Path("../..") / "blobs" / blob.name)
     assert greedy(snapshot) == greedy(checkpoint("qwen3"))
+
+
+# ------------------------------------------------------------ item 5: a LoRA adapter's files
+def _lora_folder(name: str) -> Path:
+    folder = scratch_dir(name)
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4}))
+    save_file({"base_model.model.model.layers.0.mlp.up_proj.lora_A.weight": torch.ones(2, 64),
+               "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight": torch.ones(128, 2)},
+              str(folder / "adapter_model.safetensors"))
+    return folder
+
+
+@pytest.mark.parametrize("file, content, expected", [
+    ("adapter_config.json", b'{"peft_type": "LORA", "r": ', "is not valid JSON"),
+    ("adapter_config.json", b'["LORA"]', "holds a JSON list, not an object of settings"),
+    ("adapter_model.safetensors", b"\x00" * 3, "is not a readable safetensors file"),
+])
+def test_a_damaged_lora_folder_names_the_file(file, content, expected):
+    from nanoplug.plugins.adapters.peft_folder import read_peft_lora
+
+    folder = _lora_folder(f"lora_{file}_{len(content)}")
+    assert read_peft_lora(folder).modules  # intact, it reads
+    (folder / file).write_bytes(content)
+    with pytest.raises(ModelLoadError) as err:
+        read_peft_lora(folder)
+    assert str(err.value).startswith(repr(str(folder / file))) and expected in str(err.value)
+    assert "save_pretrained" in str(err.value)
