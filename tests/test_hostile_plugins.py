@@ -25,6 +25,7 @@ from nanoplug.core.interfaces import PLUGIN_API_VERSION, AttentionBackend, Model
 from nanoplug.core.registry import Registry
 from nanoplug.plugins.attention.manual import ManualAttention
 from nanoplug.plugins.cache.torch import TorchStore
+from nanoplug.plugins.models.qwen3 import Qwen3ForCausalLM
 
 
 @pytest.fixture
@@ -101,6 +102,8 @@ MALFORMED = {
     "abstract": ("attention", type("NoForward", (AttentionBackend,), {}), "it does not implement forward"),
     "instance": ("attention", ManualAttention.__new__(ManualAttention), "not a class"),
     "model_not_module": ("model", _NotAModule, "_NotAModule is not a torch.nn.Module"),
+    "packed_not_pairs": ("model", type("Flat", (Qwen3ForCausalLM,), {"packed_modules_mapping": {"q_proj": "qkv_proj"}}),
+                         "packed_modules_mapping must map checkpoint module names to (fused module, shard id)"),
     "overlap_int": ("parallel", type("Overlap", (type(Registry(load_entry_points=False).get("parallel", "single")),),
                                      {"supports_overlap": 1}), "supports_overlap must be True or False, found 1"),
 }

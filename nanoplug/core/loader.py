@@ -24,8 +24,10 @@ log = logging.getLogger("nanoplug")
 
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FIX = "fix it, or write it again with config.save_pretrained(folder)"
-WEIGHTS_FIX = "the file is damaged or incomplete (an interrupted download or copy?): download or save the checkpoint again"
-INDEX_FIX = f"write the checkpoint again with save_pretrained, or delete {INDEX_FILE} when the folder holds one model.safetensors"
+WEIGHTS_FIX = ("the file is damaged or incomplete (an interrupted download or copy?): download or save the "
+               "checkpoint again")
+INDEX_FIX = (f"write the checkpoint again with save_pretrained, or delete {INDEX_FILE} when the folder holds one "
+             "model.safetensors")
 SHAPE_FIX = ("config.json does not describe these weights: use the config.json saved with them, or weights saved "
              "for this config")
 # config.json settings the model's shapes are built from: each, when set, a positive integer
@@ -165,7 +167,8 @@ def iter_checkpoint(folder: Path) -> Iterator[tuple[Path, str, torch.Tensor]]:
                 try:
                     tensor = f.get_tensor(name)
                 except (SafetensorError, OSError) as exc:
-                    raise ModelLoadError(f"tensor {name!r} of {str(file)!r} cannot be read ({exc}); {WEIGHTS_FIX}") from exc
+                    raise ModelLoadError(
+                        f"tensor {name!r} of {str(file)!r} cannot be read ({exc}); {WEIGHTS_FIX}") from exc
                 yield file, name, tensor
 
 

@@ -97,11 +97,13 @@ def malformed(kind: str, cls: Any) -> list[str]:
     if not isinstance(description, str):
         problems.append(f"description must be a str, found {description!r}")
     if not isinstance(unavailable, (classmethod, staticmethod)) or not callable(unavailable.__func__):
-        problems.append(f"unavailable must be a classmethod unavailable(cls, target) -> list[str], found {unavailable!r}")
+        problems.append(f"unavailable must be a classmethod unavailable(cls, target) -> list[str], "
+                        f"found {unavailable!r}")
     problems += [f"{f} must be True or False, found {v!r}" for f, v in flags.items() if not isinstance(v, bool)]
-    if not isinstance(packed, dict) or not all(
-            isinstance(k, str) and isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str) for k, v in packed.items()):
-        problems.append(f"packed_modules_mapping must map checkpoint module names to (fused module, shard id), found {packed!r}")
+    if not isinstance(packed, dict) or not all(isinstance(k, str) and isinstance(v, tuple) and len(v) == 2
+                                               and isinstance(v[0], str) for k, v in packed.items()):
+        problems.append("packed_modules_mapping must map checkpoint module names to (fused module, shard id), "
+                        f"found {packed!r}")
     return problems
 
 
@@ -117,13 +119,14 @@ class Registrar:
         self.added: list[tuple[str, Any, bool]] = []
 
     def add(self, name: str, cls: Any, *, replace: bool = False) -> None:
-        if not isinstance(name, str) or not name.strip() or name == "auto" or any(c.isspace() or c == "," for c in name):
+        if not isinstance(name, str) or not name or name == "auto" or any(c.isspace() or c == "," for c in name):
             raise PluginLoadError(f"{self.kind} plugin name {name!r} is invalid; use a non-empty name without spaces "
                                   "or commas, other than 'auto'")
         if not isinstance(replace, bool):
             raise PluginLoadError(f"{self.kind} plugin {name!r}: replace must be True or False, found {replace!r}")
         if any(n == name for n, _, _ in self.added):
-            raise PluginLoadError(f"{self.kind} plugin {name!r} is registered twice by one module; register each name once")
+            raise PluginLoadError(f"{self.kind} plugin {name!r} is registered twice by one module; "
+                                  "register each name once")
         problems = malformed(self.kind, cls)
         if problems:
             base = KIND_BASES[self.kind].__name__
