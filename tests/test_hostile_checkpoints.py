@@ -235,6 +235,7 @@ def test_copy_weight_never_broadcasts():
     ("empty", lambda s: "", "is not valid JSON"),
     ("architectures_str", lambda s: json.dumps({**s, "architectures": "Qwen3ForCausalLM"}),
      "'architectures' must be a list of class names"),
+    ("model_type_list", lambda s: json.dumps({**s, "model_type": ["qwen3"]}), "model_type must be a string"),
     ("hidden_list", lambda s: json.dumps({**s, "hidden_size": [64]}), "hidden_size must be a positive integer, found [64]"),
     ("layers_str", lambda s: json.dumps({**s, "num_hidden_layers": "2"}),
      "num_hidden_layers must be a positive integer, found '2'"),

@@ -75,6 +75,9 @@ def load_hf_config(path: str | Path) -> Any:
     if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) and a for a in archs)):
         raise ModelLoadError(f"{str(file)!r}: 'architectures' must be a list of class names such as "
                              f"[\"Qwen3ForCausalLM\"], found {archs!r}; {CONFIG_FIX}")
+    if not isinstance(raw.get("model_type", ""), str):
+        raise ModelLoadError(f"{str(file)!r}: model_type must be a string such as \"qwen3\", found "
+                             f"{raw['model_type']!r}; {CONFIG_FIX}")
     _check_shape_settings(raw.get, file)  # before transformers, whose own checks word it less plainly
     from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 
