@@ -55,7 +55,7 @@ class ModelPlugin:
 
     @hookimpl
     def nanoplug_register_model(self, register) -> None:
-        register.add("Qwen3ForCausalLM", self.cls)
+        register.add("Qwen3ForCausalLM", self.cls, replace=True)
 
 
 def generate_twice(llm):
