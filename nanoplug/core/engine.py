@@ -7,6 +7,7 @@ tokens and check stops.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence as Seq
@@ -16,11 +17,12 @@ import torch
 from nanoplug.core.blocks import BlockManager
 from nanoplug.core.config import EngineConfig, SamplingParams
 from nanoplug.core.detokenizer import IncrementalDetokenizer
-from nanoplug.core.errors import ModelLoadError, RequestError
+from nanoplug.core.errors import EngineClosedError, ModelLoadError, RequestError
 from nanoplug.core.interfaces import ModelFacts, Target
 from nanoplug.core.loader import checkpoint_dir, load_hf_config
 from nanoplug.core.model_source import resolve_model_path
 from nanoplug.core.registry import Registry, Resolution, default_registry
+from nanoplug.core.request_input import params_list, prompt_list, token_ids
 from nanoplug.core.runner import ModelRunner, PluginClasses, StepBatch
 from nanoplug.core.sampler import SamplingBatch
 from nanoplug.core.scheduler import Scheduled, Scheduler
@@ -76,13 +78,18 @@ def resolve_dtype(name: str, device: torch.device, hf_config: Any) -> torch.dtyp
 class LLM:
     """An inference engine for one checkpoint: `LLM(path, attention="sdpa", kv_cache="torch", ...)`."""
 
-    def __init__(self, model: str, registry: Registry | None = None, **options: Any):
+    executor = None  # set once the workers start; None again after close()
+
+    def __init__(self, model: str | os.PathLike, registry: Registry | None = None, **options: Any):
         unknown = sorted(set(options) - set(EngineConfig.model_fields))
         if unknown:
             raise TypeError(
                 f"unknown option(s) {', '.join(map(repr, unknown))} for LLM; valid options: "
                 + ", ".join(sorted(f for f in EngineConfig.model_fields if f != "model"))
             )
+        if not isinstance(model, (str, os.PathLike)):
+            raise TypeError(f"model is a {type(model).__name__}; give a checkpoint folder (a str or pathlib.Path) "
+                            "or a Hugging Face model id")
         config = EngineConfig(model=resolve_model_path(model), **options)
         self.registry = registry or default_registry()
         self.hf_config = load_hf_config(config.model)
@@ -190,23 +197,23 @@ class LLM:
         return ids
 
     # ---------------------------------------------------------------------------- requests
-    def _tokenize(self, index: int, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return [int(t) for t in prompt]
-        raise RequestError(f"prompt {index} is a {type(prompt).__name__}; give a string or a list of token ids (ints)")
+    def _check_open(self) -> None:
+        if self.executor is None:
+            raise EngineClosedError("this LLM was closed; create a new one: LLM(model, ...)")
 
-    def _make_sequences(self, prompts: Seq[str | list[int]], params: Any) -> list[Sequence]:
-        """Tokenize and check every prompt before any is queued: bad input never costs others their work."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # one prompt, not a list of them
-        if params is None:
-            params = SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise RequestError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt")
+    def _tokenize(self, index: int, prompt: Any) -> list[int]:
+        ids = token_ids(index, prompt)
+        if ids is not None:
+            return ids
+        return self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
+
+    def _make_sequences(self, prompts: Any, params: Any, single: bool = False) -> list[Sequence]:
+        """Tokenize and check every prompt before any is queued: bad input never costs others their work.
+
+        `single`: `prompts` is one prompt (stream's), whatever it looks like."""
+        self._check_open()
+        prompts = [prompts] if single else prompt_list(prompts)
+        params = params_list(params, len(prompts))
         vocab = self.facts.vocab_size
         limit = self.config.max_model_len
         seqs = []
@@ -283,6 +290,7 @@ class LLM:
         the one launched before it, so the device never waits for the host's bookkeeping. A
         sequence's newest token is then a placeholder that the device fills in; when that token
         ends the sequence (EOS, a stop string), the one step it ran ahead is thrown away."""
+        self._check_open()
         if not self.overlap:
             batch, is_prefill = self.scheduler.schedule()
             if not batch:
@@ -385,7 +393,11 @@ class LLM:
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt, batched continuously; one output per prompt, in order."""
+        """Generate for every prompt, batched continuously; one output per prompt, in order.
+
+        A prompt is a string or token ids (ints, numpy/torch integers, a 1-d integer array); sampling_params
+        is one SamplingParams (or dict of its fields) for all, one per prompt, or None for the defaults.
+        Anything else is a RequestError that says what to pass (core/request_input.py)."""
         seqs = self._make_sequences(prompts, sampling_params)
         for seq in seqs:
             self.scheduler.add(seq)
@@ -412,7 +424,7 @@ class LLM:
 
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Yield the text and token ids each step adds to one request, the last delta marked finished."""
-        (seq,) = self._make_sequences([prompt], sampling_params)
+        (seq,) = self._make_sequences(prompt, sampling_params, single=True)
         if seq.detok is None:
             seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, [])
         self.scheduler.add(seq)
@@ -439,7 +451,8 @@ class LLM:
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Apply the checkpoint's chat template to one conversation (or a list of them) and generate."""
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        self._check_open()
+        conversations = messages if messages and isinstance(messages[0], (list, tuple)) else [messages]
         prompts = [self.chat_prompt_ids(c) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -1,0 +1,110 @@
+"""Hostile input (issue 13, items 4, 6, 7): what a skeptical user passes gets either the right answer or
+an error that says what is wrong and what to pass, and the engine serves on.
+
+Token ids as numpy values, a path as pathlib.Path, SamplingParams as a dict work; None where prompts or
+params belong, lone surrogates, float ids, an engine used after close(), a folder without a tokenizer,
+a max_model_len past the model's context are refused clearly; text typed inside chat messages never
+becomes a control token.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from _checkpoints import PROMPTS, checkpoint, prompt_ids
+from _engine_checks import assert_idle
+from nanoplug import LLM, SamplingParams
+from nanoplug.core.errors import EngineClosedError, RequestError
+
+OPTIONS = dict(kv_block_size=16, attention="sdpa", kv_cache="torch", num_kv_blocks=64, max_model_len=256)
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(checkpoint(), **OPTIONS) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def greedy(llm):
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+# ----------------------------------------------------------------- item 6: what a caller passes
+def test_a_pathlib_path_names_the_model(greedy):
+    with LLM(Path(checkpoint()), **OPTIONS) as from_path:
+        assert [o.token_ids for o in from_path.generate(PROMPTS, GREEDY, use_tqdm=False)] == greedy
+
+
+def test_numpy_and_torch_integer_token_ids_are_token_ids(llm, greedy):
+    ids = prompt_ids()
+    forms = {
+        "a 1-d numpy array": (np.array(ids[0]), [greedy[0]]),
+        "numpy int32 array": (np.array(ids[1], dtype=np.int32), [greedy[1]]),
+        "a list of numpy ints": ([np.int64(t) for t in ids[2]], [greedy[2]]),
+        "a list of arrays": ([np.array(p) for p in ids], greedy),
+        "a 2-d array, a prompt per row": (np.array([ids[3], ids[3]]), [greedy[3]] * 2),
+        "a torch tensor": (torch.tensor(ids[0]), [greedy[0]]),
+    }
+    for name, (prompts, want) in forms.items():
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outs] == want, name
+        assert all(type(t) is int for o in outs for t in o.prompt_token_ids), name
+    (streamed,) = [list(llm.stream(np.array(ids[0]), GREEDY))]
+    assert [t for d in streamed for t in d.token_ids] == greedy[0]
+
+
+BAD_REQUESTS = {
+    "prompts=None": (dict(prompts=None), r"prompts is None; give a string, a list of token ids \(ints\), or a list of those"),
+    "float ids": (dict(prompts=[[1, 2.0, 3]]), r"prompt 0 has 2\.0 \(a float\) at position 1; token ids are integers"),
+    "a float array": (dict(prompts=np.array([1.0, 2.0])), r"prompt 0 has 1\.0 \(a float\) at position 0; token ids are integers"),
+    "bool ids": (dict(prompts=[[5, True]]), r"prompt 0 has True \(a bool\) at position 1"),
+    "bytes": (dict(prompts=[b"Hello"]), r"prompt 0 is bytes; decode it to a string first"),
+    "a 3-d array": (dict(prompts=np.zeros((1, 1, 2), dtype=np.int64)), r"prompts is a 3-d array"),
+    "a lone surrogate": (dict(prompts=["caf\udce9 au lait"]),
+                         r"prompt 0 has a lone surrogate '\\udce9' at character 3 \(the byte 0xe9 left undecoded\), "
+                         r"which is not valid Unicode text.*decode the bytes as UTF-8"),
+    "[None] as params": (dict(prompts=PROMPTS[:1], sampling_params=[None]),
+                         r"sampling_params\[0\] is None; give a SamplingParams \(or a dict of its fields\) for each "
+                         r"prompt, or sampling_params=None for the defaults"),
+    "params of a wrong type": (dict(prompts=PROMPTS[:1], sampling_params=5), r"sampling_params is an int; give "
+                                                                              r"SamplingParams\(...\), a dict"),
+    "a dict with a wrong value": (dict(prompts=PROMPTS[:1], sampling_params={"max_tokens": "5"}),
+                                  r"sampling_params is not a valid SamplingParams: max_tokens: Input should be a valid "
+                                  r"integer \(got '5'\)"),
+    "a dict with a wrong key": (dict(prompts=PROMPTS[:2], sampling_params=[{}, {"max_token": 5}]),
+                                r"sampling_params\[1\] is not a valid SamplingParams: max_token: Extra inputs"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_requests_say_what_is_wrong_and_the_engine_serves_on(llm, greedy, case):
+    kwargs, message = BAD_REQUESTS[case]
+    with pytest.raises(RequestError, match=message):
+        llm.generate(use_tqdm=False, **kwargs)
+    assert_idle(llm)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == greedy
+
+
+def test_sampling_params_may_be_a_dict(llm, greedy):
+    fields = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(PROMPTS, fields, use_tqdm=False)] == greedy
+    per_prompt = [dict(fields, max_tokens=n) for n in (1, 2, 3, 4)]
+    assert [len(o.token_ids) for o in llm.generate(PROMPTS, per_prompt, use_tqdm=False)] == [1, 2, 3, 4]
+    assert [t for d in llm.stream(PROMPTS[0], fields) for t in d.token_ids] == greedy[0]
+
+
+def test_a_closed_llm_says_so_for_every_call():
+    engine = LLM(checkpoint(), **OPTIONS)
+    engine.close()
+    engine.close()  # twice is fine
+    for call in (lambda: engine.generate(PROMPTS[0], use_tqdm=False), lambda: next(engine.stream(PROMPTS[0])),
+                 lambda: engine.chat([{"role": "user", "content": "Hi"}]), engine.step):
+        with pytest.raises(EngineClosedError, match=r"this LLM was closed; create a new one"):
+            call()
+
+
