@@ -8,19 +8,21 @@ becomes a control token.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from _checkpoints import PROMPTS, checkpoint, prompt_ids
+from _checkpoints import PROMPTS, checkpoint, prompt_ids, scratch_dir
 from _engine_checks import assert_idle
 from nanoplug import LLM, SamplingParams
-from nanoplug.core.errors import EngineClosedError, RequestError
+from nanoplug.core.errors import EngineClosedError, ModelLoadError, RequestError
 
 OPTIONS = dict(kv_block_size=16, attention="sdpa", kv_cache="torch", num_kv_blocks=64, max_model_len=256)
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +34,41 @@ def llm():
 @pytest.fixture(scope="module")
 def greedy(llm):
     return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def without_tokenizer(name: str) -> Path:
+    """The tiny checkpoint's weights and config, with no tokenizer file beside them."""
+    folder = scratch_dir(name)
+    for item in Path(checkpoint()).iterdir():
+        if item.name not in TOKENIZER_FILES:
+            (folder / item.name).symlink_to(item)
+    return folder
+
+
+# ------------------------------------------------------------------------- item 4: no tokenizer
+def test_a_folder_without_tokenizer_files_is_refused_naming_them():
+    folder = without_tokenizer("no_tokenizer")
+    with pytest.raises(ModelLoadError) as info:
+        LLM(str(folder), **OPTIONS)
+    msg = str(info.value)
+    assert str(folder) in msg and "no tokenizer vocabulary" in msg
+    assert "tokenizer.json" in msg and "tokenizer.model" in msg and "vocab.json" in msg  # what is missing
+    assert "save_pretrained" in msg and "skip_tokenizer_init=True" in msg  # how to add one, or go without
+
+
+def test_skip_tokenizer_init_runs_token_id_prompts_with_empty_text(greedy):
+    with LLM(str(without_tokenizer("skip_tokenizer")), skip_tokenizer_init=True, **OPTIONS) as bare:
+        assert bare.tokenizer is None and bare.eos_token_ids  # the EOS ids come from the config files
+        outs = bare.generate(prompt_ids(), GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outs] == greedy and all(o.text == "" for o in outs)
+        deltas = list(bare.stream(prompt_ids()[0], GREEDY))
+        assert [t for d in deltas for t in d.token_ids] == greedy[0] and all(d.text == "" for d in deltas)
+        for call, words in [(lambda: bare.generate("Hello"), "no tokenizer (skip_tokenizer_init=True); give token ids"),
+                            (lambda: bare.generate([[1, 2]], SamplingParams(stop="x")), "use stop_token_ids"),
+                            (lambda: bare.chat([{"role": "user", "content": "Hi"}]), "skip_tokenizer_init=True")]:
+            with pytest.raises(RequestError, match=re.escape(words)):
+                call()
+        assert_idle(bare)
 
 
 # ----------------------------------------------------------------- item 6: what a caller passes

@@ -85,6 +85,8 @@ class EngineConfig(BaseModel):
     cpu_kernels: Bool | None = Field(None, description="nanoplug's C++ kernels for float32 CPU steps (decode-sized "
                                      "GEMM, RMSNorm, SiLU-and-mul, RoPE, greedy argmax), compiled once per machine; "
                                      "None: when a C++ compiler is found")
+    skip_tokenizer_init: Bool = Field(False, description="load no tokenizer (as vLLM's option): prompts must be token "
+                                      "ids, outputs carry token ids and empty text, no stop strings or chat")
     seed: Int = 0
 
     @field_validator("model", mode="before")

@@ -27,6 +27,7 @@ from nanoplug.core.runner import ModelRunner, PluginClasses, StepBatch
 from nanoplug.core.sampler import SamplingBatch
 from nanoplug.core.scheduler import Scheduled, Scheduler
 from nanoplug.core.sequence import PENDING, Sequence, Status
+from nanoplug.core.tokenizer import load_tokenizer
 
 log = logging.getLogger("nanoplug")
 NOTHING_TO_RUN = "the scheduler found nothing to run although requests wait; the KV cache is too small"
@@ -171,15 +172,10 @@ class LLM:
         return lines
 
     def _load_tokenizer(self):
-        from transformers import AutoTokenizer
-
-        try:
-            return AutoTokenizer.from_pretrained(str(checkpoint_dir(self.config.model)))
-        except Exception as exc:
-            raise ModelLoadError(
-                f"no usable tokenizer in {self.config.model!r} ({type(exc).__name__}: {exc}); "
-                "save one there with tokenizer.save_pretrained(folder)"
-            ) from exc
+        """The checkpoint's tokenizer; None with skip_tokenizer_init (token-id prompts, outputs without text)."""
+        if self.config.skip_tokenizer_init:
+            return None
+        return load_tokenizer(checkpoint_dir(self.config.model))
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -189,7 +185,7 @@ class LLM:
             eos = GenerationConfig.from_pretrained(self.config.model).eos_token_id
         except Exception:
             eos = getattr(self.hf_config, "eos_token_id", None)
-        for value in (eos, self.tokenizer.eos_token_id):
+        for value in (eos, getattr(self.tokenizer, "eos_token_id", None)):
             if isinstance(value, int):
                 ids.add(value)
             elif value:
@@ -205,6 +201,9 @@ class LLM:
         ids = token_ids(index, prompt)
         if ids is not None:
             return ids
+        if self.tokenizer is None:
+            raise RequestError(f"prompt {index} is text, but this LLM has no tokenizer (skip_tokenizer_init=True); "
+                               "give token ids, or create the LLM without skip_tokenizer_init")
         return self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
 
     def _make_sequences(self, prompts: Any, params: Any, single: bool = False) -> list[Sequence]:
@@ -239,6 +238,9 @@ class LLM:
 
     def _check_params(self, index: int, params: SamplingParams) -> None:
         """Hook for request options that depend on the engine (e.g. per-request adapters)."""
+        if params.stop and self.tokenizer is None:
+            raise RequestError(f"prompt {index} has stop strings, but this LLM has no tokenizer "
+                               "(skip_tokenizer_init=True) to read text; use stop_token_ids")
         if params.adapter is not None and params.adapter not in self.request_adapter_ids:
             loaded = ", ".join(map(repr, self.request_adapter_ids)) or "none"
             raise RequestError(
@@ -375,6 +377,8 @@ class LLM:
             self.scheduler.finish(seq)
 
     def _text(self, seq: Sequence) -> str:
+        if self.tokenizer is None:
+            return ""
         if seq.detok is not None and seq.params.stop:
             return seq.detok.text
         ids = seq.completion_token_ids
@@ -425,7 +429,7 @@ class LLM:
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Yield the text and token ids each step adds to one request, the last delta marked finished."""
         (seq,) = self._make_sequences(prompt, sampling_params, single=True)
-        if seq.detok is None:
+        if seq.detok is None and self.tokenizer is not None:
             seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, [])
         self.scheduler.add(seq)
         sent = 0
@@ -437,7 +441,8 @@ class LLM:
                 tokens = seq.completion_token_ids[sent:]
                 if tokens or finished:
                     sent += len(tokens)
-                    yield StreamDelta(seq.detok.take(final=finished), tokens, finished, seq.finish_reason)
+                    text = seq.detok.take(final=finished) if seq.detok is not None else ""
+                    yield StreamDelta(text, tokens, finished, seq.finish_reason)
                 if finished:
                     self._drain()
                     return
@@ -457,6 +462,9 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError("chat needs the checkpoint's tokenizer and chat template, but this LLM was created "
+                               "with skip_tokenizer_init=True; give generate() token ids instead")
         if not getattr(self.tokenizer, "chat_template", None):
             raise RequestError(f"the tokenizer of {self.config.model!r} has no chat template; use generate() with plain text")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
