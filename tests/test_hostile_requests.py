@@ -8,8 +8,10 @@ becomes a control token.
 """
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,7 +20,8 @@ import torch
 from _checkpoints import PROMPTS, checkpoint, prompt_ids, scratch_dir
 from _engine_checks import assert_idle
 from nanoplug import LLM, SamplingParams
-from nanoplug.core.errors import EngineClosedError, ModelLoadError, RequestError
+from nanoplug.core.context_length import ALLOW_LONG, model_context_length
+from nanoplug.core.errors import ConfigError, EngineClosedError, ModelLoadError, RequestError
 
 OPTIONS = dict(kv_block_size=16, attention="sdpa", kv_cache="torch", num_kv_blocks=64, max_model_len=256)
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -143,5 +146,40 @@ def test_a_closed_llm_says_so_for_every_call():
                  lambda: engine.chat([{"role": "user", "content": "Hi"}]), engine.step):
         with pytest.raises(EngineClosedError, match=r"this LLM was closed; create a new one"):
             call()
+
+
+# ------------------------------------------------------------------ item 7: strict max_model_len
+def test_max_model_len_past_the_model_context_is_refused_naming_both_numbers_and_the_fix():
+    with pytest.raises(ConfigError) as info:
+        LLM(checkpoint(), **dict(OPTIONS, max_model_len=4096))
+    msg = str(info.value)
+    assert "max_model_len 4096" in msg and "max_position_embeddings=2048" in msg
+    assert "config.json" in msg and "max_model_len=2048 or less" in msg and f"{ALLOW_LONG}=1" in msg
+
+
+def test_the_env_override_runs_longer_with_a_warning(monkeypatch, caplog, greedy):
+    monkeypatch.setenv(ALLOW_LONG, "1")
+    with caplog.at_level(logging.WARNING, logger="nanoplug"):
+        with LLM(checkpoint(), **dict(OPTIONS, max_model_len=2560, num_kv_blocks=161)) as long:
+            assert long.config.max_model_len == 2560
+            assert [o.token_ids for o in long.generate(PROMPTS, GREEDY, use_tqdm=False)] == greedy
+    assert any("max_model_len 2560" in r.getMessage() and ALLOW_LONG in r.getMessage() for r in caplog.records)
+
+
+def test_the_default_max_model_len_is_lowered_to_the_model_context():
+    options = {k: v for k, v in OPTIONS.items() if k != "max_model_len"}
+    with LLM(checkpoint(), **dict(options, num_kv_blocks=129)) as default:
+        assert default.config.max_model_len == 2048  # 4096 unless the model's context is shorter
+
+
+def test_model_context_length_reads_vllm_keys_and_rope_scaling():
+    assert model_context_length(SimpleNamespace(max_position_embeddings=2048)) == (2048, "max_position_embeddings=2048")
+    assert model_context_length(SimpleNamespace(max_position_embeddings=4096, n_positions=1024))[0] == 1024
+    assert model_context_length(SimpleNamespace()) is None
+    yarn = SimpleNamespace(max_position_embeddings=40960, rope_parameters=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=32768))
+    assert model_context_length(yarn)[0] == 131072
+    llama3 = SimpleNamespace(max_position_embeddings=131072, rope_scaling=dict(rope_type="llama3", factor=8.0))
+    assert model_context_length(llama3)[0] == 131072  # llama3's limit is already the scaled one
 
 

@@ -25,7 +25,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache", default="auto", help="KV-cache store, e.g. torch, triton (default: auto)")
     parser.add_argument("--device", default="auto", help="auto (a GPU if present), cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    parser.add_argument("--max-model-len", type=int, default=4096, help="longest prompt plus answer, in tokens")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt plus answer, in tokens (default: 4096, or the model's limit if lower)")
 
 
 def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -77,8 +78,9 @@ def build_llm(args: argparse.Namespace):
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise OptionError(f"--device {args.device}: torch sees no CUDA GPU here; use --device cpu (or auto)")
-    options = dict(attention=args.attention, kv_cache=args.kv_cache, device=args.device, dtype=args.dtype,
-                   max_model_len=args.max_model_len)
+    options = dict(attention=args.attention, kv_cache=args.kv_cache, device=args.device, dtype=args.dtype)
+    if args.max_model_len is not None:
+        options["max_model_len"] = args.max_model_len
     if args.seed is not None:
         options["seed"] = args.seed
     if getattr(args, "lora", None):  # `generate --lora DIR`: PEFT LoRA folders merged at load

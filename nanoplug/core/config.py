@@ -67,7 +67,9 @@ class EngineConfig(BaseModel):
     parallel: PluginName = "auto"
     tensor_parallel_size: Int = Field(1, ge=1)
     adapters: list[AdapterSpec] = Field(default_factory=list)
-    max_model_len: Int = Field(4096, ge=1)
+    max_model_len: Int = Field(4096, ge=1, description="longest prompt plus answer, in tokens; at most the "
+                               "model's max_position_embeddings (NANOPLUG_ALLOW_LONG_MAX_MODEL_LEN=1 allows more); "
+                               "when not given, 4096 or the model's limit if lower")
     max_num_seqs: Int = Field(256, ge=1)
     max_num_batched_tokens: Int = Field(16384, ge=1)
     kv_block_size: Int = Field(256, ge=1)

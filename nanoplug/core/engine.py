@@ -16,6 +16,7 @@ import torch
 
 from nanoplug.core.blocks import BlockManager
 from nanoplug.core.config import EngineConfig, SamplingParams
+from nanoplug.core.context_length import checked_max_model_len
 from nanoplug.core.detokenizer import IncrementalDetokenizer
 from nanoplug.core.errors import EngineClosedError, ModelLoadError, RequestError
 from nanoplug.core.interfaces import ModelFacts, Target
@@ -94,6 +95,8 @@ class LLM:
         config = EngineConfig(model=resolve_model_path(model), **options)
         self.registry = registry or default_registry()
         self.hf_config = load_hf_config(config.model)
+        config.max_model_len = checked_max_model_len(config.max_model_len, "max_model_len" in options, self.hf_config,
+                                                     str(checkpoint_dir(config.model) / "config.json"))
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
         self.config = config

@@ -29,5 +29,9 @@ class AdapterError(NanoplugError, ValueError):
     """A weight adapter that does not fit the model, or of a type the chosen adapter plugin cannot apply."""
 
 
+class ConfigError(NanoplugError, ValueError):
+    """A setting that does not fit this model (e.g. max_model_len past its context length)."""
+
+
 class EngineClosedError(NanoplugError, RuntimeError):
     """A request to an LLM after close()."""
