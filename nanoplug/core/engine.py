@@ -15,6 +15,7 @@ from typing import Any, Iterator, Sequence as Seq
 import torch
 
 from nanoplug.core.blocks import BlockManager
+from nanoplug.core.chat_template import chat_token_ids
 from nanoplug.core.config import EngineConfig, SamplingParams
 from nanoplug.core.context_length import checked_max_model_len
 from nanoplug.core.detokenizer import IncrementalDetokenizer
@@ -465,15 +466,14 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """The conversation through the checkpoint's chat template, as token ids. Text inside the messages
+        never becomes a special token (see core/chat_template.py); the template's own tokens do."""
         if self.tokenizer is None:
             raise RequestError("chat needs the checkpoint's tokenizer and chat template, but this LLM was created "
                                "with skip_tokenizer_init=True; give generate() token ids instead")
         if not getattr(self.tokenizer, "chat_template", None):
             raise RequestError(f"the tokenizer of {self.config.model!r} has no chat template; use generate() with plain text")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return chat_token_ids(self.tokenizer, messages)
 
     def close(self) -> None:
         executor = getattr(self, "executor", None)
