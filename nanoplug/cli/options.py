@@ -49,6 +49,27 @@ def sampling_params(args: argparse.Namespace, **extra: Any):
         raise OptionError(_first_problem(exc)) from exc
 
 
+def command_line_text(what: str, text: str) -> str:
+    """`text` from the command line, refused when it is not valid UTF-8 (Python keeps such bytes as lone
+    surrogates, which no tokenizer takes)."""
+    from nanoplug.core.request_input import lone_surrogate
+
+    bad = lone_surrogate(text)
+    if bad:
+        raise OptionError(f"{what} is not valid UTF-8 text: it has {bad}; convert it to UTF-8 "
+                          "(e.g. iconv -f latin1 -t utf-8) and try again")
+    return text
+
+
+def read_stdin(what: str) -> str:
+    """All of stdin as text, refused in one line when it is not valid UTF-8."""
+    try:
+        return sys.stdin.read()
+    except UnicodeDecodeError as exc:
+        raise OptionError(f"{what} on stdin is not valid UTF-8 text ({exc.reason}: byte 0x{exc.object[exc.start]:02x} "
+                          f"at byte {exc.start}); convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from exc
+
+
 def _first_problem(exc: Any) -> str:
     err = exc.errors()[0]
     field = "--" + str(err["loc"][0]).replace("_", "-") if err.get("loc") else "an option"
