@@ -31,3 +31,11 @@ class AdapterError(NanoplugError, ValueError):
 
 class WeightShapeError(ModelLoadError):
     """A checkpoint tensor whose shape is not the one the model built from config.json expects."""
+
+
+class ConfigError(NanoplugError, ValueError):
+    """A setting that does not fit this model (e.g. max_model_len past its context length)."""
+
+
+class EngineClosedError(NanoplugError, RuntimeError):
+    """A request to an LLM after close()."""
