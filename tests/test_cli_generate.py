@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+import _processes
 from _checkpoints import checkpoint
 from nanoplug import cpu_kernels
 from nanoplug.cli import main
@@ -26,7 +27,7 @@ def smollm2_dir():
 
 
 def nanoplug_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "nanoplug", *args], capture_output=True, text=True, timeout=600,
+    return _processes.run([sys.executable, "-m", "nanoplug", *args], capture_output=True, text=True, timeout=600,
                           env={**os.environ, **(env or {})})
 
 
