@@ -14,7 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from nanoplug import cpu_kernels
+from nanoplug.plugins.platforms.cpu import kernels as cpu_kernels
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate+up, down
 LAYERS, VOCAB = 30, 49152

@@ -20,7 +20,7 @@ llm = LLM(str(write_checkpoint()), attention=sys.argv[1] if len(sys.argv) > 1 el
 llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
 prompts, params = workload()
 for seq in llm._make_sequences(prompts, params):
-    llm.scheduler.add(seq)
+    llm.engine.scheduler.add(seq)
 prof = cProfile.Profile()
 for i in range(4):
     t = time.perf_counter()

@@ -18,8 +18,8 @@ attention = sys.argv[1] if len(sys.argv) > 1 else "flash"
 llm = LLM(str(write_checkpoint()), attention=attention, kv_cache="triton", max_model_len=4096)
 prompts, params = workload()
 for seq in llm._make_sequences(prompts, params):
-    llm.scheduler.add(seq)
-while llm.scheduler.waiting or any(s.is_prefilling for s in llm.scheduler.running):
+    llm.engine.scheduler.add(seq)
+while llm.engine.scheduler.waiting or any(s.is_prefilling for s in llm.engine.scheduler.running):
     llm.step()
 for _ in range(20):  # warm decode
     llm.step()
@@ -33,5 +33,5 @@ with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
     wall = (time.perf_counter() - t) / steps
 events = prof.key_averages()
 gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / steps
-print(f"decode, batch {len(llm.scheduler.running)}: wall {wall * 1e3:.2f} ms/step, GPU kernels {gpu_us / 1e3:.2f} ms/step")
+print(f"decode, batch {len(llm.engine.scheduler.running)}: wall {wall * 1e3:.2f} ms/step, GPU kernels {gpu_us / 1e3:.2f} ms/step")
 print(events.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))

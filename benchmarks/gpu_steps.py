@@ -21,7 +21,7 @@ kv_cache = sys.argv[2] if len(sys.argv) > 2 else "triton"
 overlap = (sys.argv[3] if len(sys.argv) > 3 else "1") == "1"
 llm = LLM(str(write_checkpoint()), attention=attention, kv_cache=kv_cache, max_model_len=4096, overlap_steps=overlap)
 llm.generate(["warm up"], use_tqdm=False)
-runner = llm.executor.worker
+runner = llm.engine.worker
 clock: dict[str, float] = defaultdict(float)
 
 
@@ -37,7 +37,7 @@ def timed(obj, name, key):
     setattr(obj, name, wrapper)
 
 
-timed(llm.scheduler, "schedule", "schedule")
+timed(llm.engine.scheduler, "schedule", "schedule")
 timed(llm, "_build_step", "build")
 timed(runner, "launch", "launch")
 timed(runner, "collect", "wait")
@@ -47,11 +47,11 @@ timed(llm, "_resolve", "resolve")
 prompts, params = workload()
 seqs = llm._make_sequences(prompts, params)
 for s in seqs:
-    llm.scheduler.add(s)
+    llm.engine.scheduler.add(s)
 rows = []
 torch.cuda.synchronize()
 t_all = time.perf_counter()
-while any(s.status is not Status.FINISHED for s in seqs) or llm.in_flight is not None:
+while any(s.status is not Status.FINISHED for s in seqs) or llm.engine.in_flight is not None:
     before = dict(clock)
     t = time.perf_counter()
     llm.step()

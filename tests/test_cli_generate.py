@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from _checkpoints import checkpoint
-from nanoplug import cpu_kernels
+from nanoplug.plugins.platforms.cpu import kernels as cpu_kernels
 from nanoplug.cli import main
 from nanoplug.core.errors import ModelLoadError
 

@@ -17,7 +17,7 @@ import torch
 
 from nanoplug.cli import main
 
-KINDS = ["attention", "kv_cache", "model", "parallel", "adapter"]
+KINDS = ["attention", "kv_cache", "model", "parallel", "adapter", "platform"]
 
 
 def run_cli(*args: str, extra_path: Path | None = None, **env: str) -> subprocess.CompletedProcess:

@@ -56,7 +56,7 @@ def test_the_engine_really_overlaps(pair):
     while fast.scheduler.has_work():
         fast.step()
         # the step just launched is still on its way while the one before it was resolved
-        assert len(fast.executor.worker.pending) == (1 if fast.in_flight else 0)
+        assert len(fast.engine.worker.pending) == (1 if fast.engine.in_flight else 0)
         seen_pending |= any(PENDING in s.token_ids for s in fast.scheduler.running)
     fast._drain()
     assert seen_pending

@@ -13,18 +13,18 @@ from typing import Any, Iterator, Sequence as Seq
 
 import torch
 
+from nanoplug.api import SamplingBatch, StepBatch
 from nanoplug.core.blocks import BlockManager
-from nanoplug.core.config import EngineConfig, SamplingParams
+from nanoplug.core.config import DEPRECATED_OPTIONS, EngineConfig, SamplingParams
 from nanoplug.core.detokenizer import IncrementalDetokenizer
 from nanoplug.core.errors import ModelLoadError, RequestError
-from nanoplug.core.interfaces import ModelFacts, Target
-from nanoplug.core.loader import checkpoint_dir, load_hf_config
+from nanoplug.core.loader import checkpoint_dir
 from nanoplug.core.model_source import resolve_model_path
-from nanoplug.core.registry import Registry, Resolution, default_registry
-from nanoplug.core.runner import ModelRunner, PluginClasses, StepBatch
-from nanoplug.core.sampler import SamplingBatch
+from nanoplug.core.registry import Registry, default_registry
+from nanoplug.core.runner import PluginClasses, RunnerFactory, WorkerSpec
 from nanoplug.core.scheduler import Scheduled, Scheduler
 from nanoplug.core.sequence import PENDING, Sequence, Status
+from nanoplug.core.startup import Checkpoint, resolve_plugins
 
 log = logging.getLogger("nanoplug")
 NOTHING_TO_RUN = "the scheduler found nothing to run although requests wait; the KV cache is too small"
@@ -54,30 +54,11 @@ class StreamDelta:
     finish_reason: str | None = None
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device {name!r} asked for, but torch sees no CUDA GPU; use device='cpu'")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device, hf_config: Any) -> torch.dtype:
-    if name != "auto":
-        return getattr(torch, name)
-    if device.type == "cpu":
-        return torch.float32
-    saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    saved = getattr(torch, saved) if isinstance(saved, str) else saved
-    return saved if saved in (torch.float16, torch.bfloat16) else torch.bfloat16
-
-
 class LLM:
     """An inference engine for one checkpoint: `LLM(path, attention="sdpa", kv_cache="torch", ...)`."""
 
     def __init__(self, model: str, registry: Registry | None = None, **options: Any):
-        unknown = sorted(set(options) - set(EngineConfig.model_fields))
+        unknown = sorted(set(options) - set(EngineConfig.model_fields) - set(DEPRECATED_OPTIONS))
         if unknown:
             raise TypeError(
                 f"unknown option(s) {', '.join(map(repr, unknown))} for LLM; valid options: "
@@ -85,15 +66,14 @@ class LLM:
             )
         config = EngineConfig(model=resolve_model_path(model), **options)
         self.registry = registry or default_registry()
-        self.hf_config = load_hf_config(config.model)
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
         self.config = config
-        self._check_architecture()
-        self.facts = ModelFacts.from_hf_config(self.hf_config)
+        self.engine = self  # (until the engine core is cut out of LLM)
+        checkpoint = Checkpoint.load(config.model, self.registry)
+        self.hf_config, self.facts = checkpoint.hf_config, checkpoint.facts
         # per-request adapters (merge=False), by the name requests give: ids 1..K in config order, 0 = none
         self.request_adapter_ids = {spec.label: i for i, spec in enumerate((s for s in config.adapters if not s.merge), 1)}
-        self.choices = self._resolve_plugins()
+        self.choices, target = resolve_plugins(self.registry, config, checkpoint)
+        self.device, self.dtype = target.device, target.dtype
         self.tokenizer = self._load_tokenizer()
         self.eos_token_ids = self._eos_ids()
         plugins = PluginClasses(
@@ -102,10 +82,13 @@ class LLM:
             decode_attention=self.choices["attention"].cls,
             kv_cache=self.choices["kv_cache"].cls,
             adapters=[(r.cls, spec) for r, spec in zip(self.choices["adapters"], config.adapters)],
+            platform=self.choices["platform"].cls,
+            platform_name=self.choices["platform"].name,
         )
-        self.executor = self.choices["parallel"].cls(config)
-        self.executor.start(_RunnerFactory(config, plugins, self.device, self.dtype))
-        num_blocks = self.executor.call("kv_blocks")
+        strategy = self.choices["parallel"].cls(target)
+        self.worker = strategy.start(RunnerFactory(WorkerSpec(config, plugins, checkpoint.hf_config, checkpoint.facts,
+                                                              target)))
+        num_blocks = self.worker.num_kv_blocks()
         if num_blocks * config.kv_block_size < config.max_model_len:
             self.close()
             raise RuntimeError(
@@ -120,48 +103,18 @@ class LLM:
 
     # --------------------------------------------------------------------------- start-up
     def _wants_overlap(self) -> bool:
-        """Overlapped steps: asked for, or by default on CUDA (on a CPU the host computes the step itself)."""
+        """Overlapped steps: asked for, or the platform's default (on for CUDA: on a CPU the host computes the step itself)."""
         asked = self.config.overlap_steps
-        if not self.executor.supports_overlap:
+        if not self.choices["parallel"].cls.supports_overlap:
             if asked:
                 log.warning("parallel strategy %r cannot overlap steps; they run one after another",
                             self.choices["parallel"].name)
             return False
-        return self.device.type == "cuda" if asked is None else asked
-
-    def _check_architecture(self) -> None:
-        """Name the supported architectures before reading fields an unknown config may not have."""
-        arch = (getattr(self.hf_config, "architectures", None) or ["?"])[0]
-        if arch not in self.registry.entries["model"]:
-            raise ModelLoadError(
-                f"architecture {arch!r} of {self.config.model!r} is not supported; supported architectures: "
-                + ", ".join(self.registry.names("model"))
-            )
-
-    def _resolve_plugins(self) -> dict[str, Any]:
-        cfg, reg = self.config, self.registry
-        target = Target(cfg, self.device, self.dtype, self.facts)
-        arch = self.facts.architecture
-        choices: dict[str, Any] = {
-            "model": reg.resolve("model", arch, target),
-            "attention": reg.resolve("attention", cfg.attention, target),
-            "kv_cache": reg.resolve("kv_cache", cfg.kv_cache, target),
-            "parallel": reg.resolve("parallel", cfg.parallel, target),
-            "adapters": [reg.resolve("adapter", spec.kind, target) for spec in cfg.adapters],
-        }
-        choices["prefill_attention"] = (
-            reg.resolve("attention", cfg.prefill_attention, target) if cfg.prefill_attention else choices["attention"]
-        )
-        return choices
+        return self.choices["platform"].cls.overlaps_by_default() if asked is None else asked
 
     def describe_plugins(self) -> list[str]:
         """One line per kind: what was asked, what was chosen, and why."""
-        lines = []
-        for key in ("model", "attention", "prefill_attention", "kv_cache", "parallel"):
-            res: Resolution = self.choices[key]
-            lines.append(res.describe().replace(res.kind, key, 1))
-        lines += [r.describe() for r in self.choices["adapters"]]
-        return lines
+        return self.choices.describe()
 
     def _load_tokenizer(self):
         from transformers import AutoTokenizer
@@ -288,15 +241,15 @@ class LLM:
             if not batch:
                 raise RuntimeError(NOTHING_TO_RUN)
             step = self._build_step(batch, is_prefill)
-            tokens, logits = self.executor.call("run", step)
+            result = self.worker.run(step)
             self.scheduler.advance(batch)
-            return self._resolve(_Launched(batch, step, {}), tokens, logits)
+            return self._resolve(_Launched(batch, step, {}), result.tokens, result.logits)
         launched = None
         if self.scheduler.has_work():
             batch, is_prefill = self.scheduler.schedule()
             if batch:
                 step = self._build_step(batch, is_prefill)
-                self.executor.call("launch", step)
+                self.worker.launch(step)
                 self.scheduler.advance(batch)
                 row_of = {}
                 for k, row in enumerate(step.sample_rows):
@@ -309,8 +262,8 @@ class LLM:
             if launched is None:
                 raise RuntimeError(NOTHING_TO_RUN)
             return []
-        tokens, logits = self.executor.call("collect")
-        return self._resolve(previous, tokens, logits)
+        result = self.worker.collect()
+        return self._resolve(previous, result.tokens, result.logits)
 
     def _resolve(self, launched: "_Launched", tokens: list[int], logits: list[Any]) -> list[tuple[Sequence, list[int]]]:
         """Give a finished step's tokens to their sequences, register full blocks, check for stops."""
@@ -341,8 +294,8 @@ class LLM:
         if previous is None:
             return
         try:
-            tokens, logits = self.executor.call("collect")
-            self._resolve(previous, tokens, logits)
+            result = self.worker.collect()
+            self._resolve(previous, result.tokens, result.logits)
         except Exception:
             if not quiet:
                 raise
@@ -452,10 +405,10 @@ class LLM:
         return list(ids)
 
     def close(self) -> None:
-        executor = getattr(self, "executor", None)
-        if executor is not None:
-            executor.shutdown()
-            self.executor = None
+        worker = getattr(self, "worker", None)
+        if worker is not None:
+            worker.shutdown()
+            self.worker = None
 
     def __enter__(self) -> "LLM":
         return self
@@ -477,20 +430,6 @@ class _Launched:
     batch: list[Scheduled]
     step: StepBatch
     row_of: dict[int, int]  # seq_id -> row of the step's sampled tokens
-
-
-class _RunnerFactory:
-    """Builds the model runner on a rank (picklable, so process-based strategies can ship it)."""
-
-    def __init__(self, config: EngineConfig, plugins: PluginClasses, device: torch.device, dtype: torch.dtype):
-        self.config, self.plugins, self.device, self.dtype = config, plugins, device, dtype
-
-    def __call__(self, group) -> ModelRunner:
-        device = self.device
-        if device.type == "cuda" and group.world_size > 1:
-            device = torch.device("cuda", group.local_rank)
-            torch.cuda.set_device(device)
-        return ModelRunner(self.config, self.plugins, group, device, self.dtype)
 
 
 class _Progress:

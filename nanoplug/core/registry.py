@@ -1,6 +1,10 @@
 """Finds plugins (built-ins from registry.toml, third parties from the `nanoplug` entry-point group),
 asks each whether it can serve, and resolves one name per kind for one engine.
 
+Each built-in is declared once, in registry.toml ("module:object"), and imported only when chosen or
+listed. Third-party plugins come through entry points: modules whose `@hookimpl` registrar hooks
+(nanoplug/api/hookspecs.py) add what they offer.
+
 Start-up only: the engine keeps the resolved classes; nothing here runs per step.
 """
 from __future__ import annotations
@@ -16,9 +20,10 @@ from typing import Any
 
 import pluggy
 
-from nanoplug.core import hookspecs
-from nanoplug.core.errors import PluginLoadError, PluginUnavailableError, UnknownPluginError
-from nanoplug.core.interfaces import PLUGIN_API_VERSION, Target
+from nanoplug.api import hookspecs
+from nanoplug.api.errors import PluginLoadError, PluginUnavailableError, UnknownPluginError
+from nanoplug.api.hookspecs import KIND_HOOKS, PLUGIN_API_VERSION
+from nanoplug.api.target import Target
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -27,13 +32,6 @@ else:  # pragma: no cover
 
 log = logging.getLogger("nanoplug")
 
-KIND_HOOKS = {
-    "attention": "nanoplug_register_attention",
-    "kv_cache": "nanoplug_register_kv_cache",
-    "model": "nanoplug_register_model",
-    "parallel": "nanoplug_register_parallel",
-    "adapter": "nanoplug_register_adapter",
-}
 ENTRY_POINT_GROUP = "nanoplug"
 DISABLE_ENTRY_POINTS_ENV = "NANOPLUG_DISABLE_ENTRY_POINTS"
 BUILTIN_SOURCE = "built-in"
@@ -74,7 +72,7 @@ class Registrar:
         if not isinstance(cls, type) or not callable(getattr(cls, "unavailable", None)):
             raise PluginLoadError(
                 f"{self.kind} plugin {name!r} must be a class with a classmethod `unavailable(target)`; "
-                f"subclass the kind's base class in nanoplug.core.interfaces (got {cls!r})"
+                f"subclass the kind's base class in nanoplug.api (got {cls!r})"
             )
         self.added.append((name, cls))
 
@@ -131,8 +129,8 @@ class Registry:
             try:
                 if not self.add_plugin_module(ep.load(), source):
                     raise PluginLoadError(
-                        f"{ep.value} registers no plugin; implement a hook of nanoplug.core.hookspecs "
-                        f"(e.g. nanoplug_register_attention) with @nanoplug.hookimpl"
+                        f"{ep.value} registers no plugin; implement a hook of nanoplug.api.hookspecs "
+                        f"(e.g. nanoplug_register_attention) with @nanoplug.api.hookimpl"
                     )
             except Exception as exc:  # a broken third-party plugin is reported, not fatal
                 self.broken.append(BrokenPlugin(ep.name, source, f"{type(exc).__name__}: {exc}"))
@@ -150,7 +148,7 @@ class Registry:
             raise PluginLoadError(
                 f"plugin module {label!r} ({source}) declares NANOPLUG_API_VERSION = {version!r}, but this "
                 f"nanoplug speaks plugin API {PLUGIN_API_VERSION}; install a release of the plugin built for "
-                f"API {PLUGIN_API_VERSION} (or set NANOPLUG_API_VERSION = nanoplug.PLUGIN_API_VERSION)"
+                f"API {PLUGIN_API_VERSION} (or set NANOPLUG_API_VERSION = nanoplug.api.PLUGIN_API_VERSION)"
             )
         newly_registered = not self.pm.is_registered(module)
         if newly_registered:
@@ -209,13 +207,13 @@ class Registry:
         return entry.cls
 
     def _import_builtin(self, entry: PluginEntry) -> None:
+        """Import a built-in's "module:object" (its one declaration, in registry.toml)."""
         if entry.error is None:
             module_name, _, obj = entry.target.partition(":")
             try:
-                module = importlib.import_module(module_name)
-                self.add_plugin_module(module, entry.source)
-                if entry.cls is None:
-                    entry.cls = getattr(module, obj)
+                cls = getattr(importlib.import_module(module_name), obj)
+                Registrar(entry.kind).add(entry.name, cls)  # the same checks as a third party's
+                entry.cls = cls
             except Exception as exc:
                 entry.error = f"{type(exc).__name__}: {exc}"
                 if isinstance(exc, ModuleNotFoundError) and exc.name == module_name:

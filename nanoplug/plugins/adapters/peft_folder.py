@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from nanoplug.core.errors import AdapterError, ModelLoadError
+from nanoplug.api import AdapterError, ModelLoadError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
