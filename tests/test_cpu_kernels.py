@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (nanoplug/cpu_kernels) against the torch code they replace, on the same inputs:
+"""The C++ CPU kernels (nanoplug/plugins/platforms/cpu/kernels) against the torch code they replace, on the same inputs:
 each op alone (odd sizes, strided views, the threaded sizes), the `cpu` attention backend and the fused
 ops inside an engine (same tokens and logits as the plain engine), and the build: cached, and a clear
 reason, with the plain path chosen, where no compiler works. The packed GEMM's engine-level checks are

@@ -27,3 +27,7 @@ class ModelLoadError(NanoplugError, OSError):
 
 class AdapterError(NanoplugError, ValueError):
     """A weight adapter that does not fit the model, or of a type the chosen adapter plugin cannot apply."""
+
+
+class WeightShapeError(ModelLoadError):
+    """A checkpoint tensor whose shape is not the one the model built from config.json expects."""

@@ -9,10 +9,13 @@ format (int8, GGUF, fp8) or a device's fast GEMM is a method, and no model file 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from nanoplug.api.errors import WeightShapeError
 
 
 class LinearMethod(ABC):
@@ -31,8 +34,7 @@ class LinearMethod(ABC):
         """Copy `tensor` (this rank's rows, already narrowed) into rows [out_offset, out_offset+out_size)
         of `param`, checking the shape (a mismatch names the layer, expected and found shape)."""
         dst = param.data.narrow(0, out_offset, out_size) if (out_offset, out_size) != (0, param.shape[0]) else param.data
-        check_shape(layer, dst.shape, tensor.shape)
-        dst.copy_(tensor)
+        copy_weight(dst, tensor, type(layer).__name__)
 
     def process_after_loading(self, layer: nn.Module) -> None:
         """Called once per layer after every weight is loaded (and merged): pack, transpose, quantize."""
@@ -53,8 +55,21 @@ class DenseLinearMethod(LinearMethod):
         return F.linear(x, layer.weight, bias)
 
 
-def check_shape(layer: nn.Module, expected: torch.Size | tuple, found: torch.Size | tuple) -> None:
-    """Raise naming the layer, the expected and the found shape when a tensor does not fit where it goes."""
-    if tuple(expected) != tuple(found):
-        raise ValueError(f"{type(layer).__name__} expects a tensor of shape {list(expected)} here, "
-                         f"found {list(found)}")
+def check_shape(tensor: torch.Tensor, expected: Sequence[int], what: str = "") -> None:
+    """Raise WeightShapeError unless `tensor` has exactly the `expected` shape.
+
+    Every weight loader calls this on the full checkpoint tensor before it narrows or copies, so
+    `narrow` never cuts a tensor that does not split evenly and `copy_` never broadcasts one. The
+    engine's loader words the error again with the tensor's name and file."""
+    found, expected = list(tensor.shape), list(expected)
+    if found != expected:
+        detail = f"shape {found}, but the model expects {expected}{f' ({what})' if what else ''}"
+        err = WeightShapeError(f"a tensor of {detail}")
+        err.detail = detail
+        raise err
+
+
+def copy_weight(dst: torch.Tensor, src: torch.Tensor, what: str = "") -> None:
+    """`dst.copy_(src)` with the shapes checked first (copy_ would broadcast a [1, n] tensor silently)."""
+    check_shape(src, dst.shape, what)
+    dst.copy_(src)

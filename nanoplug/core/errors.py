@@ -1,3 +1,12 @@
-"""The errors a user sees are defined in the SDK (`nanoplug.api.errors`), so plugins raise the same ones."""
+"""Errors a user sees: each says what went wrong and how to fix it. Those a plugin may raise too are
+defined in the SDK (`nanoplug.api.errors`) and re-exported here; the engine's own follow."""
 from nanoplug.api.errors import (AdapterError, ModelLoadError, NanoplugError, PluginLoadError,  # noqa: F401
-                                 PluginUnavailableError, RequestError, UnknownPluginError)
+                                 PluginUnavailableError, RequestError, UnknownPluginError, WeightShapeError)
+
+
+class ConfigError(NanoplugError, ValueError):
+    """A setting that does not fit this model (e.g. max_model_len past its context length)."""
+
+
+class EngineClosedError(NanoplugError, RuntimeError):
+    """A request to an LLM after close()."""

@@ -6,7 +6,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from nanoplug.api.linear import LinearMethod
+from nanoplug.api.linear import LinearMethod, check_shape
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -17,7 +17,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, group: Any, vocab_size: int, hidden_size: int, linear_method: LinearMethod):
         super().__init__()
         self.group = group
-        self.vocab_size = vocab_size
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
         self.per_rank = (vocab_size + group.world_size - 1) // group.world_size
         self.start = group.rank * self.per_rank
         self.linear_method = linear_method
@@ -27,9 +27,7 @@ class VocabParallelEmbedding(nn.Module):
         self._apply_method = linear_method.apply
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Any = None) -> None:
-        if tensor.dim() != 2 or tensor.shape[0] != self.vocab_size:
-            raise ValueError(f"{type(self).__name__} expects {self.vocab_size} rows (the config's vocab_size), "
-                             f"found a tensor of shape {list(tensor.shape)}")
+        check_shape(tensor, [self.vocab_size, self.hidden_size], "vocab_size x hidden_size of config.json")
         rows = tensor[self.start:self.start + self.per_rank]
         if rows.shape[0] < self.per_rank:  # the last rank's padding rows stay zero
             param.data.zero_()

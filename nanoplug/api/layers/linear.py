@@ -1,9 +1,10 @@
 """Linear layers sharded over a process group (one rank: no sharding), their weights held by a LinearMethod.
 
 Each parameter the method creates carries `weight_loader(param, tensor, shard_id=None)`: it takes the
-full checkpoint tensor, keeps this rank's part (`local_part`), and hands it to the method, which
-checks its shape and stores it in its format. q/k/v and gate/up are fused into one layer each, their
-checkpoint tensors loaded as parts (`shard_id`) of it.
+full checkpoint tensor, checks its whole shape against what the config builds, keeps this rank's part
+(`local_part`), and hands it to the method, which stores it in its format. q/k/v and gate/up are fused
+into one layer each, their checkpoint tensors loaded as parts (`shard_id`) of it. A tensor that does
+not fit is an error before anything is written, never a silent cut (`narrow`) or broadcast (`copy_`).
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from nanoplug.api.linear import LinearMethod, check_shape
+from nanoplug.api.errors import ModelLoadError
+from nanoplug.api.linear import LinearMethod, check_shape, copy_weight
 
 
 def divide(n: int, d: int, what: str) -> int:
@@ -52,31 +54,32 @@ class LinearBase(nn.Module):
         """Whether its output is a partial sum that an all-reduce over the group completes."""
         return self.tp_dim == 1 and self.group.world_size > 1
 
-    def _part(self, tensor: torch.Tensor, dim: int, local: int, what: str) -> torch.Tensor:
-        """This rank's `local` rows (dim 0) or columns (dim 1) of a full tensor, whose size must be ws * local."""
-        ws = self.group.world_size
-        if tensor.dim() <= dim or tensor.shape[dim] != local * ws:
-            raise ValueError(f"{type(self).__name__} expects {what} of {local * ws} along dim {dim} "
-                             f"(split over {ws} rank(s)), found a tensor of shape {list(tensor.shape)}")
-        return tensor if ws == 1 else tensor.narrow(dim, self.group.rank * local, local)
+    def _split(self, tensor: torch.Tensor, rows: int, what: str = "") -> torch.Tensor:
+        """This rank's part of a full tensor of `rows` output rows (a weight [rows, input], or a bias [rows]),
+        checked whole first: column parallel splits the rows, row parallel the input columns of a weight."""
+        ws, is_bias = self.group.world_size, tensor.dim() == 1
+        if is_bias:
+            expected = [rows * ws if self.tp_dim == 0 else rows]
+        else:
+            expected = [rows * ws if self.tp_dim == 0 else rows, self.input_size * (ws if self.tp_dim == 1 else 1)]
+        if ws > 1 and self.tp_dim is not None and not (is_bias and self.tp_dim == 1):
+            what = ", ".join(filter(None, [what, f"split over {ws} ranks along dim {self.tp_dim}"]))
+        check_shape(tensor, expected, what)
+        if ws == 1 or self.tp_dim is None or (is_bias and self.tp_dim == 1):
+            return tensor  # whole: one rank, replicated, or a row-parallel layer's bias (added once, after the sum)
+        if self.tp_dim == 0:
+            return tensor.narrow(0, self.group.rank * rows, rows)
+        return tensor.narrow(1, self.group.rank * self.input_size, self.input_size)
 
     def local_part(self, tensor: torch.Tensor, shard_id: Any = None) -> tuple[int, int, torch.Tensor]:
-        """This rank's part of a full checkpoint tensor of this layer (or of its part `shard_id`): the
-        output rows it fills (offset, count) and the narrowed tensor."""
-        if self.tp_dim == 0:
-            part = self._part(tensor, 0, self.output_size, "output features")
-        elif self.tp_dim == 1 and tensor.dim() > 1:
-            part = self._part(tensor, 1, self.input_size, "input features")
-        else:
-            part = tensor  # replicated, or a row-parallel layer's bias (added once, after the sum)
-        return 0, part.shape[0], part
+        """This rank's part of a full checkpoint tensor of this layer (or of its part `shard_id`), its
+        shape checked first: the output rows it fills (offset, count) and the narrowed tensor."""
+        return 0, self.output_size, self._split(tensor, self.output_size)
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Any = None) -> None:
         offset, size, part = self.local_part(tensor, shard_id)
         if param is self.bias:
-            dst = param.data.narrow(0, offset, size)
-            check_shape(self, dst.shape, part.shape)
-            dst.copy_(part)
+            copy_weight(param.data.narrow(0, offset, size), part, type(self).__name__)
         else:
             self.linear_method.load(self, param, part, offset, size)
 
@@ -100,6 +103,17 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(group, in_features, divide(out_features, group.world_size, "output features"), bias, 0,
                          linear_method)
 
+    def _fused_whole(self, tensor: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+        """A tensor already fused in the checkpoint (qkv_proj, gate_up_proj): whole on one rank only,
+        since each rank's slice must take rows from every part."""
+        if self.group.world_size > 1:
+            raise ModelLoadError(
+                f"an already fused {type(self).__name__} tensor cannot be split over {self.group.world_size} ranks "
+                "(each rank needs rows of every part); save the checkpoint with its parts unfused (q/k/v_proj, "
+                "gate/up_proj) or run it on one device"
+            )
+        return LinearBase.local_part(self, tensor)
+
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections fused into one matmul (gate and up)."""
@@ -112,10 +126,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def local_part(self, tensor, shard_id=None):
         if shard_id is None:
-            return super().local_part(tensor)
+            return self._fused_whole(tensor)
         ws = self.group.world_size
         size = self.output_sizes[shard_id] // ws
-        return sum(self.output_sizes[:shard_id]) // ws, size, self._part(tensor, 0, size, f"part {shard_id}'s rows")
+        part = self._split(tensor, size, f"part {shard_id} of the {len(self.output_sizes)} fused projections")
+        return sum(self.output_sizes[:shard_id]) // ws, size, part
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -130,10 +145,13 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def local_part(self, tensor, shard_id=None):
         if shard_id is None:
-            return super().local_part(tensor)
+            return self._fused_whole(tensor)
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
-        return offset, size, self._part(tensor, 0, size, f"{shard_id} rows")
+        heads = "num_attention_heads" if shard_id == "q" else "num_key_value_heads"
+        ws = self.group.world_size
+        part = self._split(tensor, size, f"{heads} {size * ws // self.head_dim} x head_dim {self.head_dim} rows")
+        return offset, size, part
 
 
 class RowParallelLinear(LinearBase):

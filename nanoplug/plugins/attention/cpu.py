@@ -2,7 +2,7 @@
 
 On a CPU, `sdpa`'s decode gathers every sequence's keys and values into a padded batch before it
 attends (two `index_select`s and a mask per layer); for a small model that costs as much as the
-attention itself. This backend's decode kernel (nanoplug/cpu_kernels) walks each sequence's block
+attention itself. This backend's decode kernel (nanoplug/plugins/platforms/cpu/kernels) walks each sequence's block
 table instead, with the query heads of a KV head sharing each K/V read, split over torch's threads.
 Prefill and mixed steps, where PyTorch's CPU flash kernel does well, go through `sdpa`'s path.
 float32 only; the kernels are compiled once per machine at first use (a C++ compiler is needed).

@@ -4,7 +4,7 @@
 every call. For the few token rows of a decode step that packing costs about as much as the multiply
 itself. Packing once at load removes it. Two GEMMs can read a packed weight:
 
-- nanoplug's own (`nanoplug.cpu_kernels`, when they build here): panels that stream from memory while
+- nanoplug's own (the `kernels` beside this module, when they build here): panels that stream from memory while
   the previous block is multiplied, for 2-64 rows; on SmolLM2-135M's 121 GEMMs at 32 rows 34.8 ms
   against MKL's packed 45.7 and F.linear's 59.1 (benchmarks/cpu_gemm.py, RESULTS.md);
 - MKL's packed sgemm (`cblas_sgemm_pack` through `torch.ops.mkl`), for 4-64 rows, where the kernels
