@@ -134,13 +134,15 @@ def test_sampling_params_are_strict_about_types(field, value, rule):
     ("max_model_len", True, "valid integer"),
     ("num_kv_blocks", 8.0, "valid integer"),
     ("kv_block_size", "16", "valid integer"),
-    ("enforce_eager", "false", "valid boolean"),
+    ("cuda.enforce_eager", "false", "valid boolean"),
     ("enable_prefix_caching", 0, "valid boolean"),
-    ("gpu_memory_utilization", "0.5", "valid number"),
+    ("cuda.memory_utilization", "0.5", "valid number"),
+    ("cpu.kernels", 1, "valid boolean"),
     ("seed", True, "valid integer"),
 ])
 def test_engine_config_is_strict_about_types(field, value, rule):
-    assert_rejected(EngineConfig, field, rule, model="m", **{field: value})
+    top, _, sub = field.partition(".")
+    assert_rejected(EngineConfig, field, rule, model="m", **{top: {sub: value} if sub else value})
 
 
 def test_strict_types_still_take_what_a_caller_means():
