@@ -15,9 +15,9 @@ __all__ = ["LLM", "AdapterSpec", "EngineConfig", "SamplingParams", "RequestOutpu
 __version__ = "0.1.0"
 
 _LAZY = {
-    "LLM": "nanoplug.core.engine",
-    "RequestOutput": "nanoplug.core.engine",
-    "StreamDelta": "nanoplug.core.engine",
+    "LLM": "nanoplug.core.llm",
+    "RequestOutput": "nanoplug.core.outputs",
+    "StreamDelta": "nanoplug.core.outputs",
     "AdapterSpec": "nanoplug.core.config",
     "EngineConfig": "nanoplug.core.config",
     "SamplingParams": "nanoplug.core.config",

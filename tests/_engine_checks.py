@@ -15,7 +15,7 @@ def assert_idle(llm: LLM) -> None:
 
 def interrupt_generate(llm: LLM, at_step: int, *generate_args) -> None:
     """Run `llm.generate(*generate_args)` with Ctrl-C arriving at its `at_step`-th step."""
-    real_step, calls = llm.step, []
+    real_step, calls = llm.engine.step, []
 
     def failing_step():
         calls.append(1)
@@ -23,9 +23,9 @@ def interrupt_generate(llm: LLM, at_step: int, *generate_args) -> None:
             raise KeyboardInterrupt
         return real_step()
 
-    llm.step = failing_step
+    llm.engine.step = failing_step
     try:
         with pytest.raises(KeyboardInterrupt):
             llm.generate(*generate_args, use_tqdm=False)
     finally:
-        del llm.step
+        del llm.engine.step

@@ -142,7 +142,7 @@ def test_preemption_with_sampling_keeps_seeded_outputs():
     roomy = engine(attention="sdpa").generate(prompts, params, use_tqdm=False)
     tight_llm = engine(attention="sdpa", num_kv_blocks=9, max_model_len=144)
     tight = tight_llm.generate(prompts, params, use_tqdm=False)
-    assert tight_llm.scheduler.num_preemptions > 0
+    assert tight_llm.engine.scheduler.num_preemptions > 0
     assert tokens_of(tight) == tokens_of(roomy)
     assert all(len(o.token_ids) == 16 for o in tight)
 

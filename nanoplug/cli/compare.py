@@ -121,7 +121,7 @@ def run_backend(model: str, name: str, kind: str = "attention", device: str = "a
         return outcome
     try:
         worker = llm.engine.worker  # the typed worker protocol: a local runner or a proxy over ranks
-        state = ScenarioState(bs, llm.facts.vocab_size)
+        state = ScenarioState(bs, llm.engine.facts.vocab_size)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
             torch.cuda.reset_peak_memory_stats(dev)
