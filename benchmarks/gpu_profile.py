@@ -17,18 +17,20 @@ from nanoplug.bench import workload, write_checkpoint
 attention = sys.argv[1] if len(sys.argv) > 1 else "flash"
 llm = LLM(str(write_checkpoint()), attention=attention, kv_cache="triton", max_model_len=4096)
 prompts, params = workload()
-for seq in llm._make_sequences(prompts, params):
-    llm.engine.scheduler.add(seq)
-while llm.engine.scheduler.waiting or any(s.is_prefilling for s in llm.engine.scheduler.running):
-    llm.step()
+core = llm.engine  # the engine core's own API: add requests, then step
+for i, (prompt, p) in enumerate(zip(prompts, params)):
+    core.add_request(core.make_request(prompt, p, index=i, incremental_text=False))
+core.step()  # takes the requests in
+while core.scheduler.waiting or any(s.is_prefilling for s in core.scheduler.running):
+    core.step()
 for _ in range(20):  # warm decode
-    llm.step()
+    core.step()
 torch.cuda.synchronize()
 steps = 50
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
     t = time.perf_counter()
     for _ in range(steps):
-        llm.step()
+        core.step()
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t) / steps
 events = prof.key_averages()

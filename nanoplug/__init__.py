@@ -10,8 +10,8 @@ from typing import Any
 
 from nanoplug.api.hookspecs import PLUGIN_API_VERSION, hookimpl
 
-__all__ = ["LLM", "AdapterSpec", "EngineConfig", "SamplingParams", "RequestOutput", "StreamDelta", "hookimpl",
-           "PLUGIN_API_VERSION"]
+__all__ = ["LLM", "AdapterSpec", "EngineConfig", "SamplingParams", "RequestOutput", "StreamDelta", "Registry",
+           "hookimpl", "PLUGIN_API_VERSION"]
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -21,6 +21,7 @@ _LAZY = {
     "AdapterSpec": "nanoplug.core.config",
     "EngineConfig": "nanoplug.core.config",
     "SamplingParams": "nanoplug.core.config",
+    "Registry": "nanoplug.core.registry",  # the plugins this process sees: LLM(path, registry=...)
 }
 
 

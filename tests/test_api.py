@@ -17,11 +17,11 @@ PINNED = [
     "StepBatch", "SamplingBatch", "StepResult", "StepInputs", "StepLimits", "AttentionMetadata", "AttentionSpec",
     "KVCacheSpec", "KVLayer", "to_device",
     "Worker", "WorkerMethod",
-    "LinearMethod", "DenseLinearMethod", "check_shape", "Layers", "LinearBase", "VocabParallelEmbedding",
+    "LinearMethod", "DenseLinearMethod", "check_shape", "copy_weight", "Layers", "LinearBase", "VocabParallelEmbedding",
     "ParallelLMHead", "RMSNorm", "rms_norm", "add_rms_norm", "RotaryEmbedding", "apply_rope", "rope_inv_freq",
     "SiluAndMul", "silu_and_mul", "FusedOps", "install_fused_ops", "PagedAttention", "StepContext",
     "NanoplugError", "AdapterError", "ModelLoadError", "PluginLoadError", "PluginUnavailableError",
-    "RequestError", "UnknownPluginError",
+    "RequestError", "UnknownPluginError", "WeightShapeError",
 ]
 
 

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from _checkpoints import PROMPTS, checkpoint, relative_error
 from nanoplug import LLM, SamplingParams
-from nanoplug.api import (PLUGIN_API_VERSION, KVCacheStore, LinearMethod, Target, WeightAdapter, check_shape,
-                          hookimpl)
+from nanoplug.api import (PLUGIN_API_VERSION, KVCacheStore, LinearMethod, Target, WeightAdapter, WeightShapeError,
+                          check_shape, hookimpl)
 from nanoplug.core.registry import Registry
 
 OPTIONS = dict(kv_block_size=16, num_kv_blocks=64, max_model_len=256, dtype="float32", device="cpu")
@@ -46,7 +46,7 @@ class Int8WeightOnly(LinearMethod):
     def load(self, layer, param, tensor, out_offset, out_size):
         if param.dtype != torch.int8:
             return super().load(layer, param, tensor, out_offset, out_size)
-        check_shape(layer, (out_size, param.shape[1]), tensor.shape)
+        check_shape(tensor, (out_size, param.shape[1]), "int8 rows")
         rows = tensor.float()
         scale = rows.abs().amax(dim=1).clamp(min=1e-12) / 127
         param.data[out_offset:out_offset + out_size] = torch.round(rows / scale[:, None]).clamp(-127, 127).to(torch.int8)
@@ -109,9 +109,9 @@ def test_the_method_gets_each_fused_part_at_its_rows_and_a_wrong_shape_is_named(
     x = torch.randn(3, 16)
     want = F.linear(x, torch.cat(list(parts.values())), torch.cat(list(biases.values())))
     assert qkv.weight.dtype == torch.int8 and relative_error(qkv(x), want) < 0.02
-    with pytest.raises(ValueError, match=r"QKVParallelLinear expects k rows of 8 along dim 0.*found .*\[9, 16\]"):
+    with pytest.raises(WeightShapeError, match=r"shape \[9, 16\], but the model expects \[8, 16\] \(num_key_value_heads"):
         qkv.weight_loader(qkv.weight, torch.randn(9, 16), "k")
-    with pytest.raises(ValueError, match=r"QKVParallelLinear expects a tensor of shape \[8, 16\] here, found \[8, 15\]"):
+    with pytest.raises(WeightShapeError, match=r"shape \[8, 15\], but the model expects \[8, 16\]"):
         qkv.weight_loader(qkv.weight, torch.randn(8, 15), "k")
 
 

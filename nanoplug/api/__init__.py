@@ -7,7 +7,7 @@ against, the linear-method seam, the worker protocol, and the layer library mode
 Its public names are pinned by tests/test_api.py, so a change to the SDK is a visible decision.
 """
 from nanoplug.api.errors import (AdapterError, ModelLoadError, NanoplugError, PluginLoadError,
-                                 PluginUnavailableError, RequestError, UnknownPluginError)
+                                 PluginUnavailableError, RequestError, UnknownPluginError, WeightShapeError)
 from nanoplug.api.hookspecs import KIND_HOOKS, PLUGIN_API_VERSION, hookimpl, hookspec
 from nanoplug.api.interfaces import (AdapterOptions, AttentionBackend, KVCacheStore, ModelArchitecture,
                                      ParallelStrategy, Platform, Plugin, ProcessGroup, RequestAdapters, StepGraphs,
@@ -15,7 +15,7 @@ from nanoplug.api.interfaces import (AdapterOptions, AttentionBackend, KVCacheSt
 from nanoplug.api.layers import (FusedOps, Layers, LinearBase, PagedAttention, ParallelLMHead, RMSNorm,
                                  RotaryEmbedding, SiluAndMul, StepContext, VocabParallelEmbedding, add_rms_norm,
                                  apply_rope, install_fused_ops, rms_norm, rope_inv_freq, silu_and_mul)
-from nanoplug.api.linear import DenseLinearMethod, LinearMethod, check_shape
+from nanoplug.api.linear import DenseLinearMethod, LinearMethod, check_shape, copy_weight
 from nanoplug.api.step import (AttentionMetadata, AttentionSpec, KVCacheSpec, KVLayer, SamplingBatch, StepBatch,
                                StepInputs, StepLimits, StepResult, to_device)
 from nanoplug.api.target import ModelFacts, Target
@@ -33,10 +33,10 @@ __all__ = [
     # the worker protocol
     "Worker", "WorkerMethod",
     # the linear-method seam and the layer library
-    "LinearMethod", "DenseLinearMethod", "check_shape", "Layers", "LinearBase", "VocabParallelEmbedding",
+    "LinearMethod", "DenseLinearMethod", "check_shape", "copy_weight", "Layers", "LinearBase", "VocabParallelEmbedding",
     "ParallelLMHead", "RMSNorm", "rms_norm", "add_rms_norm", "RotaryEmbedding", "apply_rope", "rope_inv_freq",
     "SiluAndMul", "silu_and_mul", "FusedOps", "install_fused_ops", "PagedAttention", "StepContext",
     # errors a plugin raises
     "NanoplugError", "AdapterError", "ModelLoadError", "PluginLoadError", "PluginUnavailableError",
-    "RequestError", "UnknownPluginError",
+    "RequestError", "UnknownPluginError", "WeightShapeError",
 ]
