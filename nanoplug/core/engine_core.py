@@ -49,7 +49,9 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None = None  # the text, when the caller gave text
-    incremental_text: bool = True  # text in every update (streams); False: all of it in the last one
+    # True: an update every step that adds tokens (streams); False: one update when it finishes, with all
+    # of its tokens and text (vLLM's FINAL_ONLY: generate() needs no per-token traffic)
+    incremental_text: bool = True
 
 
 @dataclass
@@ -341,11 +343,11 @@ class EngineCore:
                 if logits_of is not None and k in logits_of:
                     state.logits.append(logits_of[k])
                 reason = outputs.finish_reason(state, token)
-                if reason is None:
-                    updates.append(outputs.update(state))
-                else:
+                if reason is not None:
                     self.scheduler.finish(seq, reason)
                     updates.append(self._finished(state))
+                elif state.incremental:  # a final-only request hears once, when it finishes
+                    updates.append(outputs.update(state))
         return updates
 
     # ------------------------------------------------------------------------------ the rest

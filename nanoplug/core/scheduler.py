@@ -124,7 +124,7 @@ class Scheduler:
         for item in batch:
             seq = item.seq
             seq.num_computed_tokens += item.num_tokens
-            if pending and seq.num_computed_tokens == len(seq):  # it samples: its next token is on the way
+            if pending and seq.num_computed_tokens == len(seq.token_ids):  # it samples: its next token is on the way
                 seq.add_pending()
 
     def append_token(self, seq: Sequence, token: int) -> None:
