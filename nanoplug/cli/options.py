@@ -113,7 +113,7 @@ def build_llm(args: argparse.Namespace):
     if getattr(args, "verbose", False):
         # the registry logs why for each "auto" choice; this line sums up every kind, named or auto
         chosen = " ".join(f"{kind}={llm.choices[kind].name}"
-                          for kind in ("model", "attention", "prefill_attention", "kv_cache", "parallel"))
+                          for kind in ("model", "attention", "prefill_attention", "kv_cache", "parallel", "platform"))
         dtype = str(llm.dtype).replace("torch.", "")
         print(f"nanoplug: {llm.config.model} on {llm.device} ({dtype}); plugins: {chosen}", file=sys.stderr)
     return llm

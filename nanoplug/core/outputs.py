@@ -103,9 +103,9 @@ class OutputProcessor:
     def update(self, state: RequestState) -> RequestUpdate:
         """The tokens and text added since the last update (all of the text at the end, unless incremental)."""
         seq = state.seq
-        start = seq.num_prompt_tokens + state.reported  # only the new tokens: a step's cost stays flat as outputs grow
-        new = seq.token_ids[start:len(seq.token_ids) - seq.num_pending]
-        state.reported += len(new)
+        start, end = seq.num_prompt_tokens + state.reported, seq.num_known_tokens
+        new = seq.token_ids[start:end]
+        state.reported = end - seq.num_prompt_tokens
         finished = seq.finish_reason is not None
         if state.incremental:
             text = state.detok.take(final=finished) if state.detok is not None else ""
