@@ -4,6 +4,7 @@ Wrong values fail here, naming the field and the rule, before any weight is read
 """
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -11,6 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validat
 
 PluginName = Annotated[str, Field(min_length=1, pattern=r"^\S+$")]
 """A plugin name, or "auto": non-empty, no spaces."""
+
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+MAX_N = 128  # OpenAI's limit on samples per prompt
 
 
 class AdapterSpec(BaseModel):
@@ -120,6 +124,19 @@ class SamplingParams(BaseModel):
     seed: int | None = None
     adapter: str | None = Field(None, description="name of a per-request adapter loaded at start-up")
     output_logits: bool = Field(False, description="return the raw logits row of every generated token")
+    n: int = Field(1, ge=1, le=MAX_N, description="samples of the prompt; they share its prefill and prompt KV blocks")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="per generated token: its log-probability "
+                                 "and this many most likely alternatives (0: only its own); None: none")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="the same for each prompt token "
+                                        "after the first (its prefill then skips the prefix cache)")
+    presence_penalty: float = Field(0.0, ge=-2, le=2, description="OpenAI's: subtracted once from every token "
+                                    "already generated")
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, description="OpenAI's: subtracted per time a token was "
+                                     "already generated")
+    repetition_penalty: float = Field(1.0, gt=0, description="transformers': tokens of the prompt or output have "
+                                      "positive logits divided, negative ones multiplied by it; 1 leaves them")
+    logit_bias: dict[NonNegativeInt, Annotated[float, Field(ge=-100, le=100)]] = Field(
+        default_factory=dict, description="token id -> value added to its logit before sampling (OpenAI's)")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -136,3 +153,13 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @cached_property
+    def penalized(self) -> bool:
+        """Whether sampling needs this request's token counts (any penalty away from its neutral value)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @cached_property
+    def processes_logits(self) -> bool:
+        """Whether the logits change before sampling (penalties or a bias): False keeps the plain sampler path."""
+        return self.penalized or bool(self.logit_bias)

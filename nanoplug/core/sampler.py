@@ -3,14 +3,19 @@
 Greedy at temperature 0; otherwise temperature, top-k, top-p and min-p filter the distribution and
 one exponential-race draw picks the token. A request with a seed draws its noise from a generator
 seeded by (seed, its token position), so it gets the same tokens whatever else is in the batch.
+
+Penalties and logit bias (core/logits_processors.py) change the logits first, and logprobs
+(core/logprobs.py) are read from the raw logits; a batch with neither takes the plain path.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from nanoplug.core import logprobs as logprobs_math
 from nanoplug.core.device_copy import to_device
+from nanoplug.core.logits_processors import LogitsProcessingBatch, LogitsProcessors
 
 
 @dataclass
@@ -23,6 +28,9 @@ class SamplingBatch:
     min_ps: list[float]
     seeds: list[int | None]
     positions: list[int]  # index of the token being sampled, for seeded noise
+    processing: LogitsProcessingBatch | None = None  # penalties and bias; None when no row has any
+    logprob_rows: list[int] = field(default_factory=list)  # rows that want logprobs of their token
+    num_top_logprobs: list[int] = field(default_factory=list)  # for each of them, how many alternatives
 
     @property
     def all_greedy(self) -> bool:
@@ -46,9 +54,25 @@ class Sampler:
         self.greedy = greedy or _argmax
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.processors = LogitsProcessors(device)
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The next token of every row. `logits` itself is never changed."""
+        if batch.processing is None:
+            return self._sample(logits, batch)
+        tokens = self._sample(self.processors.apply(logits, batch.processing), batch)
+        self.processors.record(tokens, batch.processing)
+        return tokens
+
+    @torch.no_grad()
+    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> logprobs_math.LogprobsTensors:
+        """Raw logprobs of the sampled `tokens` of the rows in `batch.logprob_rows` (call only when there are any)."""
+        rows = to_device(batch.logprob_rows, torch.int64, logits.device)
+        return logprobs_math.compute(logits.index_select(0, rows), tokens.index_select(0, rows),
+                                     max(batch.num_top_logprobs))
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.all_greedy:
             return self.greedy(logits)
         dev = logits.device
