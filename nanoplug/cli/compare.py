@@ -132,7 +132,7 @@ def run_backend(model: str, name: str, kind: str = "attention", device: str = "a
         for step in state.steps:
             batch = state.batch(step)
             t0 = time.perf_counter()
-            _, rows = call(batch)
+            rows = call(batch).logits
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             outcome.seconds[step.case] = outcome.seconds.get(step.case, 0.0) + time.perf_counter() - t0

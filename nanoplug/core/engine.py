@@ -19,9 +19,11 @@ from nanoplug.core.detokenizer import IncrementalDetokenizer
 from nanoplug.core.errors import ModelLoadError, RequestError
 from nanoplug.core.interfaces import ModelFacts, Target
 from nanoplug.core.loader import checkpoint_dir, load_hf_config
+from nanoplug.core.logits_processors import LogitsProcessingBatch, SlotInit, check_token_ids
+from nanoplug.core.logprobs import TokenLogprobs
 from nanoplug.core.model_source import resolve_model_path
 from nanoplug.core.registry import Registry, Resolution, default_registry
-from nanoplug.core.runner import ModelRunner, PluginClasses, StepBatch
+from nanoplug.core.runner import ModelRunner, PluginClasses, StepBatch, StepResult
 from nanoplug.core.sampler import SamplingBatch
 from nanoplug.core.scheduler import Scheduled, Scheduler
 from nanoplug.core.sequence import PENDING, Sequence, Status
@@ -31,27 +33,59 @@ NOTHING_TO_RUN = "the scheduler found nothing to run although requests wait; the
 
 
 @dataclass
-class RequestOutput:
-    """The finished result of one prompt."""
+class CompletionOutput:
+    """One sample of a prompt (a request with n > 1 has n of them)."""
 
-    index: int
-    prompt: str | None
-    prompt_token_ids: list[int]
+    index: int  # which sample, 0..n-1
     text: str
     token_ids: list[int]
     finish_reason: str
-    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when asked
     logits: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
+class RequestOutput:
+    """The finished result of one prompt: its samples in `outputs`; `text`, `token_ids`, ... read the first."""
+
+    index: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # None first (the first token has none), when asked
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        return self.outputs[0].logprobs
+
+    @property
+    def logits(self) -> list[torch.Tensor]:
+        return self.outputs[0].logits
+
+
+@dataclass
 class StreamDelta:
-    """What one step added to a streamed request."""
+    """What one step added to one sample of a streamed request."""
 
     text: str
     token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None
+    index: int = 0  # which sample (n > 1)
+    logprobs: list[TokenLogprobs] | None = None  # of token_ids, when asked
 
 
 def resolve_device(name: str) -> torch.device:
@@ -231,7 +265,8 @@ class LLM:
         return seqs
 
     def _check_params(self, index: int, params: SamplingParams) -> None:
-        """Hook for request options that depend on the engine (e.g. per-request adapters)."""
+        """Hook for request options that depend on the engine (per-request adapters, the vocabulary)."""
+        check_token_ids(params, self.facts.vocab_size, f"prompt {index}")
         if params.adapter is not None and params.adapter not in self.request_adapter_ids:
             loaded = ", ".join(map(repr, self.request_adapter_ids)) or "none"
             raise RequestError(
@@ -240,14 +275,25 @@ class LLM:
             )
 
     # ---------------------------------------------------------------------------- stepping
-    def _build_step(self, batch: list[Scheduled], is_prefill: bool) -> StepBatch:
+    def _build_step(self, batch: list[Scheduled], is_prefill: bool) -> tuple[StepBatch, list[Sequence], list]:
+        """The step's inputs, the sequence of each sample row, and the prompt positions it scores (for _resolve)."""
         input_ids, starts, q_lens, tables, rows, logits_rows = [], [], [], [], [], []
         temps, top_ks, top_ps, min_ps, seeds, positions, adapter_ids = [], [], [], [], [], [], []
-        prev_at, prev_rows = [], []
+        prev_at, prev_rows, sampled, prompt_scored = [], [], [], []
+        processing, logprob_rows, num_top = None, [], []
+        plp_at, plp_ids, plp_top = [], [], 0
         row_of = self.in_flight.row_of if self.in_flight is not None else {}
         for i, item in enumerate(batch):
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed_tokens
+            if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+                first = max(start, len(seq.prompt_logprobs) - 1)  # position j scores prompt token j + 1
+                last = min(start + n, seq.num_prompt_tokens - 1)
+                if first < last:
+                    plp_at.extend(range(len(input_ids) + first - start, len(input_ids) + last - start))
+                    plp_ids.extend(seq.token_ids[first + 1:last + 1])
+                    plp_top = max(plp_top, seq.params.prompt_logprobs)
+                    prompt_scored.append((seq, first, last - first))
             if n == 1:  # decode: no slice
                 token = seq.token_ids[start]
                 if token == PENDING:  # sampled by the step still on the device: read it there
@@ -261,20 +307,36 @@ class LLM:
             tables.append(seq.block_table)
             adapter_ids.append(seq.adapter_id)
             if item.samples:
-                p = seq.params
-                if p.output_logits:
-                    logits_rows.append(len(rows))
-                rows.append(i)
-                temps.append(p.temperature)
-                top_ks.append(p.top_k)
-                top_ps.append(p.top_p)
-                min_ps.append(p.min_p)
-                seeds.append(p.seed)
-                positions.append(len(seq))
-        sampling = SamplingBatch(temps, top_ks, top_ps, min_ps, seeds, positions)
-        return StepBatch(is_prefill, input_ids, starts, q_lens, tables, rows, sampling, logits_rows, adapter_ids,
-                         new_blocks=self.scheduler.blocks.take_new_blocks(),
-                         from_previous_at=prev_at, from_previous_rows=prev_rows)
+                for s in (seq, *item.forks) if item.forks else (seq,):  # n > 1: every sample draws from row i
+                    p = s.params
+                    if p.output_logits:
+                        logits_rows.append(len(rows))
+                    if p.processes_logits:
+                        if processing is None:
+                            processing = LogitsProcessingBatch()
+                        if p.penalized and s.penalty_slot is None:
+                            s.penalty_slot = self.scheduler.penalty_slots.take()
+                            processing.inits.append(SlotInit(s.penalty_slot, s.token_ids[:s.num_prompt_tokens],
+                                                             s.completion_token_ids))
+                        processing.add(len(rows), p, s.penalty_slot)
+                    if p.logprobs is not None:
+                        logprob_rows.append(len(rows))
+                        num_top.append(p.logprobs)
+                    rows.append(i)
+                    sampled.append(s)
+                    temps.append(p.temperature)
+                    top_ks.append(p.top_k)
+                    top_ps.append(p.top_p)
+                    min_ps.append(p.min_p)
+                    seeds.append(p.seed)
+                    positions.append(len(s))
+        sampling = SamplingBatch(temps, top_ks, top_ps, min_ps, seeds, positions, processing, logprob_rows, num_top)
+        blocks = self.scheduler.blocks
+        step = StepBatch(is_prefill, input_ids, starts, q_lens, tables, rows, sampling, logits_rows, adapter_ids,
+                         new_blocks=blocks.take_new_blocks(), from_previous_at=prev_at, from_previous_rows=prev_rows,
+                         block_copies=blocks.take_copies(), prompt_logprob_at=plp_at, prompt_logprob_ids=plp_ids,
+                         prompt_logprob_top=plp_top)
+        return step, sampled, prompt_scored
 
     def step(self) -> list[tuple[Sequence, list[int]]]:
         """Run one step; returns each sampled sequence with the tokens it gained.
@@ -287,44 +349,49 @@ class LLM:
             batch, is_prefill = self.scheduler.schedule()
             if not batch:
                 raise RuntimeError(NOTHING_TO_RUN)
-            step = self._build_step(batch, is_prefill)
-            tokens, logits = self.executor.call("run", step)
+            step, sampled, scored = self._build_step(batch, is_prefill)
+            result = self.executor.call("run", step)
             self.scheduler.advance(batch)
-            return self._resolve(_Launched(batch, step, {}), tokens, logits)
+            return self._resolve(_Launched(batch, step, {}, sampled, scored), result)
         launched = None
         if self.scheduler.has_work():
             batch, is_prefill = self.scheduler.schedule()
             if batch:
-                step = self._build_step(batch, is_prefill)
+                step, sampled, scored = self._build_step(batch, is_prefill)
                 self.executor.call("launch", step)
                 self.scheduler.advance(batch)
                 row_of = {}
-                for k, row in enumerate(step.sample_rows):
-                    seq = batch[row].seq
+                for k, seq in enumerate(sampled):
                     seq.add_pending()
                     row_of[seq.seq_id] = k
-                launched = _Launched(batch, step, row_of)
+                launched = _Launched(batch, step, row_of, sampled, scored)
         previous, self.in_flight = self.in_flight, launched
         if previous is None:
             if launched is None:
                 raise RuntimeError(NOTHING_TO_RUN)
             return []
-        tokens, logits = self.executor.call("collect")
-        return self._resolve(previous, tokens, logits)
+        return self._resolve(previous, self.executor.call("collect"))
 
-    def _resolve(self, launched: "_Launched", tokens: list[int], logits: list[Any]) -> list[tuple[Sequence, list[int]]]:
+    def _resolve(self, launched: "_Launched", result: StepResult) -> list[tuple[Sequence, list[int]]]:
         """Give a finished step's tokens to their sequences, register full blocks, check for stops."""
-        batch, step = launched.batch, launched.step
+        batch, step, tokens = launched.batch, launched.step, result.tokens
         self.last_step = (step.is_prefill, sum(step.query_lens), len(batch))
         got = []
-        logits_of = dict(zip(step.logits_rows, logits))
-        for k, (row, token) in enumerate(zip(step.sample_rows, tokens)):
-            seq = batch[row].seq
+        logits_of = dict(zip(step.logits_rows, result.logits))
+        logprobs_of = {}
+        if result.logprobs is not None:
+            rows = step.sampling.logprob_rows
+            logprobs_of = dict(zip(rows, result.logprobs.tolist([tokens[k] for k in rows], step.sampling.num_top_logprobs)))
+        if result.prompt_logprobs is not None:
+            self._add_prompt_logprobs(launched.prompt_scored, step, result.prompt_logprobs)
+        for k, (seq, token) in enumerate(zip(launched.sampled, tokens)):
             if seq.status is Status.FINISHED:
                 continue  # it ended at the step before: this one ran ahead for nothing
             seq.resolve_pending(token)
             if k in logits_of:
                 seq.logits.append(logits_of[k])
+            if k in logprobs_of:
+                seq.logprobs.append(logprobs_of[k])
             got.append((seq, token))
         for item in batch:  # full blocks are registered once their tokens are known
             if item.seq.status is Status.RUNNING:
@@ -332,6 +399,20 @@ class LLM:
         for seq, token in got:
             self._check_finish(seq, token)
         return [(seq, [token]) for seq, token in got]
+
+    @staticmethod
+    def _add_prompt_logprobs(scored: list, step: StepBatch, tensors: Any) -> None:
+        """Hand each sequence the logprobs of the prompt positions the step scored for it, in order; a
+        position it already has (scored again after a preemption) is not added twice."""
+        everything = tensors.tolist(step.prompt_logprob_ids, [step.prompt_logprob_top] * len(step.prompt_logprob_ids))
+        at = 0
+        for seq, first, count in scored:
+            k = seq.params.prompt_logprobs
+            for j, lp in enumerate(everything[at:at + count], first):
+                if len(seq.prompt_logprobs) == j + 1:
+                    lp.top = lp.top[:k]
+                    seq.prompt_logprobs.append(lp)
+            at += count
 
     def _drain(self, quiet: bool = False) -> None:
         """Collect the step still on the device, if any (the end of a generate call or stream).
@@ -341,8 +422,7 @@ class LLM:
         if previous is None:
             return
         try:
-            tokens, logits = self.executor.call("collect")
-            self._resolve(previous, tokens, logits)
+            self._resolve(previous, self.executor.call("collect"))
         except Exception:
             if not quiet:
                 raise
@@ -375,10 +455,13 @@ class LLM:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _output(self, seq: Sequence) -> RequestOutput:
+        """The request `seq` starts (its first sample), with every sample in order."""
+        samples = sorted(seq.samples, key=lambda s: s.sample_index)
         return RequestOutput(
             index=seq.index, prompt=seq.prompt, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            text=self._text(seq), token_ids=seq.completion_token_ids, finish_reason=seq.finish_reason,
-            num_cached_tokens=seq.num_cached_tokens, logits=seq.logits,
+            outputs=[CompletionOutput(s.sample_index, self._text(s), s.completion_token_ids, s.finish_reason,
+                                      s.logprobs, s.logits) for s in samples],
+            num_cached_tokens=seq.num_cached_tokens, prompt_logprobs=seq.prompt_logprobs,
         )
 
     # ------------------------------------------------------------------------------ public
@@ -394,7 +477,8 @@ class LLM:
         try:
             while pending:
                 start = time.perf_counter()
-                done = [seq for seq, _ in self.step() if seq.status is Status.FINISHED]
+                roots = {seq.root or seq for seq, _ in self.step() if seq.status is Status.FINISHED}
+                done = [r for r in roots if r.request_finished]
                 pending.difference_update(seq.seq_id for seq in done)
                 if bar:
                     bar.update(self.last_step, time.perf_counter() - start, len(done))
@@ -406,34 +490,40 @@ class LLM:
             if bar:
                 bar.close()
             for seq in seqs:  # only when interrupted: its requests must not run on in later calls
-                if seq.status is not Status.FINISHED:
+                if not seq.request_finished:
                     self.scheduler.abort(seq)
         return [self._output(seq) for seq in seqs]
 
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
-        """Yield the text and token ids each step adds to one request, the last delta marked finished."""
+        """Yield the text and token ids each step adds to one request, the last delta marked finished.
+
+        With n > 1 each delta says which sample it extends (`index`), and each sample's last is marked finished."""
         (seq,) = self._make_sequences([prompt], sampling_params)
         if seq.detok is None:
             seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, [])
         self.scheduler.add(seq)
-        sent = 0
+        sent: dict[int, int] = {}  # sample index -> tokens handed out; a finished sample: -1
         try:
             while True:
-                if seq.status is not Status.FINISHED:
+                if not seq.request_finished:
                     self.step()
-                finished = seq.status is Status.FINISHED
-                tokens = seq.completion_token_ids[sent:]
-                if tokens or finished:
-                    sent += len(tokens)
-                    yield StreamDelta(seq.detok.take(final=finished), tokens, finished, seq.finish_reason)
-                if finished:
+                for s in list(seq.samples):
+                    done = sent.get(s.sample_index, 0)
+                    finished = s.status is Status.FINISHED
+                    tokens = s.completion_token_ids[done:] if done >= 0 else []
+                    if tokens or (finished and done >= 0):
+                        sent[s.sample_index] = -1 if finished else done + len(tokens)
+                        lps = s.logprobs[done:done + len(tokens)] if s.logprobs is not None else None
+                        yield StreamDelta(s.detok.take(final=finished), tokens, finished, s.finish_reason,
+                                          s.sample_index, lps)
+                if seq.request_finished:
                     self._drain()
                     return
         except BaseException:  # GeneratorExit included: the caller stopped reading
             self._drain(quiet=True)
             raise
         finally:
-            if seq.status is not Status.FINISHED:  # the caller stopped early: free its blocks
+            if not seq.request_finished:  # the caller stopped early: free its blocks
                 self.scheduler.abort(seq)
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
@@ -477,6 +567,8 @@ class _Launched:
     batch: list[Scheduled]
     step: StepBatch
     row_of: dict[int, int]  # seq_id -> row of the step's sampled tokens
+    sampled: list[Sequence]  # the sequence of each sample row (a fork puts several on one row)
+    prompt_scored: list  # (sequence, first position, count) of the prompt positions the step scores
 
 
 class _RunnerFactory:

@@ -21,6 +21,7 @@ from nanoplug.core.device_copy import to_device
 from nanoplug.core.interfaces import AttentionMetadata, AttentionSpec, ModelFacts, ProcessGroup, Worker
 from nanoplug.core.loader import load_hf_config, load_weights
 from nanoplug.core.packed_linear import pack_linear_weights
+from nanoplug.core import logprobs
 from nanoplug.core.sampler import Sampler, SamplingBatch
 
 log = logging.getLogger("nanoplug")
@@ -45,6 +46,24 @@ class StepBatch:
     # is row from_previous_rows[k] of the previous step's sampled tokens, taken on the device
     from_previous_at: list[int] = field(default_factory=list)
     from_previous_rows: list[int] = field(default_factory=list)
+    # (from, to) KV blocks copied after this step's forward: a prompt's partly filled last block, for the
+    # other samples of an n > 1 request (see BlockManager.fork). sample_rows then repeats that sequence
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # prompt logprobs: the input positions whose logits score the next prompt token, that token, and the
+    # most alternatives any of them asked for
+    prompt_logprob_at: list[int] = field(default_factory=list)
+    prompt_logprob_ids: list[int] = field(default_factory=list)
+    prompt_logprob_top: int = 0
+
+
+@dataclass
+class StepResult:
+    """What rank 0 gives back for one step (host values)."""
+
+    tokens: list[int]  # one per sample row
+    logits: list[Any] = field(default_factory=list)  # the raw logits rows of `logits_rows`
+    logprobs: logprobs.LogprobsTensors | None = None  # of sampling.logprob_rows' tokens
+    prompt_logprobs: logprobs.LogprobsTensors | None = None  # of prompt_logprob_at, in order
 
 
 def fill_rows(table: np.ndarray, rows: list[list[int]]) -> None:
@@ -236,8 +255,8 @@ class ModelRunner(Worker):
         return put(np.asarray(batch.input_ids), torch.int64), put(positions, torch.int64), meta, put(last, torch.int64)
 
     # ----------------------------------------------------------------------------------- step
-    def run(self, batch: StepBatch) -> tuple[list[int], list[Any]] | None:
-        """Compute one step; rank 0 returns the sampled tokens and the requested logits rows."""
+    def run(self, batch: StepBatch) -> StepResult | None:
+        """Compute one step; rank 0 returns the sampled tokens, the requested logits rows and logprobs."""
         self.launch(batch)
         return self.collect()
 
@@ -255,6 +274,7 @@ class ModelRunner(Worker):
         if self.request_adapters is not None:
             ids = np.asarray(batch.adapter_ids or [0] * num_seqs, dtype=np.int64)
             self.request_adapters.set_step(torch.from_numpy(np.repeat(ids, batch.query_lens)))
+        prompt_lps = None
         if graph is not None:
             logits = self._replay(graph, batch)
         else:
@@ -266,31 +286,60 @@ class ModelRunner(Worker):
             self.ctx.set_step(meta)
             hidden = self.model(input_ids, positions)
             logits = self.model.compute_logits(hidden[last]) if batch.sample_rows else None
-        if self.group.rank != 0 or not batch.sample_rows:
+            prompt_lps = self._prompt_logprobs(hidden, batch) if batch.prompt_logprob_at else None
+        if batch.block_copies:  # after the forward that wrote the blocks copied
+            src, dst = zip(*batch.block_copies)
+            dst = to_device(dst, torch.int64, self.device)
+            self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, to_device(src, torch.int64, self.device)))
+        if self.group.rank != 0 or not (batch.sample_rows or batch.prompt_logprob_at):
             self.pending.append(None)
             return
-        tokens = self.sampler(logits, batch.sampling)
-        self.last_tokens = tokens  # the next step may read its inputs from here
-        rows = logits[batch.logits_rows].float() if batch.logits_rows else None  # before a replay overwrites them
+        if batch.sample_rows:
+            tokens = self.sampler(logits, batch.sampling)
+            self.last_tokens = tokens  # the next step may read its inputs from here
+        else:  # a prompt chunk that only scores prompt tokens
+            tokens = torch.empty(0, dtype=torch.int64, device=self.device)
+        # both read the logits before a replay overwrites them
+        rows = logits[batch.logits_rows].float() if batch.logits_rows else None
+        lps = self.sampler.logprobs(logits, tokens, batch.sampling) if batch.sampling.logprob_rows else None
+        result = StepResult(tokens, rows, lps, prompt_lps)
         if self.device.type == "cuda":
-            tokens, rows = tokens.to("cpu", non_blocking=True), rows.to("cpu", non_blocking=True) if rows is not None else None
+            result = StepResult(tokens.to("cpu", non_blocking=True),
+                                rows.to("cpu", non_blocking=True) if rows is not None else None,
+                                *(lp.to_host(non_blocking=True) if lp is not None else None
+                                  for lp in (result.logprobs, result.prompt_logprobs)))
             done = torch.cuda.Event()
             done.record()
         else:
             done = None
-        self.pending.append((tokens, rows, done))
+        self.pending.append((result, done))
 
-    def collect(self) -> tuple[list[int], list[Any]] | None:
-        """Wait for the oldest launched step's tokens (rank 0; None on other ranks)."""
+    def _prompt_logprobs(self, hidden: torch.Tensor, batch: StepBatch) -> logprobs.LogprobsTensors | None:
+        """Logprobs of the prompt tokens this step scores, a few hundred positions at a time (every rank
+        computes the logits, since the LM head may gather them; rank 0 keeps the logprobs)."""
+        at = to_device(batch.prompt_logprob_at, torch.int64, self.device)
+        ids = to_device(batch.prompt_logprob_ids, torch.int64, self.device)
+        parts = []
+        for i in range(0, len(batch.prompt_logprob_at), logprobs.ROWS_PER_PASS):
+            part = slice(i, i + logprobs.ROWS_PER_PASS)
+            logits = self.model.compute_logits(hidden.index_select(0, at[part]))
+            if self.group.rank == 0:
+                parts.append(logprobs.compute(logits, ids[part], batch.prompt_logprob_top))
+        return logprobs.LogprobsTensors.cat(parts) if parts else None
+
+    def collect(self) -> StepResult | None:
+        """Wait for the oldest launched step's result (rank 0; None on other ranks)."""
         entry = self.pending.popleft()
         if self.group.rank != 0:
             return None
         if entry is None:
-            return [], []
-        tokens, rows, done = entry
+            return StepResult([])
+        result, done = entry
         if done is not None:
             done.synchronize()
-        return tokens.tolist(), list(rows) if rows is not None else []
+        result.tokens = result.tokens.tolist()
+        result.logits = list(result.logits) if result.logits is not None else []
+        return result
 
     # ------------------------------------------------------------------------------- graphs
     def _graph_for(self, num_seqs: int):

@@ -38,9 +38,44 @@ class Sequence:
     adapter_id: int = 0
     detok: Any = None  # the engine's incremental detokenizer state
     num_pending: int = 0  # trailing PENDING placeholders in token_ids
+    # n > 1: every sample is a Sequence; the request's first one (root None) forks the others when the
+    # last token of its prompt is scheduled, and lists them all in `samples`, itself first
+    root: "Sequence | None" = None
+    sample_index: int = 0
+    forks_left: int = 0  # samples still to fork from this one
+    samples: list["Sequence"] = field(default_factory=list)
+    penalty_slot: int | None = None  # its row of the sampler's token counts (penalized requests)
+    logprobs: list[Any] | None = None  # TokenLogprobs of each completion token, when asked
+    prompt_logprobs: list[Any] | None = None  # [None, then TokenLogprobs of prompt tokens 1..], when asked
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+        if self.root is None:
+            self.samples = [self]
+            self.forks_left = self.params.n - 1
+            if self.params.prompt_logprobs is not None:
+                self.prompt_logprobs = [None]
+
+    def fork(self, sample_index: int) -> "Sequence":
+        """Sample `sample_index` of this request: the prompt alone (no blocks yet), its seed moved on by the
+        index as vLLM does, so each sample is reproducible and they differ."""
+        params = self.params
+        if params.seed is not None:
+            params = params.model_copy(update={"seed": params.seed + sample_index})
+        child = Sequence(self.token_ids[:self.num_prompt_tokens], params, index=self.index, root=self,
+                         sample_index=sample_index, num_prompt_tokens=self.num_prompt_tokens,
+                         adapter_id=self.adapter_id)
+        child.prompt = getattr(self, "prompt", None)
+        child.detok = self.detok.clone() if self.detok is not None else None
+        self.samples.append(child)
+        return child
+
+    @property
+    def request_finished(self) -> bool:
+        """Every sample of the request this one starts has finished (call on the first sample)."""
+        return all(s.status is Status.FINISHED for s in self.samples)
 
     def __len__(self) -> int:
         return len(self.token_ids)
