@@ -1,14 +1,20 @@
 """The run's choices, validated once: EngineConfig (how to serve) and SamplingParams (what to sample).
 
-Wrong values fail here, naming the field and the rule, before any weight is read.
+Wrong values fail here, naming the field and the rule, before any weight is read. Numbers and
+switches are strict: `max_tokens="5"`, `max_tokens=True` or `enforce_eager="no"` are a caller's
+mistake (a value read from text and never converted), refused rather than guessed at. A float field
+takes an int (0 means 0.0), and an int field takes numpy's and torch's integer scalars.
 """
 from __future__ import annotations
 
+import operator
+import os
+import re
 from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator
 
 PluginName = Annotated[str, Field(min_length=1, pattern=r"^\S+$")]
 """A plugin name, or "auto": non-empty, no spaces."""
@@ -17,15 +23,45 @@ MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 MAX_N = 128  # OpenAI's limit on samples per prompt
 
 
+def _integer_scalar(value: Any) -> Any:
+    """numpy's and torch's integer scalars become ints; anything else is left for the strict check."""
+    if isinstance(value, (bool, int, float, str, bytes)) or not hasattr(value, "__index__"):
+        return value
+    try:
+        return operator.index(value)  # numpy.int64(5) -> 5; numpy.bool_ and floats refuse
+    except TypeError:
+        return value
+
+
+Int = Annotated[int, BeforeValidator(_integer_scalar), Strict()]
+"""An int (or numpy/torch integer scalar); never a bool, a float or a string."""
+Float = Annotated[float, Strict()]
+"""A float or an int; never a bool or a string."""
+Bool = Annotated[bool, Strict()]
+"""True or False; never 1, "yes" or "false"."""
+
+
+def _token_id_key(value: Any) -> Any:
+    """A JSON object's keys are strings, so OpenAI clients send logit_bias as {"50256": -100}: a key
+    that is an integer written in decimal becomes that int; anything else is left for the strict check."""
+    if isinstance(value, str) and re.fullmatch(r"-?[0-9]+", value.strip()):
+        return int(value)
+    return _integer_scalar(value)
+
+
+TokenIdKey = Annotated[int, BeforeValidator(_token_id_key), Strict(), Field(ge=0)]
+"""A token id as a mapping key: an int, or its decimal string (JSON); never a bool or a float."""
+
+
 class AdapterSpec(BaseModel):
     """One weight adapter to apply while loading, e.g. a PEFT LoRA folder at some scale."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     kind: PluginName = "lora"
     path: str = Field(min_length=1)
-    scale: float = 1.0
+    scale: Float = 1.0
     name: str | None = None
-    merge: bool = Field(True, description="merge into the weights at load (every request); False: chosen per "
+    merge: Bool = Field(True, description="merge into the weights at load (every request); False: chosen per "
                         "request by SamplingParams(adapter=name)")
 
     @property
@@ -46,27 +82,37 @@ class EngineConfig(BaseModel):
     prefill_attention: PluginName | None = Field(None, description="a different backend for prefill steps")
     kv_cache: PluginName = "auto"
     parallel: PluginName = "auto"
-    tensor_parallel_size: int = Field(1, ge=1)
+    tensor_parallel_size: Int = Field(1, ge=1)
     adapters: list[AdapterSpec] = Field(default_factory=list)
-    max_model_len: int = Field(4096, ge=1)
-    max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int = Field(16384, ge=1)
-    kv_block_size: int = Field(256, ge=1)
-    num_kv_blocks: int | None = Field(None, ge=1, description="fixed number of KV blocks; None sizes it from memory")
-    cpu_kv_cache_gb: float = Field(4.0, gt=0, description="KV-cache memory on CPU when num_kv_blocks is None")
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False
-    compile_fused_ops: bool = Field(True, description="torch.compile the small fused ops on CUDA (off: measure without)")
-    overlap_steps: bool | None = Field(None, description="prepare step N+1 on the host while the device computes "
+    max_model_len: Int = Field(4096, ge=1, description="longest prompt plus answer, in tokens; at most the "
+                               "model's max_position_embeddings (NANOPLUG_ALLOW_LONG_MAX_MODEL_LEN=1 allows more); "
+                               "when not given, 4096 or the model's limit if lower")
+    max_num_seqs: Int = Field(256, ge=1)
+    max_num_batched_tokens: Int = Field(16384, ge=1)
+    kv_block_size: Int = Field(256, ge=1)
+    num_kv_blocks: Int | None = Field(None, ge=1, description="fixed number of KV blocks; None sizes it from memory")
+    cpu_kv_cache_gb: Float = Field(4.0, gt=0, description="KV-cache memory on CPU when num_kv_blocks is None")
+    gpu_memory_utilization: Float = Field(0.9, gt=0, le=1)
+    enable_prefix_caching: Bool = True
+    enforce_eager: Bool = False
+    compile_fused_ops: Bool = Field(True, description="torch.compile the small fused ops on CUDA (off: measure without)")
+    overlap_steps: Bool | None = Field(None, description="prepare step N+1 on the host while the device computes "
                                        "step N; None: on for CUDA when the parallel strategy supports it")
-    cpu_weight_packing: bool | None = Field(None, description="pack linear weights once for a decode-sized GEMM "
+    cpu_weight_packing: Bool | None = Field(None, description="pack linear weights once for a decode-sized GEMM "
                                             "on the CPU in float32 (nanoplug's with cpu_kernels, else MKL's; a second "
                                             "copy of them); None: when it fits in a quarter of the available memory")
-    cpu_kernels: bool | None = Field(None, description="nanoplug's C++ kernels for float32 CPU steps (decode-sized "
+    cpu_kernels: Bool | None = Field(None, description="nanoplug's C++ kernels for float32 CPU steps (decode-sized "
                                      "GEMM, RMSNorm, SiLU-and-mul, RoPE, greedy argmax), compiled once per machine; "
                                      "None: when a C++ compiler is found")
-    seed: int = 0
+    skip_tokenizer_init: Bool = Field(False, description="load no tokenizer (as vLLM's option): prompts must be token "
+                                      "ids, outputs carry token ids and empty text, no stop strings or chat")
+    seed: Int = 0
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _path(cls, value: Any) -> Any:
+        """A pathlib.Path (any os.PathLike) names a folder as well as its string does."""
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
 
     @field_validator("adapters", mode="before")
     @classmethod
@@ -113,29 +159,29 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    temperature: float = Field(1.0, ge=0)
-    top_k: int = Field(0, ge=0, description="0 keeps every token")
-    top_p: float = Field(1.0, gt=0, le=1)
-    min_p: float = Field(0.0, ge=0, le=1)
-    max_tokens: int = Field(64, ge=1)
-    ignore_eos: bool = False
+    temperature: Float = Field(1.0, ge=0)
+    top_k: Int = Field(0, ge=0, description="0 keeps every token")
+    top_p: Float = Field(1.0, gt=0, le=1)
+    min_p: Float = Field(0.0, ge=0, le=1)
+    max_tokens: Int = Field(64, ge=1)
+    ignore_eos: Bool = False
     stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[NonNegativeInt] = Field(default_factory=list)
-    seed: int | None = None
+    stop_token_ids: list[Annotated[Int, Field(ge=0)]] = Field(default_factory=list)
+    seed: Int | None = None
     adapter: str | None = Field(None, description="name of a per-request adapter loaded at start-up")
-    output_logits: bool = Field(False, description="return the raw logits row of every generated token")
-    n: int = Field(1, ge=1, le=MAX_N, description="samples of the prompt; they share its prefill and prompt KV blocks")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="per generated token: its log-probability "
+    output_logits: Bool = Field(False, description="return the raw logits row of every generated token")
+    n: Int = Field(1, ge=1, le=MAX_N, description="samples of the prompt; they share its prefill and prompt KV blocks")
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="per generated token: its log-probability "
                                  "and this many most likely alternatives (0: only its own); None: none")
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="the same for each prompt token "
+    prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="the same for each prompt token "
                                         "after the first (its prefill then skips the prefix cache)")
-    presence_penalty: float = Field(0.0, ge=-2, le=2, description="OpenAI's: subtracted once from every token "
+    presence_penalty: Float = Field(0.0, ge=-2, le=2, description="OpenAI's: subtracted once from every token "
                                     "already generated")
-    frequency_penalty: float = Field(0.0, ge=-2, le=2, description="OpenAI's: subtracted per time a token was "
+    frequency_penalty: Float = Field(0.0, ge=-2, le=2, description="OpenAI's: subtracted per time a token was "
                                      "already generated")
-    repetition_penalty: float = Field(1.0, gt=0, description="transformers': tokens of the prompt or output have "
+    repetition_penalty: Float = Field(1.0, gt=0, description="transformers': tokens of the prompt or output have "
                                       "positive logits divided, negative ones multiplied by it; 1 leaves them")
-    logit_bias: dict[NonNegativeInt, Annotated[float, Field(ge=-100, le=100)]] = Field(
+    logit_bias: dict[TokenIdKey, Annotated[Float, Field(ge=-100, le=100)]] = Field(
         default_factory=dict, description="token id -> value added to its logit before sampling (OpenAI's)")
 
     @field_validator("stop", mode="before")
