@@ -243,3 +243,9 @@ def test_params_say_whether_they_process_logits():
     assert SamplingParams(presence_penalty=-0.1).penalized and SamplingParams(frequency_penalty=0.1).penalized
     biased = SamplingParams(logit_bias={"7": 2})  # JSON's string keys become token ids
     assert biased.processes_logits and not biased.penalized and biased.logit_bias == {7: 2.0}
+    assert SamplingParams(logprobs=0).needs_sampler_extras and biased.needs_sampler_extras
+    assert not SamplingParams(n=3, seed=2).needs_sampler_extras
+    plain = SamplingParams()
+    assert not plain.processes_logits  # cached now: a copy with other fields must work its flags out again
+    copy = plain.model_copy(update={"repetition_penalty": 1.2})
+    assert copy.penalized and copy.processes_logits and copy.needs_sampler_extras and not plain.penalized

@@ -200,6 +200,13 @@ class SamplingParams(BaseModel):
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> "SamplingParams":
+        """A copy, its derived flags (the cached properties below) worked out again from its own fields."""
+        copy = super().model_copy(update=update, deep=deep)
+        for name in _DERIVED:
+            copy.__dict__.pop(name, None)
+        return copy
+
     @cached_property
     def penalized(self) -> bool:
         """Whether sampling needs this request's token counts (any penalty away from its neutral value)."""
@@ -209,3 +216,11 @@ class SamplingParams(BaseModel):
     def processes_logits(self) -> bool:
         """Whether the logits change before sampling (penalties or a bias): False keeps the plain sampler path."""
         return self.penalized or bool(self.logit_bias)
+
+    @cached_property
+    def needs_sampler_extras(self) -> bool:
+        """Whether sampling does anything beyond the plain draw for this request (one check per row per step)."""
+        return self.processes_logits or self.logprobs is not None
+
+
+_DERIVED = [name for name, value in vars(SamplingParams).items() if isinstance(value, cached_property)]

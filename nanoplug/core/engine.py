@@ -324,17 +324,8 @@ class LLM:
                     p = s.params
                     if p.output_logits:
                         logits_rows.append(len(rows))
-                    if p.processes_logits:
-                        if processing is None:
-                            processing = LogitsProcessingBatch()
-                        if p.penalized and s.penalty_slot is None:
-                            s.penalty_slot = self.scheduler.penalty_slots.take()
-                            processing.inits.append(SlotInit(s.penalty_slot, s.token_ids[:s.num_prompt_tokens],
-                                                             s.completion_token_ids))
-                        processing.add(len(rows), p, s.penalty_slot)
-                    if p.logprobs is not None:
-                        logprob_rows.append(len(rows))
-                        num_top.append(p.logprobs)
+                    if p.needs_sampler_extras:
+                        processing = self._sampler_extras(s, len(rows), processing, logprob_rows, num_top)
                     rows.append(i)
                     sampled.append(s)
                     temps.append(p.temperature)
@@ -350,6 +341,25 @@ class LLM:
                          block_copies=blocks.take_copies(), prompt_logprob_at=plp_at, prompt_logprob_ids=plp_ids,
                          prompt_logprob_top=plp_top)
         return step, sampled, prompt_scored
+
+    def _sampler_extras(self, seq: Sequence, row: int, processing: LogitsProcessingBatch | None,
+                        logprob_rows: list[int], num_top: list[int]) -> LogitsProcessingBatch | None:
+        """Sample row `row` (of `seq`) has penalties, a bias or logprobs: add them to the step's sampling data.
+
+        A penalized sequence gets its token-count slot, filled from its tokens, the first time it samples."""
+        p = seq.params
+        if p.processes_logits:
+            if processing is None:
+                processing = LogitsProcessingBatch()
+            if p.penalized and seq.penalty_slot is None:
+                seq.penalty_slot = self.scheduler.penalty_slots.take()
+                processing.inits.append(SlotInit(seq.penalty_slot, seq.token_ids[:seq.num_prompt_tokens],
+                                                 seq.completion_token_ids))
+            processing.add(row, p, seq.penalty_slot)
+        if p.logprobs is not None:
+            logprob_rows.append(row)
+            num_top.append(p.logprobs)
+        return processing
 
     def step(self) -> list[tuple[Sequence, list[int]]]:
         """Run one step; returns each sampled sequence with the tokens it gained.
