@@ -13,8 +13,8 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 
 from nanoplug import SamplingParams
 from nanoplug.core.errors import RequestError
-from nanoplug.core.logits_processors import (LogitsProcessingBatch, LogitsProcessors, PenaltySlots, SlotInit,
-                                             check_token_ids)
+from nanoplug.api import LogitsProcessingBatch, SlotInit
+from nanoplug.core.logits_processors import LogitsProcessors, PenaltySlots, add_sample_row, check_token_ids
 from nanoplug.core.sampler import Sampler, SamplingBatch
 
 VOCAB = 40
@@ -65,7 +65,7 @@ class Rows:
         for row, (p, slot) in enumerate(zip(self.params, self.slot_of)):
             if slot in self.fresh:
                 batch.inits.append(SlotInit(slot, self.prompts[row], self.outputs[row]))
-            batch.add(row, p, slot)
+            add_sample_row(batch, row, p, slot)
         self.fresh = set()
         return batch
 
@@ -167,7 +167,7 @@ def test_incremental_counts_equal_counts_rebuilt_from_the_tokens(data):
         batch = LogitsProcessingBatch(inits=[SlotInit(s, live[s][0], list(live[s][1])) for s in order if s in fresh])
         fresh.clear()
         for row, slot in enumerate(order):
-            batch.add(row, live[slot][2], slot)
+            add_sample_row(batch, row, live[slot][2], slot)
         processors.apply(torch.randn(len(order), VOCAB), batch)
         tokens = torch.tensor([rng.randrange(VOCAB) for _ in order])
         processors.record(tokens, batch)

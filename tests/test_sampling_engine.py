@@ -142,7 +142,7 @@ def test_penalized_greedy_equals_transformers_with_the_same_processors(llm, over
     assert [o.token_ids for o in outs] == want
     assert [o.token_ids for o in plain] != want  # the processors changed something
     assert [o.token_ids for o in overlapped.generate(PROMPTS, params, use_tqdm=False)] == want
-    assert llm.scheduler.penalty_slots.in_use == 0
+    assert llm.engine.scheduler.penalty_slots.in_use == 0
     assert_idle(llm)
 
 
@@ -164,8 +164,9 @@ def test_preempted_penalized_requests_keep_their_counts_and_slots_are_reused(ove
     with LLM(checkpoint(), **dict(OPTIONS, num_kv_blocks=4, max_model_len=64, max_num_seqs=2,
                                   overlap_steps=overlap)) as tight:
         outs = tight.generate(PROMPTS, params, use_tqdm=False)
-        assert tight.scheduler.num_preemptions > 0
-        assert tight.scheduler.penalty_slots.size == 2 and tight.scheduler.penalty_slots.in_use == 0
+        scheduler = tight.engine.scheduler
+        assert scheduler.num_preemptions > 0
+        assert scheduler.penalty_slots.size == 2 and scheduler.penalty_slots.in_use == 0
         assert_idle(tight)
     assert [o.token_ids for o in outs] == [hf_generate(ids, params, 24) for ids in prompt_ids()]
 
@@ -183,7 +184,7 @@ def test_defaults_never_touch_the_logits_processors(llm, monkeypatch):
 
 
 def test_a_logit_bias_outside_the_vocabulary_is_refused_and_the_engine_serves_on(llm):
-    vocab = llm.facts.vocab_size
+    vocab = llm.engine.facts.vocab_size
     with pytest.raises(RequestError, match=rf"prompt 1 has logit_bias for token id {vocab}, outside the vocabulary"):
         llm.generate(PROMPTS[:2], [SamplingParams(), SamplingParams(logit_bias={vocab: 1.0})], use_tqdm=False)
     assert_idle(llm)
@@ -201,6 +202,26 @@ def story(n_tokens: int, offset: int = 0) -> list[int]:
     return tokenizer().encode(STORY)[offset:offset + n_tokens]
 
 
+def start(llm: LLM, ids: list[int], params: SamplingParams):
+    """Add one request to the engine core, to step it by hand; returns the core, the request id and the
+    tokens of each sample, which `finish` fills in."""
+    core = llm.engine
+    request = core.make_request(ids, params)
+    core.add_request(request)
+    return core, request.request_id, {}
+
+
+def step(core, tokens: dict[int, list[int]]) -> None:
+    for u in core.step():
+        tokens.setdefault(u.index, []).extend(u.token_ids)
+
+
+def finish(core, tokens: dict[int, list[int]]) -> list[list[int]]:
+    while core.has_unfinished():
+        step(core, tokens)
+    return [tokens[i] for i in sorted(tokens)]
+
+
 @pytest.mark.parametrize("length", [BLOCK + 3, 2 * BLOCK], ids=["partial-last-block", "whole-blocks"])
 def test_n_samples_share_one_prefill_and_the_prompt_blocks(llm, length):
     """Step by step: one prefill step computes the prompt once; right after it the full prompt blocks have
@@ -208,12 +229,12 @@ def test_n_samples_share_one_prefill_and_the_prompt_blocks(llm, length):
     the same seeds run one by one (so the copied block held the right K/V)."""
     ids = story(length, offset=length % 7)  # no block of one case is in the cache from the other
     params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=10, ignore_eos=True)
-    (root,) = llm._make_sequences([ids], params)
-    llm.scheduler.add(root)
-    blocks = llm.scheduler.blocks
+    core, request_id, tokens = start(llm, ids, params)
+    blocks = core.scheduler.blocks
     free_before = blocks.num_free_blocks
-    llm.step()
-    assert llm.last_step == (True, length, 1)  # one prefill of the prompt, not four
+    step(core, tokens)
+    assert core.last_step == (True, length, 1)  # one prefill of the prompt, not four
+    root = core.requests[request_id].seq
     samples = root.samples
     assert [s.sample_index for s in samples] == [0, 1, 2, 3]
     full = length // BLOCK
@@ -224,12 +245,12 @@ def test_n_samples_share_one_prefill_and_the_prompt_blocks(llm, length):
     assert len(set(own)) == len(own) == (4 if length % BLOCK else 0)
     assert free_before - blocks.num_free_blocks == full + len(own)
     assert all(s.num_completion_tokens == 1 and s.num_cached_tokens == 0 for s in samples)
-    while llm.scheduler.has_work():
-        llm.step()
-    out = llm._output(root)
-    assert [o.index for o in out.outputs] == [0, 1, 2, 3]
-    assert [o.token_ids for o in out.outputs] == separately(llm, ids, params)
-    assert len({tuple(o.token_ids) for o in out.outputs}) > 1  # the samples differ
+    assert sorted(tokens) == [0, 1, 2, 3] and all(len(t) == 1 for t in tokens.values())
+    got = finish(core, tokens)
+    assert got == separately(llm, ids, params)
+    assert len({tuple(t) for t in got}) > 1  # the samples differ
+    out = llm.generate([ids], params, use_tqdm=False)[0]  # the same through generate
+    assert [o.index for o in out.outputs] == [0, 1, 2, 3] and [o.token_ids for o in out.outputs] == got
     assert out.token_ids == out.outputs[0].token_ids and out.text == out.outputs[0].text
     assert_idle(llm)
 
@@ -286,14 +307,11 @@ def test_a_prompt_whose_last_token_comes_in_a_decode_step_still_forks():
         ids = prompt_ids()[1]
         assert len(ids) == 17
         params = SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=6, ignore_eos=True)
-        (root,) = chunked._make_sequences([ids], params)
-        chunked.scheduler.add(root)
+        core, request_id, tokens = start(chunked, ids, params)
         steps = []
-        while len(root.samples) < 3:
-            chunked.step()
-            steps.append(chunked.last_step)
+        while len(tokens) < 3:
+            step(core, tokens)
+            steps.append(core.last_step)
         assert steps == [(True, 8, 1), (True, 8, 1), (False, 1, 1)]
-        while chunked.scheduler.has_work():
-            chunked.step()
-        assert [o.token_ids for o in chunked._output(root).outputs] == separately(chunked, ids, params)
+        assert finish(core, tokens) == separately(chunked, ids, params)
         assert_idle(chunked)

@@ -274,7 +274,7 @@ def test_fork_shares_full_prompt_blocks_and_copies_the_partial_one():
     assert blocks.take_copies() == [(parent.block_table[2], kids[0].block_table[2]),
                                     (parent.block_table[2], kids[1].block_table[2])]
     assert blocks.take_copies() == []
-    assert all(k.num_computed_tokens == 10 and k.params.n == 3 and k.root is parent for k in kids)
+    assert all(k.num_cached_tokens == parent.num_cached_tokens and k.params.n == 3 and k.root is parent for k in kids)
     assert [s.sample_index for s in parent.samples] == [0, 1, 2]
     check_invariants(blocks, [parent, *kids])
     whole = seq(range(8), n=2)  # the prompt fills its blocks: nothing to copy, nothing new

@@ -5,7 +5,6 @@ piece; like vLLM, decode a short window and emit only text that is complete (no 
 """
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 CONTEXT_TOKENS = 6
@@ -20,12 +19,6 @@ class IncrementalDetokenizer:
         self.emitted = 0  # characters handed to the caller
         self.stops = stops
         self.holdback = max((len(s) for s in stops), default=1) - 1
-
-    def clone(self) -> "IncrementalDetokenizer":
-        """An independent copy (another sample of the same prompt starts from this state)."""
-        other = copy.copy(self)
-        other.ids = list(self.ids)
-        return other
 
     def add(self, token_id: int) -> None:
         self.ids.append(token_id)

@@ -9,18 +9,16 @@ penalty is subtracted once per time a token was generated and the presence penal
 The token counts these need live on the device, one row per *slot*: each penalized sequence holds a
 slot from its first sampled token until it finishes (preemption keeps it). A slot is filled once from
 the sequence's tokens (`SlotInit`), then every step adds its sampled tokens on the device, so nothing
-is rebuilt from host lists per step and nothing waits for the device. The host hands out slots
+is rebuilt from host lists per step and nothing waits for the device. The scheduler hands out slots
 (`PenaltySlots`); the sampler's `LogitsProcessors` owns the tensors. A batch whose rows ask for none
 of this carries no `LogitsProcessingBatch` and the sampler never enters this module.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
+from nanoplug.api import LogitsProcessingBatch, SlotInit, to_device
 from nanoplug.core.config import SamplingParams
-from nanoplug.core.device_copy import to_device
 from nanoplug.core.errors import RequestError
 
 
@@ -42,48 +40,19 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: tor
 
 
 # --------------------------------------------------------------------------------- batch data
-@dataclass
-class SlotInit:
-    """Fill a slot before this step: its sequence's prompt tokens and the output tokens it has so far."""
-
-    slot: int
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-
-
-@dataclass
-class LogitsProcessingBatch:
-    """One step's penalties and biases, for the sample rows that have any (plain lists: they cross processes).
-
-    Penalized rows are listed in `rows`, each with its slot and three penalties; `inits` fill new
-    slots first. The bias is flat (row, token id, value) triples over all biased rows."""
-
-    rows: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    presence: list[float] = field(default_factory=list)
-    frequency: list[float] = field(default_factory=list)
-    repetition: list[float] = field(default_factory=list)
-    inits: list[SlotInit] = field(default_factory=list)
-    bias_rows: list[int] = field(default_factory=list)
-    bias_token_ids: list[int] = field(default_factory=list)
-    bias_values: list[float] = field(default_factory=list)
-
-    def add(self, row: int, params: SamplingParams, slot: int | None) -> None:
-        """Row `row` samples under `params`; `slot` is its token-count slot when it is penalized."""
-        if params.penalized:
-            assert slot is not None, "a penalized row needs a token-count slot"
-            self.rows.append(row)
-            self.slots.append(slot)
-            self.presence.append(params.presence_penalty)
-            self.frequency.append(params.frequency_penalty)
-            self.repetition.append(params.repetition_penalty)
-        if params.logit_bias:
-            self.bias_rows.extend([row] * len(params.logit_bias))
-            self.bias_token_ids.extend(params.logit_bias)
-            self.bias_values.extend(params.logit_bias.values())
-
-    def __bool__(self) -> bool:
-        return bool(self.rows or self.bias_rows or self.inits)
+def add_sample_row(batch: LogitsProcessingBatch, row: int, params: SamplingParams, slot: int | None) -> None:
+    """Sample row `row` draws under `params`; `slot` is its token-count slot when it is penalized."""
+    if params.penalized:
+        assert slot is not None, "a penalized row needs a token-count slot"
+        batch.rows.append(row)
+        batch.slots.append(slot)
+        batch.presence.append(params.presence_penalty)
+        batch.frequency.append(params.frequency_penalty)
+        batch.repetition.append(params.repetition_penalty)
+    if params.logit_bias:
+        batch.bias_rows.extend([row] * len(params.logit_bias))
+        batch.bias_token_ids.extend(params.logit_bias)
+        batch.bias_values.extend(params.logit_bias.values())
 
 
 class PenaltySlots:

@@ -4,13 +4,15 @@ They are vLLM's default "raw" logprobs: log-softmax of the model's own logits, b
 top-k/top-p/min-p, penalties and logit bias. So they describe the model, and greedy and sampled
 requests report the same numbers for the same tokens; the sampled token is not always the top one.
 The device computes them for the rows that ask (`compute`), and the host turns the copied-back
-tensors into `TokenLogprobs` (`LogprobsTensors.tolist`).
+tensors (`nanoplug.api.LogprobsTensors`) into `TokenLogprobs` (`token_logprobs`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from nanoplug.api import LogprobsTensors
 
 ROWS_PER_PASS = 256  # prompt logprobs: log-softmax at most this many positions at once (a [rows, vocab] float32)
 
@@ -25,29 +27,13 @@ class TokenLogprobs:
     top: list[tuple[int, float]]  # (token id, logprob) of the k most likely, most likely first
 
 
-@dataclass
-class LogprobsTensors:
-    """`compute`'s result for R rows: on the device until `to_host`, then read with `tolist`."""
-
-    logprobs: torch.Tensor  # [R] float32: the chosen token's
-    ranks: torch.Tensor  # [R] int64
-    top_ids: torch.Tensor  # [R, K] int64, K the most any row asked for
-    top_logprobs: torch.Tensor  # [R, K] float32
-
-    def to_host(self, non_blocking: bool = False) -> "LogprobsTensors":
-        return LogprobsTensors(*(t.to("cpu", non_blocking=non_blocking) for t in
-                                 (self.logprobs, self.ranks, self.top_ids, self.top_logprobs)))
-
-    def tolist(self, token_ids: list[int], num_top: list[int]) -> list[TokenLogprobs]:
-        """One TokenLogprobs per row: row i's chosen token is token_ids[i] and keeps num_top[i] alternatives."""
-        ids, lps = self.top_ids.tolist(), self.top_logprobs.tolist()
-        return [TokenLogprobs(t, lp, rank, list(zip(ids[i][:k], lps[i][:k])))
-                for i, (t, lp, rank, k) in enumerate(zip(token_ids, self.logprobs.tolist(), self.ranks.tolist(), num_top))]
-
-    @staticmethod
-    def cat(parts: list["LogprobsTensors"]) -> "LogprobsTensors":
-        return LogprobsTensors(*(torch.cat(ts) for ts in zip(*((p.logprobs, p.ranks, p.top_ids, p.top_logprobs)
-                                                                for p in parts))))
+def token_logprobs(tensors: LogprobsTensors, token_ids: list[int], num_top: list[int]) -> list[TokenLogprobs]:
+    """One TokenLogprobs per row of host `tensors`: row i's chosen token is token_ids[i] and keeps num_top[i]
+    alternatives."""
+    ids, lps = tensors.top_ids.tolist(), tensors.top_logprobs.tolist()
+    return [TokenLogprobs(t, lp, rank, list(zip(ids[i][:k], lps[i][:k])))
+            for i, (t, lp, rank, k) in enumerate(zip(token_ids, tensors.logprobs.tolist(), tensors.ranks.tolist(),
+                                                     num_top))]
 
 
 def compute(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:

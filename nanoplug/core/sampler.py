@@ -9,32 +9,11 @@ Penalties and logit bias (core/logits_processors.py) change the logits first, an
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
+from nanoplug.api import LogprobsTensors, SamplingBatch, to_device  # noqa: F401  (SamplingBatch: the step's settings)
 from nanoplug.core import logprobs as logprobs_math
-from nanoplug.core.device_copy import to_device
-from nanoplug.core.logits_processors import LogitsProcessingBatch, LogitsProcessors
-
-
-@dataclass
-class SamplingBatch:
-    """Per-row sampling settings as plain lists (picklable, so they cross process boundaries)."""
-
-    temperatures: list[float]
-    top_ks: list[int]
-    top_ps: list[float]
-    min_ps: list[float]
-    seeds: list[int | None]
-    positions: list[int]  # index of the token being sampled, for seeded noise
-    processing: LogitsProcessingBatch | None = None  # penalties and bias; None when no row has any
-    logprob_rows: list[int] = field(default_factory=list)  # rows that want logprobs of their token
-    num_top_logprobs: list[int] = field(default_factory=list)  # for each of them, how many alternatives
-
-    @property
-    def all_greedy(self) -> bool:
-        return all(t == 0.0 for t in self.temperatures)
+from nanoplug.core.logits_processors import LogitsProcessors
 
 
 def _seeded_noise(seed: int, position: int, vocab: int, device: torch.device) -> torch.Tensor:
@@ -66,7 +45,7 @@ class Sampler:
         return tokens
 
     @torch.no_grad()
-    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> logprobs_math.LogprobsTensors:
+    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> LogprobsTensors:
         """Raw logprobs of the sampled `tokens` of the rows in `batch.logprob_rows` (call only when there are any)."""
         rows = to_device(batch.logprob_rows, torch.int64, logits.device)
         return logprobs_math.compute(logits.index_select(0, rows), tokens.index_select(0, rows),

@@ -1,11 +1,13 @@
-"""One request as the engine tracks it: its tokens, how many are computed, and its KV blocks."""
+"""One request as the scheduler runs it: its tokens, how many are computed, and its KV blocks.
+
+The scheduler is the one writer of a sequence's progress (its tokens, `num_computed_tokens`, status);
+the block manager writes its block table.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from itertools import count
-from typing import Any
-
 from nanoplug.core.config import SamplingParams
 
 
@@ -25,7 +27,7 @@ class Sequence:
 
     token_ids: list[int]
     params: SamplingParams
-    index: int = 0  # position in the caller's list of prompts
+    request_id: str = ""
     seq_id: int = field(default_factory=lambda: next(_ids))
     status: Status = Status.WAITING
     num_prompt_tokens: int = 0
@@ -34,9 +36,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hashes of committed full blocks
     finish_reason: str | None = None
-    logits: list[Any] = field(default_factory=list)
     adapter_id: int = 0
-    detok: Any = None  # the engine's incremental detokenizer state
     num_pending: int = 0  # trailing PENDING placeholders in token_ids
     # n > 1: every sample is a Sequence; the request's first one (root None) forks the others when the
     # last token of its prompt is scheduled, and lists them all in `samples`, itself first
@@ -45,13 +45,12 @@ class Sequence:
     forks_left: int = 0  # samples still to fork from this one
     samples: list["Sequence"] = field(default_factory=list)
     penalty_slot: int | None = None  # its row of the sampler's token counts (penalized requests)
-    logprobs: list[Any] | None = None  # TokenLogprobs of each completion token, when asked
-    prompt_logprobs: list[Any] | None = None  # [None, then TokenLogprobs of prompt tokens 1..], when asked
+    # prompt logprobs, when asked: [None, then those of prompt tokens 1.. as steps score them]. Kept here
+    # (not only in the output) because a prompt that still owes some skips the prefix cache
+    prompt_logprobs: list[Any] | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
-        if self.params.logprobs is not None:
-            self.logprobs = []
         if self.root is None:
             self.samples = [self]
             self.forks_left = self.params.n - 1
@@ -64,11 +63,9 @@ class Sequence:
         params = self.params
         if params.seed is not None:
             params = params.model_copy(update={"seed": params.seed + sample_index})
-        child = Sequence(self.token_ids[:self.num_prompt_tokens], params, index=self.index, root=self,
+        child = Sequence(self.token_ids[:self.num_prompt_tokens], params, request_id=self.request_id, root=self,
                          sample_index=sample_index, num_prompt_tokens=self.num_prompt_tokens,
                          adapter_id=self.adapter_id)
-        child.prompt = getattr(self, "prompt", None)
-        child.detok = self.detok.clone() if self.detok is not None else None
         self.samples.append(child)
         return child
 
