@@ -47,8 +47,8 @@ def validation_error(errors: list[dict]) -> APIError:
     msg = err.get("msg", "invalid value")
     if err.get("type") == "missing":
         return bad_request(f"the field {param!r} is required", param=param, code="missing_required_parameter")
-    if err.get("type") in ("model_type", "dict_type") and not loc:
-        return bad_request("the request body must be a JSON object", code="invalid_json")
+    if not loc:
+        return bad_request(f"the request body must be a JSON object ({msg})", code="invalid_json")
     return bad_request(f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
 
 
