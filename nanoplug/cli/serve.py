@@ -55,6 +55,10 @@ def engine_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        import fastapi, msgspec, prometheus_client, sse_starlette, uvicorn  # noqa: F401,E401
+    except ImportError as exc:
+        raise OptionError(f"nanoplug serve needs {exc.name}: pip install 'nanoplug[serve]'") from exc
     from nanoplug.default_model import DEFAULT_MODEL_NAME
     from nanoplug.server.app import ServerSettings
     from nanoplug.server.runner import serve
