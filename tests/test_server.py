@@ -230,6 +230,35 @@ def test_unsupported_fields_are_refused_only_off_their_default(client, llm):
         assert err["param"] == field and err["code"] == "unsupported_parameter" and "leave it out" in err["message"]
 
 
+def test_logprobs_are_the_engines_own(client, llm):
+    """The chosen token's logprob and the top alternatives, as the engine computes them for `generate`."""
+    model = checkpoint("qwen3")
+    if "logprobs" not in EngineSamplingParams.model_fields:  # until issue 14 item 2 lands: a clear 400
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=4, logprobs=2)
+        assert _error(exc)["param"] == "logprobs"
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.chat.completions.create(model=model, messages=CHAT, max_tokens=4, logprobs=True, top_logprobs=2)
+        assert _error(exc)["param"] == "logprobs"
+        return
+    text = llm.tokenizer.decode
+    (want,) = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=6, logprobs=3), use_tqdm=False)
+    got = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=3).choices[0]
+    assert got.logprobs.token_logprobs == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
+    assert got.logprobs.tokens == [text([e.token_id]) for e in want.logprobs]
+    for top, e in zip(got.logprobs.top_logprobs, want.logprobs):
+        assert set(top) >= {text([i]) for i, _ in e.top} and len(top) <= 4
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model=model, prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=3, stream=True) if c.choices[0].logprobs]
+    assert [lp for part in streamed for lp in part.token_logprobs] == got.logprobs.token_logprobs
+    ids = llm.chat_prompt_ids(CHAT)
+    (want,) = llm.generate([ids], SamplingParams(temperature=0, max_tokens=6, logprobs=2), use_tqdm=False)
+    chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
+                                          top_logprobs=2).choices[0].logprobs.content
+    assert [c.logprob for c in chat] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
+    assert [[t.token for t in c.top_logprobs] for c in chat] == [[text([i]) for i, _ in e.top] for e in want.logprobs]
+
+
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as exc:
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=1)

@@ -42,7 +42,7 @@ def add_routes(app: FastAPI, state: Any, auth: Any) -> None:
         if body.echo and any(not isinstance(p, str) for p in prompts):
             raise bad_request("echo works with text prompts only; send the prompt as a string", param="echo")
         n = body.n or 1
-        responder = Responder(chat=False, model=state.settings.model_name)
+        responder = Responder(chat=False, model=state.settings.model_name, token_text=state.engine.token_text)
         items = [(prompt, [(f"{responder.id}-{i * n + j}", sampling_params(body, body.max_tokens or 16, j, body.logprobs))
                            for j in range(n)]) for i, prompt in enumerate(prompts)]
         echo = [p for p in prompts for _ in range(n)] if body.echo else None
@@ -57,7 +57,7 @@ def add_routes(app: FastAPI, state: Any, auth: Any) -> None:
         max_tokens = body.max_completion_tokens or body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         messages = [{"role": CHAT_ROLES.get(m.role, m.role), "content": m.text()} for m in body.messages]
-        responder = Responder(chat=True, model=state.settings.model_name)
+        responder = Responder(chat=True, model=state.settings.model_name, token_text=state.engine.token_text)
         items = [(messages, [(f"{responder.id}-{j}", sampling_params(body, max_tokens or 1, j, logprobs))
                              for j in range(n)])]
         return await respond(state, request, responder, items, n, bool(body.stream), body.include_usage,
@@ -83,8 +83,8 @@ async def respond(state: Any, request: Request, responder: Responder, items: lis
             _abort_unfinished(state, streams)
     if not collect.done() or collect.cancelled():
         return Response(status_code=499)  # nobody is listening; the status shows in the logs and metrics
-    texts, reasons, usage_body = collect.result()  # raises the stream's APIError (shutdown, engine failure)
-    return JSONResponse(responder.body(texts, reasons, usage_body))
+    texts, reasons, logprobs, usage_body = collect.result()  # raises the stream's APIError (shutdown, engine failure)
+    return JSONResponse(responder.body(texts, reasons, logprobs, usage_body, echo))
 
 
 class _Usage:
@@ -108,14 +108,17 @@ class _Usage:
 async def _collect(streams: list[RequestStream], n: int, echo: list[str] | None):
     texts = [[e] if echo else [] for e in (echo or [None] * len(streams))]
     reasons: list[str | None] = [None] * len(streams)
+    logprobs: list[list | None] = [None] * len(streams)
     counted = _Usage(len(streams), n)
     async for got in read(streams):
         for i, delta in got:
             texts[i].append(delta.text)
             counted.add(i, delta)
+            if delta.logprobs is not None:
+                logprobs[i] = (logprobs[i] or []) + delta.logprobs
             if delta.finished:
                 reasons[i] = delta.finish_reason
-    return ["".join(t) for t in texts], reasons, counted.body()
+    return ["".join(t) for t in texts], reasons, logprobs, counted.body()
 
 
 async def _events(state: Any, responder: Responder, streams: list[RequestStream], n: int, include_usage: bool,

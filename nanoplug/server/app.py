@@ -122,7 +122,9 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     async def health():
         if engine.failure is not None:
             return JSONResponse({"status": "error", "error": engine.failure}, status_code=503)
-        return {"status": "shutting_down" if state.closing else "ok"}
+        if state.closing:  # load balancers stop sending here
+            return JSONResponse({"status": "shutting_down"}, status_code=503)
+        return {"status": "ok"}
 
     @app.get("/metrics")
     async def prometheus():

@@ -19,6 +19,7 @@ from nanoplug.core.config import EngineConfig
 from nanoplug.server._core_shim import EngineCore  # TEMPORARY: nanoplug.core.engine_core once it lands
 from nanoplug.server.errors import APIError
 from nanoplug.server.prepare import PromptChoices, prepare_all
+from nanoplug.server.render import token_texts
 from nanoplug.server.stepper import Stepper
 from nanoplug.server.streams import RequestStream, Streams
 
@@ -31,6 +32,7 @@ class EngineLoop:
         self.config = self.core.config
         self.max_model_len, self.max_num_seqs = self.config.max_model_len, self.config.max_num_seqs
         self.streams = Streams()
+        self.token_text = token_texts(self.core.tokenizer)  # for logprobs
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stepper = Stepper(self.core, self._on_step, self._on_failure)
         self._prepare = ThreadPoolExecutor(1, thread_name_prefix="nanoplug-prepare")

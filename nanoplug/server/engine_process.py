@@ -31,6 +31,7 @@ from nanoplug.core.config import EngineConfig, SamplingParams
 from nanoplug.core.errors import ModelLoadError, RequestError
 from nanoplug.server.errors import APIError
 from nanoplug.server.prepare import PromptChoices, prepare_all
+from nanoplug.server.render import token_texts
 from nanoplug.server.streams import RequestStream, Streams
 
 log = logging.getLogger("nanoplug.server")
@@ -49,6 +50,15 @@ class Stats(msgspec.Struct, array_like=True):
     generated_tokens_total: int
 
 
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """The engine's TokenLogprobs on the wire (same attribute names, so render.py reads either)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
 class Update(msgspec.Struct, array_like=True):
     request_id: str
     token_ids: list[int]
@@ -57,7 +67,7 @@ class Update(msgspec.Struct, array_like=True):
     finish_reason: Union[str, None]
     num_prompt_tokens: int
     num_cached_tokens: int
-    logprobs: None = None  # sent once the engine computes them (issue 14 item 2) and render.py writes them
+    logprobs: Union[list[TokenLogprobs], None] = None
 
 
 class Start(msgspec.Struct, tag="start", array_like=True):
@@ -183,6 +193,7 @@ class EngineProcess:
             self.stop()
             raise RuntimeError(f"the engine process exited during start-up (exit code {self.proc.poll()})")
         self.max_model_len, self.max_num_seqs, self.stats = first.max_model_len, first.max_num_seqs, first.stats
+        self.token_text = token_texts(_tokenizer(config.model))  # logprobs' token strings are written here
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._started = asyncio.Event()
@@ -261,6 +272,14 @@ class EngineProcess:
         self._sock.close()
 
 
+def _tokenizer(model: str) -> Any:
+    from transformers import AutoTokenizer
+
+    from nanoplug.core.loader import checkpoint_dir
+
+    return AutoTokenizer.from_pretrained(str(checkpoint_dir(model)))
+
+
 # -------------------------------------------------------------------------------- the child
 def main(fd: int) -> int:
     """The engine process: read requests from the socket, step, write updates back."""
@@ -322,8 +341,10 @@ def main(fd: int) -> int:
 
 
 def _update(u: Any) -> Update:
+    logprobs = None if u.logprobs is None else [
+        TokenLogprobs(e.token_id, e.logprob, e.rank, [(int(i), float(lp)) for i, lp in e.top]) for e in u.logprobs]
     return Update(u.request_id, list(u.token_ids), u.text, u.finished, u.finish_reason, u.num_prompt_tokens,
-                  u.num_cached_tokens)
+                  u.num_cached_tokens, logprobs)
 
 
 if __name__ == "__main__":

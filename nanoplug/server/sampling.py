@@ -38,11 +38,11 @@ def check_completion(req: CompletionRequest) -> None:
         unsupported("best_of", req.best_of, "leave it out (or equal to n); nanoplug returns every sample it draws")
     if req.suffix:
         unsupported("suffix", req.suffix, "insertion needs a fill-in-the-middle model; leave it out")
-    if req.logprobs is not None and not logprobs_supported():
+    if req.logprobs is not None and not engine_has("logprobs"):
         unsupported("logprobs", req.logprobs, "this engine's SamplingParams has no logprobs yet; leave it out")
-    if req.echo and req.logprobs is not None and not engine_has("prompt_logprobs"):
-        unsupported("echo", req.echo, "the prompt's logprobs (echo with logprobs) are not computed by this "
-                    "engine yet; drop echo or logprobs")
+    if req.echo and req.logprobs is not None:
+        unsupported("echo", req.echo, "the prompt's logprobs (echo with logprobs) are not served yet; "
+                    "drop echo or logprobs")
 
 
 def check_chat(req: ChatRequest) -> None:
@@ -56,20 +56,13 @@ def check_chat(req: ChatRequest) -> None:
                     "use {\"type\": \"text\"} or leave it out")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
-    if req.logprobs and not logprobs_supported():
+    if req.logprobs and not engine_has("logprobs"):
         unsupported("logprobs", True, "this engine's SamplingParams has no logprobs yet; leave it out")
     for i, message in enumerate(req.messages):
         if isinstance(message.content, list):
             for part in message.content:
                 if part.type != "text":
                     unsupported(f"messages.{i}.content", part.type, "only text parts are understood")
-
-
-def logprobs_supported() -> bool:
-    """The engine computes logprobs and the server knows how to write them (see render.py)."""
-    from nanoplug.server.render import LOGPROBS_RENDERABLE
-
-    return engine_has("logprobs") and LOGPROBS_RENDERABLE
 
 
 def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int | None) -> SamplingParams:
