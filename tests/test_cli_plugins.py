@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import _processes
 from nanoplug.cli import main
 
 KINDS = ["attention", "kv_cache", "model", "parallel", "adapter"]
@@ -24,7 +25,7 @@ def run_cli(*args: str, extra_path: Path | None = None, **env: str) -> subproces
     full_env = {**os.environ, **env}
     if extra_path is not None:
         full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(extra_path), full_env.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, "-m", "nanoplug", "plugins", *args], capture_output=True, text=True,
+    return _processes.run([sys.executable, "-m", "nanoplug", "plugins", *args], capture_output=True, text=True,
                           env=full_env, timeout=120)
 
 
@@ -70,7 +71,7 @@ def test_json_through_python_dash_m():
 def test_console_script_prints_every_kind_with_status_and_source():
     script = shutil.which("nanoplug") or str(Path(sys.executable).parent / "nanoplug")
     assert Path(script).exists(), "the `nanoplug` console script is not installed: pip install -e ."
-    result = subprocess.run([script, "plugins"], capture_output=True, text=True, timeout=120)
+    result = _processes.run([script, "plugins"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert out.startswith("judged for device ")

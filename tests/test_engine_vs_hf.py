@@ -11,13 +11,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from functools import lru_cache
 
 import pytest
 import torch
 
+import _processes
 from _checkpoints import checkpoint, hf_greedy, hf_logits, prompt_ids, relative_error, tokenizer
 from nanoplug import LLM, SamplingParams
 
@@ -188,7 +188,7 @@ def test_triton_kv_store_greedy_equals_transformers(attention):
     options = dict(kv_block_size=BLOCK, attention=attention, num_kv_blocks=9, max_model_len=144,
                    max_num_batched_tokens=20)
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
+    proc = _processes.run(
         [sys.executable, "-c", TRITON_SCRIPT, checkpoint(), json.dumps(prompts), json.dumps(options),
          str(GREEDY.max_tokens)],
         env=env, capture_output=True, text=True, timeout=600,

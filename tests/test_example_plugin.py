@@ -10,13 +10,13 @@ import importlib
 import importlib.metadata
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import _processes
 from nanoplug import LLM, EngineConfig, SamplingParams
 from nanoplug.core.interfaces import Target
 from nanoplug.core.registry import Registry
@@ -26,7 +26,7 @@ DIST = "nanoplug-example-plugin"
 
 
 def pip(*args: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=300)
+    result = _processes.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"pip {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}"
 
 
@@ -76,7 +76,7 @@ def test_availability_and_auto(example_plugin):
 
 
 def test_cli_lists_it_with_its_distribution(example_plugin):
-    result = subprocess.run([sys.executable, "-m", "nanoplug", "plugins", "--json"], capture_output=True, text=True,
+    result = _processes.run([sys.executable, "-m", "nanoplug", "plugins", "--json"], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
     plugins = json.loads(result.stdout)["kinds"]["attention"]["plugins"]

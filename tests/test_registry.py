@@ -25,7 +25,8 @@ def cpu_target():
     return Target(EngineConfig(model="unused", device="cpu"), torch.device("cpu"), torch.float32)
 
 
-def fake_attention_module(module_name: str, plugins: dict[str, type], api_version=PLUGIN_API_VERSION):
+def fake_attention_module(module_name: str, plugins: dict[str, type], api_version=PLUGIN_API_VERSION,
+                          replace: bool = False):
     """A plugin module registering `plugins` ({name: class}) as attention backends."""
     module = types.ModuleType(module_name)
     module.NANOPLUG_API_VERSION = api_version
@@ -33,7 +34,7 @@ def fake_attention_module(module_name: str, plugins: dict[str, type], api_versio
     @hookimpl
     def nanoplug_register_attention(register):
         for name, cls in plugins.items():
-            register.add(name, cls)
+            register.add(name, cls, replace=True) if replace else register.add(name, cls)
 
     module.nanoplug_register_attention = nanoplug_register_attention
     return module
@@ -285,12 +286,13 @@ def test_hook_that_raises_midway_adds_nothing(entry_points):
     assert reg.broken[0].error == "RuntimeError: second backend failed"
 
 
-def test_third_party_may_replace_a_builtin_and_a_later_builtin_import_keeps_it(entry_points, caplog):
+def test_third_party_may_replace_a_builtin_when_it_says_so_and_a_later_builtin_import_keeps_it(entry_points, caplog):
     mine = backend(1, description="my manual")
-    entry_points([FakeEntryPoint("mine", fake_attention_module("mine_mod", {"manual": mine}))])
-    with caplog.at_level(logging.WARNING, logger="nanoplug"):
+    entry_points([FakeEntryPoint("mine", fake_attention_module("mine_mod", {"manual": mine}, replace=True))])
+    with caplog.at_level(logging.INFO, logger="nanoplug"):
         reg = Registry(load_entry_points=True)
-    assert "attention plugin 'manual' from fake-dist 1.2 replaces the one from built-in" in caplog.text
+    assert "attention plugin 'manual' from fake-dist 1.2 replaces the one from built-in (replace=True)" in caplog.text
+    assert reg.broken == [] and reg.entries["attention"]["manual"].source == "fake-dist 1.2"
     import nanoplug.plugins.attention.manual as builtin_manual
 
     reg.add_plugin_module(builtin_manual, "built-in")  # what importing the built-in module does

@@ -58,6 +58,22 @@ def _children() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
+@pytest.fixture(autouse=True)
+def _workers_end_with_their_test():
+    """Workers of an engine a test built and never closed (it failed first) are killed when the test ends.
+
+    Engines of module-scoped fixtures are set up before this fixture (wider scopes first), so they live on."""
+    before = _children()
+    yield
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    for p in left:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(left, timeout=10)
+
+
 def _gone(pids, within: float = 15.0) -> bool:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
@@ -290,36 +306,40 @@ def test_two_engines_at_once_then_a_killed_worker_and_close(ckpt, tp_qwen3):
     _assert_same_outputs(ref, helpers.generate_twice(tp_qwen3))  # the other engine is untouched
 
 
-def _hold_engine(ckpt_path: str):
-    proc = subprocess.Popen([sys.executable, str(HERE / "tensor_parallel_helpers.py"), "hold", ckpt_path],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(HERE))
+def _hold_engine(processes, ckpt_path: str):
+    """A helper process generating on a tp=2 engine; the fixture kills it and its workers whatever happens."""
+    proc = processes.popen([sys.executable, str(HERE / "tensor_parallel_helpers.py"), "hold", ckpt_path],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(HERE))
     line = proc.stdout.readline()
     assert line.startswith("PIDS"), line + proc.stderr.read()
+    pids = [int(p) for p in line.split()[1:]]
+    processes.adopt(pids)  # after the helper dies they are no longer its descendants
     time.sleep(1.0)  # let it get into a step
-    return proc, [int(p) for p in line.split()[1:]]
+    return proc, pids
 
 
-def test_ctrl_c_in_the_caller_stops_the_workers(ckpt):
-    proc, pids = _hold_engine(ckpt["qwen3"])
+def test_ctrl_c_in_the_caller_stops_the_workers(ckpt, processes):
+    """Holds when pytest itself runs with SIGINT ignored (a background job): the helper restores it."""
+    proc, pids = _hold_engine(processes, ckpt["qwen3"])
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert "INTERRUPTED" in out and "KeyboardInterrupt" in err
     assert _gone(pids)
 
 
-def test_workers_exit_when_the_caller_is_killed(ckpt):
-    proc, pids = _hold_engine(ckpt["qwen3"])
+def test_workers_exit_when_the_caller_is_killed(ckpt, processes):
+    proc, pids = _hold_engine(processes, ckpt["qwen3"])
     proc.kill()
     proc.communicate(timeout=30)
     assert _gone(pids, within=15.0)
 
 
 # -------------------------------------------------------------------------------- torchrun
-def test_torchrun_ranks_join_and_match_one_process(ckpt, tmp_path):
+def test_torchrun_ranks_join_and_match_one_process(ckpt, tmp_path, processes):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(HERE / "tensor_parallel_helpers.py"), ckpt["qwen3"], str(tmp_path)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=str(HERE))
+    result = processes.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=str(HERE))
     assert result.returncode == 0, result.stderr[-4000:]
     single = LLM(ckpt["qwen3"], parallel="single", **helpers.ENGINE_OPTIONS)
     reference = helpers.generate_twice(single)

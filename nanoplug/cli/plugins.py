@@ -2,7 +2,8 @@
 
 Availability is judged against a default target (device auto, its dtype, no model) unless --model,
 --device or --dtype say otherwise, so a new user sees at a glance what "auto" would pick and why not
-the others. Broken third-party plugins are listed with their error.
+the others. Broken third-party plugins are listed with their error, and one plugin that misbehaves
+while it is listed is shown as unavailable with the reason: the listing itself always prints.
 """
 from __future__ import annotations
 
@@ -46,19 +47,7 @@ def listing(registry: Registry, target) -> dict[str, Any]:
     """The whole report as plain data: the --json output and the source of the table."""
     kinds: dict[str, Any] = {}
     for kind in KIND_HOOKS:
-        plugins = []
-        for name in registry.by_priority(kind):
-            entry = registry.entries[kind][name]
-            reasons = registry.reasons(kind, name, target)
-            cls = entry.cls
-            plugins.append({
-                "name": name,
-                "source": entry.source,
-                "available": not reasons,
-                "reasons": reasons,
-                "description": getattr(cls, "description", "") if cls is not None else "",
-                "priority": getattr(cls, "priority", None) if cls is not None else None,
-            })
+        plugins = [_describe(registry, kind, name, target) for name in registry.by_priority(kind)]
         if kind == "model":  # the engine picks the model plugin by the checkpoint's architecture
             arch = target.model.architecture if target.model else None
             auto = next((p["name"] for p in plugins if p["available"] and p["name"] == arch), None)
@@ -77,6 +66,24 @@ def listing(registry: Registry, target) -> dict[str, Any]:
         "kinds": kinds,
         "broken": [{"name": b.name, "source": b.source, "error": b.error} for b in registry.broken],
     }
+
+
+def _describe(registry: Registry, kind: str, name: str, target) -> dict[str, Any]:
+    """One plugin's row; the registry checked its attributes at registration, and anything that still
+    raises here becomes its reason rather than ending the listing."""
+    entry = registry.entries[kind][name]
+    row = {"name": name, "source": entry.source, "available": False, "reasons": [], "description": "", "priority": None}
+    try:
+        reasons = [str(r) for r in registry.reasons(kind, name, target)]
+        cls = entry.cls
+        description = getattr(cls, "description", "") if cls is not None else ""
+        priority = getattr(cls, "priority", None) if cls is not None else None
+    except Exception as exc:
+        row["reasons"] = [f"listing it raised {type(exc).__name__}: {exc}"]
+        return row
+    row.update(available=not reasons, reasons=reasons, description=str(description),
+               priority=priority if isinstance(priority, int) and not isinstance(priority, bool) else None)
+    return row
 
 
 def format_table(data: dict[str, Any]) -> str:
@@ -105,5 +112,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"nanoplug plugins: error: {exc}", file=sys.stderr)
         return 2
     data = listing(Registry(), target)
-    print(json.dumps(data, indent=2) if args.json else format_table(data))
+    print(json.dumps(data, indent=2, default=str) if args.json else format_table(data))
     return 0

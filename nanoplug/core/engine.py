@@ -7,6 +7,7 @@ tokens and check stops.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence as Seq
@@ -14,17 +15,21 @@ from typing import Any, Iterator, Sequence as Seq
 import torch
 
 from nanoplug.core.blocks import BlockManager
+from nanoplug.core.chat_template import chat_token_ids
 from nanoplug.core.config import EngineConfig, SamplingParams
+from nanoplug.core.context_length import checked_max_model_len
 from nanoplug.core.detokenizer import IncrementalDetokenizer
-from nanoplug.core.errors import ModelLoadError, RequestError
+from nanoplug.core.errors import EngineClosedError, ModelLoadError, RequestError
 from nanoplug.core.interfaces import ModelFacts, Target
 from nanoplug.core.loader import checkpoint_dir, load_hf_config
 from nanoplug.core.model_source import resolve_model_path
 from nanoplug.core.registry import Registry, Resolution, default_registry
+from nanoplug.core.request_input import params_list, prompt_list, token_ids
 from nanoplug.core.runner import ModelRunner, PluginClasses, StepBatch
 from nanoplug.core.sampler import SamplingBatch
 from nanoplug.core.scheduler import Scheduled, Scheduler
 from nanoplug.core.sequence import PENDING, Sequence, Status
+from nanoplug.core.tokenizer import load_tokenizer
 
 log = logging.getLogger("nanoplug")
 NOTHING_TO_RUN = "the scheduler found nothing to run although requests wait; the KV cache is too small"
@@ -76,16 +81,23 @@ def resolve_dtype(name: str, device: torch.device, hf_config: Any) -> torch.dtyp
 class LLM:
     """An inference engine for one checkpoint: `LLM(path, attention="sdpa", kv_cache="torch", ...)`."""
 
-    def __init__(self, model: str, registry: Registry | None = None, **options: Any):
+    executor = None  # set once the workers start; None again after close()
+
+    def __init__(self, model: str | os.PathLike, registry: Registry | None = None, **options: Any):
         unknown = sorted(set(options) - set(EngineConfig.model_fields))
         if unknown:
             raise TypeError(
                 f"unknown option(s) {', '.join(map(repr, unknown))} for LLM; valid options: "
                 + ", ".join(sorted(f for f in EngineConfig.model_fields if f != "model"))
             )
+        if not isinstance(model, (str, os.PathLike)):
+            raise TypeError(f"model is a {type(model).__name__}; give a checkpoint folder (a str or pathlib.Path) "
+                            "or a Hugging Face model id")
         config = EngineConfig(model=resolve_model_path(model), **options)
         self.registry = registry or default_registry()
         self.hf_config = load_hf_config(config.model)
+        config.max_model_len = checked_max_model_len(config.max_model_len, "max_model_len" in options, self.hf_config,
+                                                     str(checkpoint_dir(config.model) / "config.json"))
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
         self.config = config
@@ -164,15 +176,10 @@ class LLM:
         return lines
 
     def _load_tokenizer(self):
-        from transformers import AutoTokenizer
-
-        try:
-            return AutoTokenizer.from_pretrained(str(checkpoint_dir(self.config.model)))
-        except Exception as exc:
-            raise ModelLoadError(
-                f"no usable tokenizer in {self.config.model!r} ({type(exc).__name__}: {exc}); "
-                "save one there with tokenizer.save_pretrained(folder)"
-            ) from exc
+        """The checkpoint's tokenizer; None with skip_tokenizer_init (token-id prompts, outputs without text)."""
+        if self.config.skip_tokenizer_init:
+            return None
+        return load_tokenizer(checkpoint_dir(self.config.model))
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -182,7 +189,7 @@ class LLM:
             eos = GenerationConfig.from_pretrained(self.config.model).eos_token_id
         except Exception:
             eos = getattr(self.hf_config, "eos_token_id", None)
-        for value in (eos, self.tokenizer.eos_token_id):
+        for value in (eos, getattr(self.tokenizer, "eos_token_id", None)):
             if isinstance(value, int):
                 ids.add(value)
             elif value:
@@ -190,23 +197,26 @@ class LLM:
         return ids
 
     # ---------------------------------------------------------------------------- requests
-    def _tokenize(self, index: int, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return [int(t) for t in prompt]
-        raise RequestError(f"prompt {index} is a {type(prompt).__name__}; give a string or a list of token ids (ints)")
+    def _check_open(self) -> None:
+        if self.executor is None:
+            raise EngineClosedError("this LLM was closed; create a new one: LLM(model, ...)")
 
-    def _make_sequences(self, prompts: Seq[str | list[int]], params: Any) -> list[Sequence]:
-        """Tokenize and check every prompt before any is queued: bad input never costs others their work."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # one prompt, not a list of them
-        if params is None:
-            params = SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise RequestError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt")
+    def _tokenize(self, index: int, prompt: Any) -> list[int]:
+        ids = token_ids(index, prompt)
+        if ids is not None:
+            return ids
+        if self.tokenizer is None:
+            raise RequestError(f"prompt {index} is text, but this LLM has no tokenizer (skip_tokenizer_init=True); "
+                               "give token ids, or create the LLM without skip_tokenizer_init")
+        return self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
+
+    def _make_sequences(self, prompts: Any, params: Any, single: bool = False) -> list[Sequence]:
+        """Tokenize and check every prompt before any is queued: bad input never costs others their work.
+
+        `single`: `prompts` is one prompt (stream's), whatever it looks like."""
+        self._check_open()
+        prompts = [prompts] if single else prompt_list(prompts)
+        params = params_list(params, len(prompts))
         vocab = self.facts.vocab_size
         limit = self.config.max_model_len
         seqs = []
@@ -232,6 +242,9 @@ class LLM:
 
     def _check_params(self, index: int, params: SamplingParams) -> None:
         """Hook for request options that depend on the engine (e.g. per-request adapters)."""
+        if params.stop and self.tokenizer is None:
+            raise RequestError(f"prompt {index} has stop strings, but this LLM has no tokenizer "
+                               "(skip_tokenizer_init=True) to read text; use stop_token_ids")
         if params.adapter is not None and params.adapter not in self.request_adapter_ids:
             loaded = ", ".join(map(repr, self.request_adapter_ids)) or "none"
             raise RequestError(
@@ -283,6 +296,7 @@ class LLM:
         the one launched before it, so the device never waits for the host's bookkeeping. A
         sequence's newest token is then a placeholder that the device fills in; when that token
         ends the sequence (EOS, a stop string), the one step it ran ahead is thrown away."""
+        self._check_open()
         if not self.overlap:
             batch, is_prefill = self.scheduler.schedule()
             if not batch:
@@ -367,6 +381,8 @@ class LLM:
             self.scheduler.finish(seq)
 
     def _text(self, seq: Sequence) -> str:
+        if self.tokenizer is None:
+            return ""
         if seq.detok is not None and seq.params.stop:
             return seq.detok.text
         ids = seq.completion_token_ids
@@ -385,7 +401,11 @@ class LLM:
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt, batched continuously; one output per prompt, in order."""
+        """Generate for every prompt, batched continuously; one output per prompt, in order.
+
+        A prompt is a string or token ids (ints, numpy/torch integers, a 1-d integer array); sampling_params
+        is one SamplingParams (or dict of its fields) for all, one per prompt, or None for the defaults.
+        Anything else is a RequestError that says what to pass (core/request_input.py)."""
         seqs = self._make_sequences(prompts, sampling_params)
         for seq in seqs:
             self.scheduler.add(seq)
@@ -412,8 +432,8 @@ class LLM:
 
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Yield the text and token ids each step adds to one request, the last delta marked finished."""
-        (seq,) = self._make_sequences([prompt], sampling_params)
-        if seq.detok is None:
+        (seq,) = self._make_sequences(prompt, sampling_params, single=True)
+        if seq.detok is None and self.tokenizer is not None:
             seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, [])
         self.scheduler.add(seq)
         sent = 0
@@ -425,7 +445,8 @@ class LLM:
                 tokens = seq.completion_token_ids[sent:]
                 if tokens or finished:
                     sent += len(tokens)
-                    yield StreamDelta(seq.detok.take(final=finished), tokens, finished, seq.finish_reason)
+                    text = seq.detok.take(final=finished) if seq.detok is not None else ""
+                    yield StreamDelta(text, tokens, finished, seq.finish_reason)
                 if finished:
                     self._drain()
                     return
@@ -439,17 +460,20 @@ class LLM:
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Apply the checkpoint's chat template to one conversation (or a list of them) and generate."""
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        self._check_open()
+        conversations = messages if messages and isinstance(messages[0], (list, tuple)) else [messages]
         prompts = [self.chat_prompt_ids(c) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """The conversation through the checkpoint's chat template, as token ids. Text inside the messages
+        never becomes a special token (see core/chat_template.py); the template's own tokens do."""
+        if self.tokenizer is None:
+            raise RequestError("chat needs the checkpoint's tokenizer and chat template, but this LLM was created "
+                               "with skip_tokenizer_init=True; give generate() token ids instead")
         if not getattr(self.tokenizer, "chat_template", None):
             raise RequestError(f"the tokenizer of {self.config.model!r} has no chat template; use generate() with plain text")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return chat_token_ids(self.tokenizer, messages)
 
     def close(self) -> None:
         executor = getattr(self, "executor", None)

@@ -27,3 +27,15 @@ class ModelLoadError(NanoplugError, OSError):
 
 class AdapterError(NanoplugError, ValueError):
     """A weight adapter that does not fit the model, or of a type the chosen adapter plugin cannot apply."""
+
+
+class WeightShapeError(ModelLoadError):
+    """A checkpoint tensor whose shape is not the one the model built from config.json expects."""
+
+
+class ConfigError(NanoplugError, ValueError):
+    """A setting that does not fit this model (e.g. max_model_len past its context length)."""
+
+
+class EngineClosedError(NanoplugError, RuntimeError):
+    """A request to an LLM after close()."""

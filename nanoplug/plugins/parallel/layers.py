@@ -3,6 +3,8 @@
 Model plugins build their layers through `Layers(group)`, so `single` and `tensor` swap by name.
 Each parameter carries a `weight_loader(param, tensor, shard_id=None)` that takes the full
 checkpoint tensor and keeps this rank's shard, packing q/k/v and gate/up where the model fuses them.
+Every loader checks the full tensor's shape before it narrows or copies (core/loader.py's
+check_shape), so a checkpoint that does not fit the config is an error, never a silent cut or broadcast.
 """
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoplug.core.errors import ModelLoadError
 from nanoplug.core.interfaces import ProcessGroup
+from nanoplug.core.loader import check_shape, copy_weight
 from nanoplug.core.packed_linear import linear
 
 
@@ -21,7 +25,7 @@ def _divide(n: int, d: int, what: str) -> int:
 
 
 def _plain_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
-    param.data.copy_(tensor)
+    copy_weight(param.data, tensor)
 
 
 class LinearBase(nn.Module):
@@ -39,13 +43,18 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def _shard(self, param: nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the full `tensor`, whose shape must be this rank's times the world size."""
         if self.tp_dim is None or self.group.world_size == 1:
+            check_shape(tensor, param.shape)
             return tensor
-        size = param.data.shape[self.tp_dim]
+        full = list(param.shape)
+        full[self.tp_dim] *= self.group.world_size
+        check_shape(tensor, full, f"split over {self.group.world_size} ranks along dim {self.tp_dim}")
+        size = param.shape[self.tp_dim]
         return tensor.narrow(self.tp_dim, self.group.rank * size, size)
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
-        param.data.copy_(self._shard(param, tensor))
+        copy_weight(param.data, self._shard(param, tensor))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed)
@@ -62,6 +71,17 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, group, in_features, out_features, bias=False):
         super().__init__(group, in_features, _divide(out_features, group.world_size, "output features"), bias, 0)
 
+    def _load_fused(self, param, tensor) -> None:
+        """A tensor already fused in the checkpoint (qkv_proj, gate_up_proj): whole on one rank only,
+        since each rank's slice must take rows from every part."""
+        if self.group.world_size > 1:
+            raise ModelLoadError(
+                f"an already fused {type(self).__name__} tensor cannot be split over {self.group.world_size} ranks "
+                "(each rank needs rows of every part); save the checkpoint with its parts unfused (q/k/v_proj, "
+                "gate/up_proj) or run it on one device"
+            )
+        ColumnParallelLinear.weight_loader(self, param, tensor)
+
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections fused into one matmul (gate and up)."""
@@ -74,12 +94,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param, tensor, shard_id=None) -> None:
         if shard_id is None:
-            return super().weight_loader(param, tensor)
+            return self._load_fused(param, tensor)
         ws = self.group.world_size
         offset = sum(self.output_sizes[:shard_id]) // ws
         size = self.output_sizes[shard_id] // ws
-        dst = param.data.narrow(0, offset, size)
-        dst.copy_(tensor.narrow(0, self.group.rank * size, size))
+        check_shape(tensor, [self.output_sizes[shard_id], *param.shape[1:]],
+                    f"part {shard_id} of the {len(self.output_sizes)} fused projections")
+        copy_weight(param.data.narrow(0, offset, size), tensor.narrow(0, self.group.rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -95,10 +116,13 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param, tensor, shard_id=None) -> None:
         if shard_id is None:
-            return super().weight_loader(param, tensor)
+            return self._load_fused(param, tensor)
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
-        param.data.narrow(0, offset, size).copy_(tensor.narrow(0, self.group.rank * size, size))
+        ws, heads = self.group.world_size, "num_attention_heads" if shard_id == "q" else "num_key_value_heads"
+        check_shape(tensor, [size * ws, *param.shape[1:]],
+                    f"{heads} {size * ws // self.head_dim} x head_dim {self.head_dim} rows")
+        copy_weight(param.data.narrow(0, offset, size), tensor.narrow(0, self.group.rank * size, size))
 
 
 class RowParallelLinear(LinearBase):
@@ -109,7 +133,7 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param, tensor, shard_id=None) -> None:
         if param.dim() == 1:  # the bias is added once, after the reduction
-            param.data.copy_(tensor)
+            copy_weight(param.data, tensor)
         else:
             super().weight_loader(param, tensor)
 
@@ -131,9 +155,10 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param, tensor, shard_id=None) -> None:
+        check_shape(tensor, [self.vocab_size, param.shape[1]], "vocab_size x hidden_size of config.json")
         rows = tensor[self.start:self.start + self.per_rank]
         param.data.zero_()
-        param.data[: rows.shape[0]].copy_(rows)
+        copy_weight(param.data[: rows.shape[0]], rows)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.group.world_size == 1:
