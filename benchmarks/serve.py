@@ -34,6 +34,9 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's nanoplug, not an installed one
 
 ENGINE_FLAGS = ("device", "dtype", "attention", "kv_cache", "max_model_len", "max_num_seqs", "num_kv_blocks",
                 "kv_block_size", "cpu_kv_cache_gb")

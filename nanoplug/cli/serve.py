@@ -40,6 +40,10 @@ def engine_config(args: argparse.Namespace):
     from nanoplug.core.config import EngineConfig
     from nanoplug.core.model_source import resolve_model_path
 
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise OptionError(f"--device {args.device}: torch sees no CUDA GPU here; use --device cpu (or auto)")
     options = dict(attention=args.attention, kv_cache=args.kv_cache, device=args.device, dtype=args.dtype,
                    max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, kv_block_size=args.kv_block_size,
@@ -48,6 +52,7 @@ def engine_config(args: argparse.Namespace):
                    enforce_eager=args.enforce_eager, seed=args.seed)
     if args.tensor_parallel_size > 1:
         options["parallel"] = "tensor"
+    options = {k: v for k, v in options.items() if v is not None}  # unset: the engine's own default
     try:
         return EngineConfig(model=resolve_model_path(model_path(args)), **options)
     except ValidationError as exc:

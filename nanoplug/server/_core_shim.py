@@ -58,7 +58,7 @@ class EngineCore:
     """TEMPORARY adapter; see the module docstring."""
 
     def __init__(self, config: EngineConfig, registry: Registry | None = None):
-        options = config.model_dump(exclude={"model"})
+        options = config.model_dump(exclude={"model"}, exclude_unset=True)  # defaults stay defaults (max_model_len)
         self._llm = LLM(config.model, registry, **options)
         self._llm.overlap = False  # one step in, its tokens out: what EngineCore.step promises
         self.config, self.facts = self._llm.config, self._llm.facts

@@ -182,7 +182,7 @@ class EngineProcess:
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
         self._closing = False
-        parent.sendall(frame(Start(config.model_dump(mode="json"))))
+        parent.sendall(frame(Start(config.model_dump(mode="json", exclude_unset=True))))
         parent.settimeout(startup_timeout)
         first = recv_message(parent)
         parent.settimeout(None)
