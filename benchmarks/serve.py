@@ -183,6 +183,21 @@ class Server:
             self.stop()
             raise RuntimeError("the server did not start:\n" + "".join(self.log))
 
+    def cpu_seconds(self) -> tuple[float, float]:
+        """(front end, engine) CPU seconds so far. One process: the front end is the main thread (uvicorn's
+        event loop), the engine every other thread (the stepping thread, torch's workers, tokenizing);
+        --engine-process: the server process, and the engine process."""
+        import psutil
+
+        server = psutil.Process(self.proc.pid)
+        children = server.children()
+        if children:
+            t, c = server.cpu_times(), children[0].cpu_times()
+            return t.user + t.system, c.user + c.system
+        threads = server.threads()
+        front = sum(t.user_time + t.system_time for t in threads if t.id == server.pid)
+        return front, sum(t.user_time + t.system_time for t in threads if t.id != server.pid)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -259,13 +274,21 @@ def main() -> int:
     try:
         for c in args.concurrency:
             n = max(c, args.min_requests)
+            cpu_before = server.cpu_seconds() if server else None
             level = run_level(url, args.api_key, served, c, prompts[:n], params[:n], args.client_processes)
+            if server:
+                front, engine = (after - before for after, before in zip(server.cpu_seconds(), cpu_before))
+                tokens = max(level["output_tokens"], 1)
+                level.update(front_end_cpu_s=front, engine_cpu_s=engine,
+                             front_end_cpu_us_per_token=1e6 * front / tokens, engine_cpu_us_per_token=1e6 * engine / tokens)
             levels.append(level)
             print(f"concurrency {c:>4}: {level['requests']} requests ({level['failed']} failed) in {level['seconds']:.1f} s, "
                   f"{level['requests_per_s']:.2f} req/s, {level['output_tok_per_s']:,.0f} output tok/s, "
                   f"TTFT p50 {level['ttft_p50_ms']:.0f} / p99 {level['ttft_p99_ms']:.0f} ms, "
                   f"TPOT p50 {level['tpot_p50_ms']:.1f} / p99 {level['tpot_p99_ms']:.1f} ms, "
                   f"ITL p50 {level['itl_p50_ms']:.1f} / p99 {level['itl_p99_ms']:.1f} ms"
+                  + (f"; server CPU per output token: front end {level['front_end_cpu_us_per_token']:.0f} us, "
+                     f"engine {level['engine_cpu_us_per_token']:.0f} us" if server else "")
                   + (f"; errors: {level['errors']}" if level["failed"] else ""), flush=True)
     finally:
         if server is not None:
