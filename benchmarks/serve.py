@@ -13,7 +13,7 @@ client reads slower than the engine steps, so ITL is per event, as vLLM's benchm
     python benchmarks/serve.py                                  # CPU: the embedded default model
     python benchmarks/serve.py --model qwen3-0.6b-random --concurrency 1 16 64 256 \\
         --max-input-len 1024 --max-output-len 1024 --attention flash --kv-cache triton    # the H200 run
-    python benchmarks/serve.py --engine-process ...             # engine core in its own process
+    python benchmarks/serve.py --single-process ...             # engine core in a thread of the server
     python benchmarks/serve.py --url http://127.0.0.1:8000 --model NAME   # a server already running
 
 Without --url it starts `nanoplug serve` itself on a free port (and stops it), then runs the offline
@@ -159,8 +159,8 @@ class Server:
             value = getattr(args, name)
             if value is not None:
                 cmd += [f"--{name.replace('_', '-')}", str(value)]
-        if args.engine_process:
-            cmd.append("--engine-process")
+        if args.single_process:
+            cmd.append("--single-process")
         if args.enforce_eager:
             cmd.append("--enforce-eager")
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -184,9 +184,9 @@ class Server:
             raise RuntimeError("the server did not start:\n" + "".join(self.log))
 
     def cpu_seconds(self) -> tuple[float, float]:
-        """(front end, engine) CPU seconds so far. One process: the front end is the main thread (uvicorn's
-        event loop), the engine every other thread (the stepping thread, torch's workers, tokenizing);
-        --engine-process: the server process, and the engine process."""
+        """(front end, engine) CPU seconds so far: the server process and its engine process; with
+        --single-process, the main thread (uvicorn's event loop) and every other thread (the stepping
+        thread, torch's workers, tokenizing)."""
         import psutil
 
         server = psutil.Process(self.proc.pid)
@@ -251,7 +251,7 @@ def main() -> int:
                     help="override the workload's 0.6 (0: greedy; on CPU the sampler's noise can dominate a tiny model's step)")
     ap.add_argument("--client-processes", type=int, default=1,
                     help="spread the clients over this many processes (use several at high concurrency on a GPU)")
-    ap.add_argument("--engine-process", action="store_true", help="start the server with --engine-process")
+    ap.add_argument("--single-process", action="store_true", help="start the server with --single-process")
     ap.add_argument("--no-offline", action="store_true", help="skip the offline figure")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     for name in ENGINE_FLAGS:
@@ -294,7 +294,7 @@ def main() -> int:
         if server is not None:
             server.stop()
     report = {"model": served, "machine": f"{platform.machine()} {os.cpu_count()} cores", "levels": levels,
-              "engine_process": args.engine_process, "workload": vars(args)}
+              "single_process": args.single_process, "workload": vars(args)}
     if not args.no_offline and not args.url:
         n = max(args.concurrency[-1], args.min_requests)
         report["offline"] = off = offline(args, model, prompts[:n], params[:n])

@@ -332,7 +332,12 @@ def test_full_queue_is_503_with_retry_after(request):
 # ----------------------------------------------------------------------------------- shutdown
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_signal_ends_open_streams_with_an_error_and_exits(request, sig):
-    assert_signal_ends_streams(start_server(request), sig)
+    import psutil
+
+    server = start_server(request)
+    (engine,) = psutil.Process(server.pid).children()  # the engine core's own process
+    assert_signal_ends_streams(server, sig)
+    engine.wait(timeout=20)  # raises if the engine process outlives the server
 
 
 def assert_signal_ends_streams(doomed, sig: str) -> None:

@@ -18,8 +18,8 @@ def add_parser(sub) -> None:
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model as given)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests queued beyond --max-num-seqs before new ones get 503 + Retry-After (default: 1024)")
-    p.add_argument("--engine-process", action="store_true",
-                   help="run the engine core in its own process (msgpack over a socket pair) instead of a thread")
+    p.add_argument("--single-process", action="store_true",
+                   help="step the engine core in a thread of the server's process (default: a process of its own)")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     add_engine_options(p)
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests in one batch at most (default: 256)")
@@ -75,10 +75,10 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config(args)
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     settings = ServerSettings(model_name=name, api_key=args.api_key or None, max_waiting=args.max_waiting)
-    if args.engine_process:
-        from nanoplug.server.engine_process import EngineProcess as Engine
-    else:
+    if args.single_process:
         from nanoplug.server.engine_loop import EngineLoop as Engine
+    else:
+        from nanoplug.server.engine_process import EngineProcess as Engine
     engine = Engine(config)
     serve(engine, settings, host=args.host, port=args.port, access_log=args.access_log,
           log_level="info" if args.verbose else "warning")

@@ -5,7 +5,8 @@ api.py       /v1/completions and /v1/chat/completions: JSON bodies and SSE strea
 protocol.py  the request bodies (pydantic)     sampling.py  request -> SamplingParams, or a 400
 prepare.py   chat template, tokenizing and context checks, beside the event loop
 streams.py   one request's updates, coalesced per read     render.py    response bodies and chunks
-engine_loop.py  the engine stepping in a thread of this process (the default)
-engine_process.py  the engine in a process of its own (--engine-process), msgpack over a socket pair
+engine_process.py  the engine core in a process of its own (the default), msgpack over a socket pair
+engine_loop.py  the engine core stepping in a thread of this process (--single-process)
+stepper.py   the thread that steps an engine core, in either layout
 metrics.py   Prometheus metrics    runner.py  uvicorn on our own socket, clean shutdown on signals
 """

@@ -1,10 +1,9 @@
-"""The engine core stepping in a thread of the server's own process, fed by the asyncio handlers.
+"""The engine core stepping in a thread of the server's own process (`nanoplug serve --single-process`).
 
-This is the default layout; `engine_process.py` is the other (the engine in a process of its own).
-Why one process (measured in benchmarks/RESULTS.md, "serve: one process or two"): the engine's step
-is torch work that releases the GIL in its kernels, and the front end's share per step is small
-once a whole step's updates cross threads in one `call_soon_threadsafe` and each stream merges what
-piled up into one SSE event; the split adds encoding every update and a socket hop.
+The default is the engine in a process of its own (engine_process.py, which says why). This layout
+saves a process and a socket hop and suits a small machine or debugging; its cost is that the HTTP
+front end and the engine's host-side work take turns on one GIL. A whole step's updates cross to
+the event loop in one `call_soon_threadsafe`, and each stream merges what piled up into one event.
 
 Threads: the Stepper's thread is the only caller of `step()`; handlers call the thread-safe
 `add_request`/`abort` and wait on their `RequestStream`s. Request preparation (tokenizing, the chat

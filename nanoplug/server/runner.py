@@ -47,7 +47,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve(engine, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000, access_log: bool = False,
           log_level: str = "warning") -> None:
-    """Serve until a signal; `engine` is loaded already (EngineLoop or EngineProcess)."""
+    """Serve until a signal; `engine` is loaded already (EngineProcess, or EngineLoop with --single-process)."""
     sock = bind(host, port)
     shown_host = f"[{host}]" if ":" in host else host
     url = f"http://{shown_host}:{sock.getsockname()[1]}"
