@@ -253,6 +253,8 @@ def main() -> int:
                     help="spread the clients over this many processes (use several at high concurrency on a GPU)")
     ap.add_argument("--single-process", action="store_true", help="start the server with --single-process")
     ap.add_argument("--no-offline", action="store_true", help="skip the offline figure")
+    ap.add_argument("--offline-only", type=int, default=None, metavar="N",
+                    help="only the offline figure, for the first N requests of the same workload")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     for name in ENGINE_FLAGS:
         ap.add_argument(f"--{name.replace('_', '-')}", default=None,
@@ -267,6 +269,11 @@ def main() -> int:
     if args.temperature is not None:
         params = [p.model_copy(update={"temperature": args.temperature}) for p in params]
     model = args.model if args.url else resolve_model(args.model)
+    if args.offline_only:
+        off = offline(args, model, prompts[:args.offline_only], params[:args.offline_only])
+        print(f"offline (nanoplug bench, {off['requests']} requests): {off['output_tok_per_s']:,.1f} output tok/s "
+              f"in {off['seconds']:.1f} s", flush=True)
+        return 0
     server = None if args.url else Server(args, model)
     url = args.url or server.url
     served = args.model if args.url else model

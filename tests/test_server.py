@@ -368,3 +368,15 @@ def assert_signal_ends_streams(doomed, sig: str) -> None:
     doomed.proc.wait(timeout=20)
     assert time.monotonic() - t < 20
     assert "Traceback" not in doomed.output, doomed.output
+
+
+# ---------------------------------------------------------------------------------- the command
+def test_serve_refuses_bad_options_in_one_line(capsys):
+    from nanoplug.cli import main
+
+    for args, words in ((["--port", "70000"], "--port 70000"), (["--max-waiting", "-1"], "--max-waiting"),
+                        (["--model", checkpoint("qwen3"), "--max-num-seqs", "0"], "--max-num-seqs")):
+        capsys.readouterr()
+        assert main(["serve", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("nanoplug: error: ") and words in err and err.count("\n") == 1, err

@@ -252,7 +252,13 @@ class EngineProcess:
         future = self._pending[token] = asyncio.get_running_loop().create_future()
         wire = [(Prompt.of(prompt), [(rid, params.model_dump(mode="json")) for rid, params in choices]) for prompt, choices in items]
         self._send(Add(token, wire, fill_context))
-        answer = await future
+        try:
+            answer = await future
+        except asyncio.CancelledError:  # the client left before the engine accepted: take the requests back
+            self._pending.pop(token, None)
+            for stream in streams:
+                self.abort(stream.request_id)
+            raise
         if isinstance(answer, Rejected):
             for stream in streams:
                 self.streams.forget(stream.request_id)
@@ -331,6 +337,10 @@ def main(fd: int) -> int:
         stepper.wake()
         send(Accepted(message.token))
 
+    def abort(request_id: str) -> None:
+        core.abort(request_id)
+        stepper.wake()
+
     try:
         while True:
             message = recv_message(sock)
@@ -338,9 +348,8 @@ def main(fd: int) -> int:
                 break
             if isinstance(message, Add):
                 prepare.submit(add, message)
-            elif isinstance(message, Abort):
-                core.abort(message.request_id)
-                stepper.wake()
+            elif isinstance(message, Abort):  # through the same queue, so it never overtakes its request's Add
+                prepare.submit(abort, message.request_id)
     finally:
         stepper.stop()
         prepare.shutdown(wait=False, cancel_futures=True)
