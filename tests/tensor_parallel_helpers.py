@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 from nanoplug import hookimpl
-from nanoplug.core.interfaces import PLUGIN_API_VERSION
+from nanoplug.api import PLUGIN_API_VERSION
 from nanoplug.plugins.models.qwen3 import Qwen3ForCausalLM
 
 FAIL_TOKEN = 4242  # a prompt holding this token id makes rank 1 fail in that step
@@ -101,7 +101,7 @@ def hold_engine(checkpoint: str) -> None:
     from nanoplug import LLM, SamplingParams
 
     llm = LLM(checkpoint, parallel="tensor", tensor_parallel_size=2, **ENGINE_OPTIONS)
-    print("PIDS", *llm.executor.worker_pids, flush=True)
+    print("PIDS", *llm.engine.worker.worker_pids, flush=True)
     try:
         while True:
             llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)

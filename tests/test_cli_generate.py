@@ -14,7 +14,7 @@ import pytest
 
 import _processes
 from _checkpoints import checkpoint
-from nanoplug import cpu_kernels
+from nanoplug.plugins.platforms.cpu import kernels as cpu_kernels
 from nanoplug.cli import main
 from nanoplug.core.errors import ModelLoadError
 
@@ -103,7 +103,7 @@ def test_sampling_options_and_seed(capsys):
 
 
 def test_chat_loop_keeps_history_and_resets(capsys, monkeypatch, smollm2_dir):
-    from nanoplug.core.engine import LLM
+    from nanoplug.core.llm import LLM
 
     seen: list[list[dict]] = []
     original = LLM.chat_prompt_ids
@@ -163,7 +163,7 @@ def test_invalid_utf8_in_argv_is_one_line_in_a_real_process():
 
 
 def test_chat_text_never_becomes_a_control_token_in_the_cli(capsys, monkeypatch):
-    from nanoplug.core.engine import LLM
+    from nanoplug.core.llm import LLM
 
     seen: list[list[int]] = []
     original = LLM.chat_prompt_ids

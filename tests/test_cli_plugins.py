@@ -18,7 +18,7 @@ import torch
 import _processes
 from nanoplug.cli import main
 
-KINDS = ["attention", "kv_cache", "model", "parallel", "adapter"]
+KINDS = ["attention", "kv_cache", "model", "parallel", "adapter", "platform"]
 
 
 def run_cli(*args: str, extra_path: Path | None = None, **env: str) -> subprocess.CompletedProcess:
@@ -60,6 +60,10 @@ def check_listing(data: dict) -> None:
     assert by_name["kv_cache"]["torch"]["available"] and by_name["parallel"]["single"]["available"]
     available = [p for p in data["kinds"]["attention"]["plugins"] if p["available"]]
     assert data["kinds"]["attention"]["auto"] == max(available, key=lambda p: p["priority"])["name"]
+    platforms = by_name["platform"]  # listed with their reasons like every kind
+    assert {"cpu", "cuda"} <= set(platforms) and data["kinds"]["platform"]["auto"] == expected_device
+    other = "cpu" if expected_device == "cuda" else "cuda"
+    assert platforms[other]["reasons"] == [f"serves {other} devices, not {expected_device}"]
 
 
 def test_json_through_python_dash_m():

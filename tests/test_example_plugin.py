@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import _processes
-from nanoplug import LLM, EngineConfig, SamplingParams
-from nanoplug.core.interfaces import Target
+from nanoplug import LLM, SamplingParams
+from nanoplug.api import Target
 from nanoplug.core.registry import Registry
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "nanoplug-example-plugin"
@@ -61,18 +61,18 @@ def test_entry_point_discovery(example_plugin):
     cls = reg.get("attention", "chunked")
     assert cls.__module__ == "nanoplug_example_plugin.chunked"
     assert EXAMPLE not in Path(sys.modules[cls.__module__].__file__).parents  # the installed copy, not the source
-    from nanoplug.core.interfaces import AttentionBackend
+    from nanoplug.api import AttentionBackend
 
     assert issubclass(cls, AttentionBackend) and cls.description
 
 
 def test_availability_and_auto(example_plugin):
     reg = Registry(load_entry_points=True)
-    config = EngineConfig(model="unused", device="cpu")
-    assert reg.reasons("attention", "chunked", Target(config, torch.device("cpu"), torch.float32)) == []
-    reasons = reg.reasons("attention", "chunked", Target(config, torch.device("cpu"), torch.float64))
+    cpu = torch.device("cpu")
+    assert reg.reasons("attention", "chunked", Target(device=cpu, dtype=torch.float32)) == []
+    reasons = reg.reasons("attention", "chunked", Target(device=cpu, dtype=torch.float64))
     assert reasons == ["dtype torch.float64 unsupported; use float32, float16 or bfloat16"]
-    assert reg.resolve("attention", "auto", Target(config, torch.device("cpu"), torch.float32)).name != "chunked"
+    assert reg.resolve("attention", "auto", Target(device=cpu, dtype=torch.float32)).name != "chunked"
 
 
 def test_cli_lists_it_with_its_distribution(example_plugin):

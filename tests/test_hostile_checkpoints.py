@@ -181,7 +181,7 @@ class _Rank:
         return x
 
     def layers(self):
-        from nanoplug.plugins.parallel.layers import Layers
+        from nanoplug.api import Layers
 
         return Layers(self)
 

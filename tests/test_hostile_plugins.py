@@ -21,7 +21,7 @@ from _checkpoints import checkpoint
 from nanoplug import LLM, EngineConfig, SamplingParams, hookimpl
 from nanoplug.cli.plugins import listing
 from nanoplug.core.errors import PluginLoadError
-from nanoplug.core.interfaces import PLUGIN_API_VERSION, AttentionBackend, ModelArchitecture, Target
+from nanoplug.api import PLUGIN_API_VERSION, AttentionBackend, ModelArchitecture, Target
 from nanoplug.core.registry import Registry
 from nanoplug.plugins.attention.manual import ManualAttention
 from nanoplug.plugins.cache.torch import TorchStore
@@ -30,7 +30,7 @@ from nanoplug.plugins.models.qwen3 import Qwen3ForCausalLM
 
 @pytest.fixture
 def cpu_target():
-    return Target(EngineConfig(model="unused", device="cpu"), torch.device("cpu"), torch.float32)
+    return Target(device=torch.device("cpu"), dtype=torch.float32)
 
 
 def plugin_module(module_name: str, plugins: dict[str, object], kind: str = "attention", **add_options):
@@ -96,9 +96,9 @@ MALFORMED = {
     "unavailable_method": ("attention", backend(unavailable=_plain_unavailable), "unavailable must be a classmethod"),
     "unavailable_list": ("attention", backend(unavailable=["needs CUDA"]), "unavailable must be a classmethod"),
     "graphs_str": ("attention", backend(supports_cuda_graphs="yes"), "supports_cuda_graphs must be True or False"),
-    "wrong_base": ("attention", TorchStore, "TorchStore is not a subclass of nanoplug.core.interfaces.AttentionBackend"),
+    "wrong_base": ("attention", TorchStore, "TorchStore is not a subclass of nanoplug.api.AttentionBackend"),
     "no_base": ("attention", type("Loose", (), {"unavailable": classmethod(lambda cls, t: [])}),
-                "Loose is not a subclass of nanoplug.core.interfaces.AttentionBackend"),
+                "Loose is not a subclass of nanoplug.api.AttentionBackend"),
     "abstract": ("attention", type("NoForward", (AttentionBackend,), {}), "it does not implement forward"),
     "instance": ("attention", ManualAttention.__new__(ManualAttention), "not a class"),
     "model_not_module": ("model", _NotAModule, "_NotAModule is not a torch.nn.Module"),

@@ -80,6 +80,8 @@ def test_skip_tokenizer_init_runs_token_id_prompts_with_empty_text(greedy):
 def test_a_pathlib_path_names_the_model(greedy):
     with LLM(Path(checkpoint()), **OPTIONS) as from_path:
         assert [o.token_ids for o in from_path.generate(PROMPTS, GREEDY, use_tqdm=False)] == greedy
+    with pytest.raises(ModelLoadError, match=r"model folder 'nowhere/Qwen3-0\.6B' does not exist"):
+        LLM(Path("nowhere/Qwen3-0.6B"), **OPTIONS)  # a Path is a folder, never looked up on the hub
 
 
 def test_numpy_and_torch_integer_token_ids_are_token_ids(llm, greedy):

@@ -403,7 +403,7 @@ def test_real_engine_streams_with_aborts_equal_the_roomy_engine(real_engines):
     @example(dict(REAL_EXAMPLE, overlap=True))
     def check(w) -> None:
         llm = tight[w["overlap"]]
-        preemptions = llm.scheduler.num_preemptions
+        preemptions = llm.engine.scheduler.num_preemptions
         streams = [llm.stream(list(p), SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
                    for p, m in zip(w["prompts"], w["max_tokens"])]
         got = [[] for _ in streams]
@@ -427,7 +427,7 @@ def test_real_engine_streams_with_aborts_equal_the_roomy_engine(real_engines):
         while open_:
             pull(min(open_))
         assert_idle(llm)
-        seen["preemptions"] += llm.scheduler.num_preemptions - preemptions
+        seen["preemptions"] += llm.engine.scheduler.num_preemptions - preemptions
         for i, (prompt, m) in enumerate(zip(w["prompts"], w["max_tokens"])):
             if prompt not in reference:
                 params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -18,7 +18,7 @@ import tensor_parallel_helpers as helpers
 from nanoplug import LLM, EngineConfig
 from nanoplug.checkpoints import write_random_checkpoint
 from nanoplug.core.errors import PluginUnavailableError
-from nanoplug.core.interfaces import ModelFacts, Target
+from nanoplug.api import ModelFacts, Target
 from nanoplug.core.registry import Registry
 from nanoplug.plugins.parallel.pool import WorkerError
 
@@ -99,7 +99,7 @@ def test_llama_tp2_matches_one_process_and_transformers(ckpt):
     reference = helpers.generate_twice(single)
     with LLM(ckpt["llama"], parallel="tensor", tensor_parallel_size=2, **helpers.ENGINE_OPTIONS) as tp:
         rounds = helpers.generate_twice(tp)
-        pids = tp.executor.worker_pids
+        pids = tp.engine.worker.worker_pids
         assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
     assert _gone(pids, within=1.0)  # leaving the block closed the engine and waited for its workers
     tp.close()  # a second close is harmless
@@ -136,7 +136,7 @@ class _ShardOnly:
         return x
 
     def layers(self):
-        from nanoplug.plugins.parallel.layers import Layers
+        from nanoplug.api import Layers
 
         return Layers(self)
 
@@ -195,11 +195,11 @@ def test_merged_column_rejects_parts_that_do_not_split():
 
 
 # ------------------------------------------------------------------- choice and early errors
-def _target(path: str, device: str = "cpu", **options) -> Target:
+def _target(path: str, device: str = "cpu", tensor_parallel_size: int = 1) -> Target:
     from nanoplug.core.loader import load_hf_config
 
-    return Target(EngineConfig(model=path, **options), torch.device(device), torch.float32,
-                  ModelFacts.from_hf_config(load_hf_config(path)))
+    return Target(device=torch.device(device), dtype=torch.float32, model=ModelFacts.from_hf_config(load_hf_config(path)),
+                  tensor_parallel_size=tensor_parallel_size)
 
 
 def test_auto_picks_tensor_for_two_ranks_and_single_for_one(ckpt):
@@ -274,7 +274,7 @@ def test_fault_in_a_step_surfaces_and_stops_the_engine(ckpt):
     before = _children()
     llm = LLM(ckpt["qwen3"], registry=_faulty_registry(helpers.FailsInStepOnRank1), parallel="tensor",
               tensor_parallel_size=2, **helpers.ENGINE_OPTIONS)
-    pids = llm.executor.worker_pids
+    pids = llm.engine.worker.worker_pids
     assert llm.generate([[1, 2, 3]], use_tqdm=False)[0].token_ids  # healthy until the fault
     start = time.monotonic()
     with pytest.raises(WorkerError, match=r"(?s)rank 1 failed during 'run'.*Traceback.*in forward.*"
@@ -290,9 +290,9 @@ def test_fault_in_a_step_surfaces_and_stops_the_engine(ckpt):
 
 # ------------------------------------------------------------------- processes and shutdown
 def test_two_engines_at_once_then_a_killed_worker_and_close(ckpt, tp_qwen3):
-    first_pids = tp_qwen3.executor.worker_pids
+    first_pids = tp_qwen3.engine.worker.worker_pids
     second = LLM(ckpt["qwen3"], parallel="tensor", tensor_parallel_size=2, **helpers.ENGINE_OPTIONS)
-    pids = second.executor.worker_pids
+    pids = second.engine.worker.worker_pids
     assert not set(pids) & set(first_pids)
     ref = helpers.generate_twice(tp_qwen3)
     _assert_same_outputs(ref, helpers.generate_twice(second))

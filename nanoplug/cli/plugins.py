@@ -12,7 +12,8 @@ import json
 import sys
 from typing import Any
 
-from nanoplug.core.registry import KIND_HOOKS, Registry
+from nanoplug.api.hookspecs import KIND_HOOKS
+from nanoplug.core.registry import Registry
 
 
 def add_parser(sub: Any) -> None:
@@ -25,25 +26,25 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def build_target(model: str | None, device: str, dtype: str):
-    """The Target availability is judged against: the engine's own device and dtype rules."""
+def build_target(model: str | None, device: str, dtype: str, registry: Registry):
+    """The Target availability is judged against: the engine's own device, platform and dtype rules."""
+    from nanoplug.api import ModelFacts, Target
     from nanoplug.core.config import EngineConfig
-    from nanoplug.core.engine import resolve_device, resolve_dtype
-    from nanoplug.core.interfaces import Target
+    from nanoplug.core.startup import platform_and_dtype
 
     config = EngineConfig(model=model or "", device=device, dtype=dtype)
     hf_config, facts = None, None
     if model:
         from nanoplug.core.loader import load_hf_config
-        from nanoplug.core.interfaces import ModelFacts
 
         hf_config = load_hf_config(config.model)
         facts = ModelFacts.from_hf_config(hf_config)
-    torch_device = resolve_device(config.device)
-    return Target(config, torch_device, resolve_dtype(config.dtype, torch_device, hf_config), facts)
+    _, torch_device, torch_dtype = platform_and_dtype(registry, config, hf_config)
+    return Target(device=torch_device, dtype=torch_dtype, model=facts, block_size=config.kv_block_size,
+                  tensor_parallel_size=config.tensor_parallel_size)
 
 
-def listing(registry: Registry, target) -> dict[str, Any]:
+def listing(registry: Registry, target, model: str | None = None) -> dict[str, Any]:
     """The whole report as plain data: the --json output and the source of the table."""
     kinds: dict[str, Any] = {}
     for kind in KIND_HOOKS:
@@ -60,7 +61,7 @@ def listing(registry: Registry, target) -> dict[str, Any]:
         "target": {
             "device": str(target.device),
             "dtype": str(target.dtype).removeprefix("torch."),
-            "model": target.config.model or None,
+            "model": model or None,
             "architecture": target.model.architecture if target.model else None,
         },
         "kinds": kinds,
@@ -107,10 +108,11 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     try:
-        target = build_target(args.model, args.device, args.dtype)
+        registry = Registry()
+        target = build_target(args.model, args.device, args.dtype, registry)
     except (ValidationError, RuntimeError) as exc:  # a bad --device/--dtype, or cuda asked on a CPU machine
         print(f"nanoplug plugins: error: {exc}", file=sys.stderr)
         return 2
-    data = listing(Registry(), target)
+    data = listing(registry, target, args.model)
     print(json.dumps(data, indent=2, default=str) if args.json else format_table(data))
     return 0

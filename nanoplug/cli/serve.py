@@ -26,8 +26,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384, help="tokens in one step at most")
     p.add_argument("--kv-block-size", type=int, default=256, help="tokens per KV block (default: 256)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="fixed number of KV blocks (default: sized from memory)")
-    p.add_argument("--cpu-kv-cache-gb", type=float, default=4.0, help="KV-cache memory on CPU (default: 4)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--cpu-kv-cache-gb", type=float, default=None, help="KV-cache memory on CPU (default: 4)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="share of GPU memory the engine may use (default: 0.9)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no torch.compile")
     p.add_argument("--seed", type=int, default=0)
@@ -47,12 +48,17 @@ def engine_config(args: argparse.Namespace):
     options = dict(attention=args.attention, kv_cache=args.kv_cache, device=args.device, dtype=args.dtype,
                    max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, kv_block_size=args.kv_block_size,
-                   num_kv_blocks=args.num_kv_blocks, cpu_kv_cache_gb=args.cpu_kv_cache_gb,
-                   gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
-                   enforce_eager=args.enforce_eager, seed=args.seed)
+                   num_kv_blocks=args.num_kv_blocks, tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
     if args.tensor_parallel_size > 1:
         options["parallel"] = "tensor"
     options = {k: v for k, v in options.items() if v is not None}  # unset: the engine's own default
+    cpu = {"kv_cache_gb": args.cpu_kv_cache_gb} if args.cpu_kv_cache_gb is not None else {}
+    cuda = {k: v for k, v in (("memory_utilization", args.gpu_memory_utilization),
+                              ("enforce_eager", args.enforce_eager or None)) if v is not None}
+    if cpu:
+        options["cpu"] = cpu
+    if cuda:
+        options["cuda"] = cuda
     try:
         return EngineConfig(model=resolve_model_path(model_path(args)), **options)
     except ValidationError as exc:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import operator
 import os
+import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator, model_validator
 
 PluginName = Annotated[str, Field(min_length=1, pattern=r"^\S+$")]
 """A plugin name, or "auto": non-empty, no spaces."""
@@ -53,14 +54,51 @@ class AdapterSpec(BaseModel):
         return self.name or Path(self.path).name
 
 
+class CpuOptions(BaseModel):
+    """Options of the `cpu` platform: `EngineConfig(cpu={"kernels": False})`."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    kv_cache_gb: Float = Field(4.0, gt=0, description="KV-cache memory when num_kv_blocks is None")
+    kernels: Bool | None = Field(None, description="nanoplug's C++ kernels for float32 steps (decode-sized GEMM, "
+                                 "RMSNorm, SiLU-and-mul, RoPE, greedy argmax), compiled once per machine; None: "
+                                 "when a C++ compiler is found")
+    weight_packing: Bool | None = Field(None, description="pack linear weights once for a decode-sized float32 GEMM "
+                                        "(nanoplug's with the kernels, else MKL's; a second copy of them); None: "
+                                        "when it fits in a quarter of the available memory")
+
+
+class CudaOptions(BaseModel):
+    """Options of the `cuda` platform: `EngineConfig(cuda={"enforce_eager": True})`."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    memory_utilization: Float = Field(0.9, gt=0, le=1, description="share of GPU memory the engine may use")
+    enforce_eager: Bool = Field(False, description="no CUDA graphs, no torch.compile")
+    compile_fused_ops: Bool = Field(True, description="torch.compile the small fused ops (off: measure without)")
+
+
+# the flat names these options had before they moved into their platform's part of the config
+DEPRECATED_OPTIONS = {
+    "cpu_kv_cache_gb": ("cpu", "kv_cache_gb"),
+    "cpu_kernels": ("cpu", "kernels"),
+    "cpu_weight_packing": ("cpu", "weight_packing"),
+    "gpu_memory_utilization": ("cuda", "memory_utilization"),
+    "enforce_eager": ("cuda", "enforce_eager"),
+    "compile_fused_ops": ("cuda", "compile_fused_ops"),
+}
+
+
 class EngineConfig(BaseModel):
-    """How one engine instance serves: the model, the plugin of each kind, and the memory limits."""
+    """How one engine instance serves: the model, the plugin of each kind, and the memory limits.
+
+    The fields are generic; what only one platform understands lives in that platform's part
+    (`cpu`, `cuda`; a third-party platform's in `platform_options[name]`)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
 
     model: str = Field(description="checkpoint folder (or a Hugging Face model id)")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
+    platform: PluginName = Field("auto", description="the platform plugin (device family); auto: the device's")
     attention: PluginName = "auto"
     prefill_attention: PluginName | None = Field(None, description="a different backend for prefill steps")
     kv_cache: PluginName = "auto"
@@ -74,22 +112,39 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: Int = Field(16384, ge=1)
     kv_block_size: Int = Field(256, ge=1)
     num_kv_blocks: Int | None = Field(None, ge=1, description="fixed number of KV blocks; None sizes it from memory")
-    cpu_kv_cache_gb: Float = Field(4.0, gt=0, description="KV-cache memory on CPU when num_kv_blocks is None")
-    gpu_memory_utilization: Float = Field(0.9, gt=0, le=1)
     enable_prefix_caching: Bool = True
-    enforce_eager: Bool = False
-    compile_fused_ops: Bool = Field(True, description="torch.compile the small fused ops on CUDA (off: measure without)")
     overlap_steps: Bool | None = Field(None, description="prepare step N+1 on the host while the device computes "
-                                       "step N; None: on for CUDA when the parallel strategy supports it")
-    cpu_weight_packing: Bool | None = Field(None, description="pack linear weights once for a decode-sized GEMM "
-                                            "on the CPU in float32 (nanoplug's with cpu_kernels, else MKL's; a second "
-                                            "copy of them); None: when it fits in a quarter of the available memory")
-    cpu_kernels: Bool | None = Field(None, description="nanoplug's C++ kernels for float32 CPU steps (decode-sized "
-                                     "GEMM, RMSNorm, SiLU-and-mul, RoPE, greedy argmax), compiled once per machine; "
-                                     "None: when a C++ compiler is found")
+                                       "step N; None: the platform's default (on for CUDA) when the parallel "
+                                       "strategy supports it")
     skip_tokenizer_init: Bool = Field(False, description="load no tokenizer (as vLLM's option): prompts must be token "
                                       "ids, outputs carry token ids and empty text, no stop strings or chat")
     seed: Int = 0
+    cpu: CpuOptions = Field(default_factory=CpuOptions)
+    cuda: CudaOptions = Field(default_factory=CudaOptions)
+    platform_options: dict[str, dict[str, Any]] = Field(default_factory=dict,
+                                                        description="options of third-party platforms, by name")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated_flat_options(cls, values: Any) -> Any:
+        """cpu_kernels=False still works, as cpu={"kernels": False} (with a DeprecationWarning)."""
+        if not isinstance(values, dict) or not any(k in values for k in DEPRECATED_OPTIONS):
+            return values
+        values = dict(values)
+        for old, (platform, field) in DEPRECATED_OPTIONS.items():
+            if old in values:
+                warnings.warn(f"EngineConfig option {old!r} is deprecated; use {platform}={{{field!r}: ...}}",
+                              DeprecationWarning, stacklevel=4)
+                part = values.get(platform) or {}
+                part = part.model_dump(exclude_unset=True) if isinstance(part, BaseModel) else dict(part)
+                part.setdefault(field, values.pop(old))
+                values[platform] = part
+        return values
+
+    def options_of(self, platform: str) -> Any:
+        """The part of this config that platform `platform` reads ({} when it has none)."""
+        part = getattr(self, platform, None) if platform in type(self).model_fields else None
+        return part if isinstance(part, BaseModel) else self.platform_options.get(platform, {})
 
     @field_validator("model", mode="before")
     @classmethod

@@ -18,6 +18,8 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 from safetensors import SafetensorError, safe_open
 
+from nanoplug.api.files import read_json
+from nanoplug.api.linear import check_shape, copy_weight  # noqa: F401  (every weight loader's shape check)
 from nanoplug.core.errors import ModelLoadError, WeightShapeError
 
 log = logging.getLogger("nanoplug")
@@ -45,19 +47,6 @@ def checkpoint_dir(path: str | Path) -> Path:
     if not (folder / "config.json").is_file():
         raise ModelLoadError(f"{str(folder / 'config.json')!r} is missing; the model folder must be a Hugging Face checkpoint")
     return folder
-
-
-def read_json(file: Path, fix: str) -> Any:
-    """The parsed JSON of `file`; any failure to read or parse it is a ModelLoadError naming the file and `fix`."""
-    try:
-        with open(file, encoding="utf-8") as f:
-            return json.load(f)
-    except json.JSONDecodeError as exc:
-        raise ModelLoadError(f"{str(file)!r} is not valid JSON ({exc}); {fix}") from exc
-    except UnicodeDecodeError as exc:
-        raise ModelLoadError(f"{str(file)!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); {fix}") from exc
-    except OSError as exc:
-        raise ModelLoadError(f"{str(file)!r} cannot be read ({exc.strerror or exc}); {fix}") from exc
 
 
 def _json_type(value: Any) -> str:
@@ -176,25 +165,6 @@ def iter_checkpoint(folder: Path) -> Iterator[tuple[Path, str, torch.Tensor]]:
 
 
 # ------------------------------------------------------------------------------ shape checks
-def check_shape(tensor: torch.Tensor, expected: Sequence[int], what: str = "") -> None:
-    """Raise WeightShapeError unless `tensor` has exactly the `expected` (full, unsharded) shape.
-
-    Every weight loader calls this before it narrows or copies, so `narrow` never cuts a tensor that
-    does not split evenly and `copy_` never broadcasts one."""
-    found, expected = list(tensor.shape), list(expected)
-    if found != expected:
-        detail = f"shape {found}, but the model expects {expected}{f' ({what})' if what else ''}"
-        err = WeightShapeError(f"a tensor of {detail}")
-        err.detail = detail  # load_weights words it again with the tensor's name and file
-        raise err
-
-
-def copy_weight(dst: torch.Tensor, src: torch.Tensor, what: str = "") -> None:
-    """`dst.copy_(src)` with the shapes checked first (copy_ would broadcast a [1, n] tensor silently)."""
-    check_shape(src, dst.shape, what)
-    dst.copy_(src)
-
-
 # ------------------------------------------------------------------------------------ loading
 def _fused_parts(packed: dict[str, tuple[str, Any]]) -> dict[str, dict[Any, str]]:
     """fused layer -> {shard id: checkpoint module}, e.g. qkv_proj -> {"q": "q_proj", ...}."""

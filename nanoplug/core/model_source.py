@@ -31,9 +31,8 @@ def _local_alternative(model: str) -> str:
 
 def resolve_model_path(model: str | os.PathLike) -> str:
     """A local checkpoint folder for `model` (a folder path, or an id like "Qwen/Qwen3-0.6B")."""
-    model = os.fspath(model)  # a pathlib.Path names a folder, never a hub id
-    if not isinstance(model, str):
-        raise ModelLoadError(f"model {model!r} is bytes; give the folder as a str or pathlib.Path")
+    if isinstance(model, os.PathLike):  # a pathlib.Path names a folder, never a hub id
+        return str(Path(model).expanduser())
     if not looks_like_hub_id(model):
         return str(Path(model).expanduser())
     try:

@@ -1,6 +1,10 @@
 """Finds plugins (built-ins from registry.toml, third parties from the `nanoplug` entry-point group),
 asks each whether it can serve, and resolves one name per kind for one engine.
 
+Each built-in is declared once, in registry.toml ("module:object"), and imported only when chosen or
+listed. Third-party plugins come through entry points: modules whose `@hookimpl` registrar hooks
+(nanoplug/api/hookspecs.py) add what they offer. Both are checked the same way when they register.
+
 Start-up only: the engine keeps the resolved classes; nothing here runs per step.
 """
 from __future__ import annotations
@@ -18,10 +22,10 @@ from typing import Any
 import pluggy
 import torch
 
-from nanoplug.core import hookspecs
-from nanoplug.core.errors import PluginLoadError, PluginUnavailableError, UnknownPluginError
-from nanoplug.core.interfaces import (PLUGIN_API_VERSION, AttentionBackend, KVCacheStore, ModelArchitecture,
-                                      ParallelStrategy, Target, WeightAdapter)
+from nanoplug.api import (AttentionBackend, KVCacheStore, ModelArchitecture, ParallelStrategy, Platform, Target,
+                          WeightAdapter, hookspecs)
+from nanoplug.api.errors import PluginLoadError, PluginUnavailableError, UnknownPluginError
+from nanoplug.api.hookspecs import KIND_HOOKS, PLUGIN_API_VERSION
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -30,19 +34,13 @@ else:  # pragma: no cover
 
 log = logging.getLogger("nanoplug")
 
-KIND_HOOKS = {
-    "attention": "nanoplug_register_attention",
-    "kv_cache": "nanoplug_register_kv_cache",
-    "model": "nanoplug_register_model",
-    "parallel": "nanoplug_register_parallel",
-    "adapter": "nanoplug_register_adapter",
-}
 KIND_BASES = {
     "attention": AttentionBackend,
     "kv_cache": KVCacheStore,
     "model": ModelArchitecture,
     "parallel": ParallelStrategy,
     "adapter": WeightAdapter,
+    "platform": Platform,
 }
 ENTRY_POINT_GROUP = "nanoplug"
 DISABLE_ENTRY_POINTS_ENV = "NANOPLUG_DISABLE_ENTRY_POINTS"
@@ -79,7 +77,7 @@ def malformed(kind: str, cls: Any) -> list[str]:
         return [f"it is {cls!r}, not a class"]
     problems = []
     if not issubclass(cls, base):
-        problems.append(f"{cls.__qualname__} is not a subclass of nanoplug.core.interfaces.{base.__name__}")
+        problems.append(f"{cls.__qualname__} is not a subclass of nanoplug.api.{base.__name__}")
     if kind == "model" and not issubclass(cls, torch.nn.Module):
         problems.append(f"{cls.__qualname__} is not a torch.nn.Module")
     abstract = sorted(getattr(cls, "__abstractmethods__", ()) or ())
@@ -132,7 +130,7 @@ class Registrar:
             base = KIND_BASES[self.kind].__name__
             raise PluginLoadError(
                 f"{self.kind} plugin {name!r} is malformed: {'; '.join(problems)}; it must be a class that subclasses "
-                f"nanoplug.core.interfaces.{base} with a classmethod `unavailable(target)`, an int priority and a "
+                f"nanoplug.api.{base} with a classmethod `unavailable(target)`, an int priority and a "
                 "str description (see docs/plugins.md)"
             )
         self.added.append((name, cls, replace))
@@ -190,8 +188,8 @@ class Registry:
             try:
                 if not self.add_plugin_module(ep.load(), source):
                     raise PluginLoadError(
-                        f"{ep.value} registers no plugin; implement a hook of nanoplug.core.hookspecs "
-                        f"(e.g. nanoplug_register_attention) with @nanoplug.hookimpl"
+                        f"{ep.value} registers no plugin; implement a hook of nanoplug.api.hookspecs "
+                        f"(e.g. nanoplug_register_attention) with @nanoplug.api.hookimpl"
                     )
             except Exception as exc:  # a broken third-party plugin is reported, not fatal
                 self.broken.append(BrokenPlugin(ep.name, source, f"{type(exc).__name__}: {exc}"))
@@ -209,7 +207,7 @@ class Registry:
             raise PluginLoadError(
                 f"plugin module {label!r} ({source}) declares NANOPLUG_API_VERSION = {version!r}, but this "
                 f"nanoplug speaks plugin API {PLUGIN_API_VERSION}; install a release of the plugin built for "
-                f"API {PLUGIN_API_VERSION} (or set NANOPLUG_API_VERSION = nanoplug.PLUGIN_API_VERSION)"
+                f"API {PLUGIN_API_VERSION} (or set NANOPLUG_API_VERSION = nanoplug.api.PLUGIN_API_VERSION)"
             )
         newly_registered = not self.pm.is_registered(module)
         if newly_registered:
@@ -281,13 +279,13 @@ class Registry:
         return entry.cls
 
     def _import_builtin(self, entry: PluginEntry) -> None:
+        """Import a built-in's "module:object" (its one declaration, in registry.toml), checked as any plugin is."""
         if entry.error is None:
             module_name, _, obj = entry.target.partition(":")
             try:
-                module = importlib.import_module(module_name)
-                self.add_plugin_module(module, entry.source)
-                if entry.cls is None:
-                    entry.cls = getattr(module, obj)
+                cls = getattr(importlib.import_module(module_name), obj)
+                Registrar(entry.kind).add(entry.name, cls)
+                entry.cls = cls
             except Exception as exc:
                 entry.error = f"{type(exc).__name__}: {exc}"
                 if isinstance(exc, ModuleNotFoundError) and exc.name == module_name:

@@ -15,7 +15,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 from nanoplug.core.config import EngineConfig
-from nanoplug.server._core_shim import EngineCore  # TEMPORARY: nanoplug.core.engine_core once it lands
+from nanoplug.core.engine_core import EngineCore
 from nanoplug.server.errors import APIError
 from nanoplug.server.prepare import PromptChoices, prepare_all
 from nanoplug.server.render import token_texts

@@ -288,17 +288,17 @@ class EngineProcess:
 
 
 def _tokenizer(model: str) -> Any:
-    from transformers import AutoTokenizer
-
     from nanoplug.core.loader import checkpoint_dir
+    from nanoplug.core.model_source import resolve_model_path
+    from nanoplug.core.tokenizer import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(str(checkpoint_dir(model)))
+    return load_tokenizer(checkpoint_dir(resolve_model_path(model)))
 
 
 # -------------------------------------------------------------------------------- the child
 def main(fd: int) -> int:
     """The engine process: read requests from the socket, step, write updates back."""
-    from nanoplug.server._core_shim import EngineCore  # TEMPORARY: nanoplug.core.engine_core once it lands
+    from nanoplug.core.engine_core import EngineCore
     from nanoplug.server.stepper import Stepper
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front end decides

@@ -12,13 +12,10 @@ from typing import Any
 
 import torch
 
-from nanoplug.core.errors import AdapterError
-from nanoplug.core.hookspecs import hookimpl
-from nanoplug.core.loader import read_json
-from nanoplug.core.interfaces import PLUGIN_API_VERSION, ModelFacts, ProcessGroup, WeightAdapter
+from nanoplug.api import AdapterError, ModelFacts, ProcessGroup, WeightAdapter
+from nanoplug.api.files import read_json
 from nanoplug.plugins.adapters.peft_folder import PeftLora, read_peft_lora
 
-NANOPLUG_API_VERSION = PLUGIN_API_VERSION
 SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
 
 
@@ -96,7 +93,3 @@ def check_base_model(lora: PeftLora, facts: ModelFacts, base_config: Any) -> Non
             f"({'; '.join(differ)}); load the adapter with the base model it was trained on"
         )
 
-
-@hookimpl
-def nanoplug_register_adapter(register) -> None:
-    register.add("lora", LoraAdapter)

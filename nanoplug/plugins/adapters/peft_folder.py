@@ -16,8 +16,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from nanoplug.core.errors import AdapterError, ModelLoadError
-from nanoplug.core.loader import read_json
+from nanoplug.api import AdapterError, ModelLoadError
+from nanoplug.api.files import read_json
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

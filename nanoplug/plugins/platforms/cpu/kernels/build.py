@@ -59,7 +59,7 @@ def _compiler_version(compiler: str) -> str:
 
 
 def cache_dir() -> pathlib.Path:
-    from nanoplug.default_model import cache_root
+    from nanoplug.api.cache import cache_root
 
     return cache_root() / "cpu_kernels"
 
@@ -69,7 +69,7 @@ def library_path() -> pathlib.Path:
     compiler = find_compiler()
     if compiler is None:
         raise KernelsUnavailable("no C++ compiler found: install g++ or clang++ (or set $CXX), "
-                                 "or pass cpu_kernels=False and attention='sdpa' to run without the C++ kernels")
+                                 "or pass cpu={'kernels': False} and attention='sdpa' to run without the C++ kernels")
     source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, _compiler_version(compiler).encode(), " ".join(BASE_FLAGS).encode(),
                                      platform.machine().encode(), _cpu_signature().encode()])).hexdigest()[:16]
@@ -101,4 +101,4 @@ def library_path() -> pathlib.Path:
         if done is not None:
             errors.append(f"{' '.join(cmd)}:\n{done.stderr.strip()[-1500:]}")
     raise KernelsUnavailable("the C++ compiler could not build nanoplug's CPU kernels; tried:\n" + "\n".join(errors)
-                             + "\npass cpu_kernels=False and attention='sdpa' to run without them")
+                             + "\npass cpu={'kernels': False} and attention='sdpa' to run without them")
