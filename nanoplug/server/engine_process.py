@@ -1,12 +1,12 @@
 """The engine core in a process of its own (the default of `nanoplug serve`), talking msgpack over a
 socket pair: the layout vLLM chose so that the HTTP front end's work never takes the scheduler's GIL.
 
-Why two processes, measured (benchmarks/RESULTS.md, "serve: one process or two"): the front end
-costs 50-90 us of CPU per streamed token (parsing, SSE framing, uvicorn's writes), and in one process
-that time is taken from the engine's interpreter. On 2 CPU cores with a tiny model at 64 concurrent
-streams the split cut the front end's CPU per token from 83-88 to 50-52 us and the median time to
-first token from 1.5-1.7 to 0.6-1.1 s at equal throughput; on a GPU, where a decode step of 256
-sequences takes ~8 ms of which the host needs ~1.5, 256 events per step of front-end work would
+Why two processes, measured (benchmarks/RESULTS.md, "One process or two"): the front end costs
+50-90 us of CPU per streamed token (parsing, SSE framing, uvicorn's writes), and in one process that
+time is taken from the engine's interpreter. On 2 CPU cores with a tiny model at 64 concurrent
+streams the split cut the front end's CPU per token from 73-88 to 48-52 us and lowered the median
+time to first token in every alternated pair, at equal throughput; on a GPU, where a decode step of
+256 sequences takes ~8 ms of which the host needs ~1.5, 256 events per step of front-end work would
 otherwise compete for the same GIL as the step's launch, so there the split is what keeps the
 server near the offline throughput. `--single-process` (engine_loop.py) keeps the other layout.
 
