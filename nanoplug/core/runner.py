@@ -58,6 +58,8 @@ class RunnerFactory:
 
 
 class ModelRunner(Worker):
+    graphs: Any = None  # the platform's captured decode graphs; None (eager) until captured after warm-up
+
     def __init__(self, spec: WorkerSpec, group: ProcessGroup):
         config, plugins, facts = spec.config, spec.plugins, spec.facts
         self.config, self.group, self.facts = config, group, facts
