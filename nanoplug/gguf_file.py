@@ -22,8 +22,8 @@ import torch
 
 from nanoplug.core.errors import ModelLoadError
 
-# GGUF architectures whose tensors map onto nanoplug's decoder (llama, Qwen2, Qwen3 model plugins)
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# GGUF architectures whose tensors map onto nanoplug's decoder, and their Hugging Face architecture
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -70,17 +70,17 @@ class GGUFTensor:
         return self.type_name not in ("F32", "F16", "BF16")
 
     def blocks(self) -> torch.Tensor:
-        """The quantized blocks as a uint8 tensor [rows, bytes per row] (no copy of the file's memory)."""
+        """The quantized blocks as a uint8 tensor [rows, bytes per row] (a copy: the file's pages are read-only)."""
         if not self.quantized:
             raise ValueError(f"{self.gguf_name} is {self.type_name}, not a block format")
-        return torch.from_numpy(np.ascontiguousarray(self.raw))
+        return torch.from_numpy(np.array(self.raw, dtype=np.uint8))
 
     def dequantize(self) -> torch.Tensor:
         """gguf-py's float32 values (a plain tensor is converted to float32)."""
         import gguf
 
         values = gguf.quants.dequantize(np.asarray(self.raw), gguf.GGMLQuantizationType(self.ggml_type))
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.shape)
+        return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(self.shape)
 
     def to_torch(self) -> torch.Tensor:
         """Plain tensors as float32 torch tensors, quantized ones as their blocks."""
@@ -145,6 +145,8 @@ class GGUFFile:
                 tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
         finally:
             hf_logging.set_verbosity(verbosity)
+        config.architectures = [ARCHITECTURES[self.arch]]
+        config.dtype = "float32"
         # GGUF stores the epsilon as float32 (1e-5 reads back as 9.9999997e-06): take the shortest
         # decimal that rounds to the same float32, the value the original config held
         eps = getattr(config, "rms_norm_eps", None)
@@ -154,3 +156,29 @@ class GGUFFile:
             if hasattr(config, key):
                 delattr(config, key)
         return config, tokenizer
+
+    def eos_token_ids(self) -> list[int]:
+        """The end-of-sequence token, and the end-of-turn token where the file names one."""
+        ids = [int(self.field("tokenizer.ggml.eos_token_id"))]
+        eot = self._reader.fields.get("tokenizer.ggml.eot_token_id")
+        if eot is not None and int(eot.contents()) not in ids:
+            ids.append(int(eot.contents()))
+        return ids
+
+    def write_float32_weights(self, out: Path) -> None:
+        """Every tensor, dequantized by gguf-py, as one float32 safetensors file (the oracle's weights)."""
+        from safetensors.torch import save_file
+
+        save_file({t.name: t.dequantize() for t in self.tensors()}, str(out), metadata={"format": "pt"})
+
+
+def write_checkpoint(gguf: GGUFFile, out: Path, config: Any, tokenizer: Any, eos_token_ids: list[int]) -> None:
+    """Write the config, generation config and tokenizer of a GGUF checkpoint folder into `out` (the
+    weights are the caller's: the file itself, a link to it, or float32 safetensors)."""
+    from transformers import GenerationConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    GenerationConfig(bos_token_id=getattr(config, "bos_token_id", None), eos_token_id=list(eos_token_ids),
+                     pad_token_id=tokenizer.pad_token_id).save_pretrained(str(out))

@@ -22,7 +22,7 @@ from nanoplug.core.errors import ModelLoadError
 def smollm2_dir():
     from nanoplug.default_model import default_model_path
 
-    return default_model_path(progress=True)
+    return default_model_path(progress=True, float32=True)
 
 
 def nanoplug_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -61,7 +61,7 @@ def model_path(args: argparse.Namespace) -> str:
     from nanoplug.default_model import DefaultModelError, default_model_path
 
     try:
-        path = default_model_path(progress=True)
+        path = default_model_path(progress=True, float32=True)  # the GGUF folder once LLM reads it
     except DefaultModelError as exc:
         raise ModelLoadError(str(exc)) from exc
     log.info("default model: %s", path)
