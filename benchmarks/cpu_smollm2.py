@@ -75,8 +75,10 @@ def main() -> None:
     import transformers
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    engines = [Nanoplug(args.model, **nanoplug_options(args), kv_block_size=16, max_model_len=512,
-                        cpu_kv_cache_gb=1.0, enable_prefix_caching=False, dtype=args.dtype),
+    options = nanoplug_options(args)
+    options["cpu"]["kv_cache_gb"] = 1.0
+    engines = [Nanoplug(args.model, **options, kv_block_size=16, max_model_len=512, enable_prefix_caching=False,
+                        dtype=args.dtype),
                Transformers(args.model, args.dtype)]
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
           f"({torch.get_num_threads()} threads), transformers {transformers.__version__}")

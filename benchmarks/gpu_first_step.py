@@ -19,14 +19,15 @@ llm = LLM(str(write_checkpoint()), attention=sys.argv[1] if len(sys.argv) > 1 el
           max_model_len=4096)
 llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
 prompts, params = workload()
-for seq in llm._make_sequences(prompts, params):
-    llm.scheduler.add(seq)
+core = llm.engine  # the engine core's own API: add requests, then step
+for i, (prompt, p) in enumerate(zip(prompts, params)):
+    core.add_request(core.make_request(prompt, p, index=i, incremental_text=False))
 prof = cProfile.Profile()
 for i in range(4):
     t = time.perf_counter()
     prof.enable()
-    llm.step()
+    core.step()
     torch.cuda.synchronize()
     prof.disable()
-    print(f"step {i}: {1e3 * (time.perf_counter() - t):.0f} ms, last resolved {llm.last_step}")
+    print(f"step {i}: {1e3 * (time.perf_counter() - t):.0f} ms, last resolved {core.last_step}")
 pstats.Stats(prof).sort_stats("cumulative").print_stats(30)

@@ -44,9 +44,9 @@ def prefill_batch(length: int) -> StepBatch:
 
 def bench_prefill(model: str) -> None:
     for attention in ("flash", "manual"):
-        llm = LLM(model, attention=attention, kv_cache="torch", dtype="bfloat16", enforce_eager=True,
+        llm = LLM(model, attention=attention, kv_cache="torch", dtype="bfloat16", cuda={"enforce_eager": True},
                   kv_block_size=BLOCK, num_kv_blocks=40, max_model_len=8448, max_num_batched_tokens=8448)
-        runner = llm.executor.worker
+        runner = llm.engine.worker
         for length in (2048, 4096, 8192):
             batch = prefill_batch(length)
             runner.run(batch)  # warm-up (kernel compiles)
@@ -90,8 +90,8 @@ def bench_decode(model: str) -> None:
     prompt = torch.randint(0, 10000, (512,)).tolist()
     configs = (("eager", True, False), ("graphs", False, False), ("graphs+compile", False, True))
     for name, eager, compile_ in configs:
-        llm = LLM(model, attention="flash", kv_cache="triton", dtype="bfloat16", enforce_eager=eager,
-                  compile_fused_ops=compile_,
+        llm = LLM(model, attention="flash", kv_cache="triton", dtype="bfloat16",
+                  cuda={"enforce_eager": eager, "compile_fused_ops": compile_},
                   kv_block_size=BLOCK, num_kv_blocks=8, max_num_seqs=4, max_model_len=1024)
         runs = {}
         for new in (1, 256, 1, 256):

@@ -14,14 +14,14 @@ import torch
 
 from nanoplug import LLM
 from nanoplug.bench import workload, write_checkpoint
-from nanoplug.core.sequence import Status
 
 attention = sys.argv[1] if len(sys.argv) > 1 else "flash"
 kv_cache = sys.argv[2] if len(sys.argv) > 2 else "triton"
 overlap = (sys.argv[3] if len(sys.argv) > 3 else "1") == "1"
 llm = LLM(str(write_checkpoint()), attention=attention, kv_cache=kv_cache, max_model_len=4096, overlap_steps=overlap)
 llm.generate(["warm up"], use_tqdm=False)
-runner = llm.executor.worker
+core = llm.engine
+runner = core.worker
 clock: dict[str, float] = defaultdict(float)
 
 
@@ -37,29 +37,28 @@ def timed(obj, name, key):
     setattr(obj, name, wrapper)
 
 
-timed(llm.scheduler, "schedule", "schedule")
-timed(llm, "_build_step", "build")
+timed(core.scheduler, "schedule", "schedule")
+timed(core, "_build_step", "build")
 timed(runner, "launch", "launch")
 timed(runner, "collect", "wait")
-timed(llm, "_resolve", "resolve")
+timed(core, "_apply", "resolve")
 
 
 prompts, params = workload()
-seqs = llm._make_sequences(prompts, params)
-for s in seqs:
-    llm.scheduler.add(s)
+for i, (prompt, p) in enumerate(zip(prompts, params)):
+    core.add_request(core.make_request(prompt, p, index=i, incremental_text=False))
 rows = []
+out_tokens = 0
 torch.cuda.synchronize()
 t_all = time.perf_counter()
-while any(s.status is not Status.FINISHED for s in seqs) or llm.in_flight is not None:
+while core.has_unfinished():
     before = dict(clock)
     t = time.perf_counter()
-    llm.step()
+    out_tokens += sum(len(u.token_ids) for u in core.step())
     wall = time.perf_counter() - t
-    is_prefill, tokens, n = llm.last_step
+    is_prefill, tokens, n = core.last_step
     rows.append((is_prefill, n, wall, {k: clock[k] - before.get(k, 0.0) for k in clock}))
 total = time.perf_counter() - t_all
-out_tokens = sum(s.num_completion_tokens for s in seqs)
 print("prefill steps (ms):", " ".join(f"{1e3 * r[2]:.0f}" for r in rows if r[0]))
 print(f"{attention}/{kv_cache} overlap={overlap}: {len(rows)} steps, {total:.2f} s, {out_tokens / total:,.0f} output tok/s")
 buckets = [(0, 0, "prefill"), (1, 32, "decode 1-32"), (33, 128, "decode 33-128"), (129, 224, "decode 129-224"),

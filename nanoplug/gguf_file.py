@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from nanoplug.core.errors import ModelLoadError
+from nanoplug.api.errors import ModelLoadError
 
 # GGUF architectures whose tensors map onto nanoplug's decoder, and their Hugging Face architecture
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}

@@ -8,14 +8,14 @@ from nanoplug import LLM
 
 def assert_idle(llm: LLM) -> None:
     """Nothing running, waiting or on the device, and every KV block back in the free list."""
-    assert not llm.scheduler.has_work() and llm.in_flight is None
-    assert not llm.executor.worker.pending
-    assert llm.scheduler.blocks.num_free_blocks == llm.num_kv_blocks
+    assert not llm.engine.scheduler.has_work() and llm.engine.in_flight is None
+    assert not llm.engine.worker.pending
+    assert llm.engine.scheduler.blocks.num_free_blocks == llm.engine.num_kv_blocks
 
 
 def interrupt_generate(llm: LLM, at_step: int, *generate_args) -> None:
     """Run `llm.generate(*generate_args)` with Ctrl-C arriving at its `at_step`-th step."""
-    real_step, calls = llm.step, []
+    real_step, calls = llm.engine.step, []
 
     def failing_step():
         calls.append(1)
@@ -23,9 +23,9 @@ def interrupt_generate(llm: LLM, at_step: int, *generate_args) -> None:
             raise KeyboardInterrupt
         return real_step()
 
-    llm.step = failing_step
+    llm.engine.step = failing_step
     try:
         with pytest.raises(KeyboardInterrupt):
             llm.generate(*generate_args, use_tqdm=False)
     finally:
-        del llm.step
+        del llm.engine.step

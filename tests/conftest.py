@@ -10,3 +10,14 @@ def qwen3_dir(tmp_path_factory):
     from nanoplug.checkpoints import write_random_checkpoint
 
     return write_random_checkpoint(tmp_path_factory.mktemp("checkpoints") / "qwen3")
+
+
+@pytest.fixture
+def processes():
+    """Start child processes through this (`processes.popen`, `.run`, `.adopt`): its finalizer kills
+    whatever the test left running (the process, its group and its descendants), however the test ended."""
+    from _processes import Processes
+
+    owned = Processes()
+    yield owned
+    owned.close()

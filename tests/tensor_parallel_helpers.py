@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 from nanoplug import hookimpl
-from nanoplug.core.interfaces import PLUGIN_API_VERSION
+from nanoplug.api import PLUGIN_API_VERSION
 from nanoplug.plugins.models.qwen3 import Qwen3ForCausalLM
 
 FAIL_TOKEN = 4242  # a prompt holding this token id makes rank 1 fail in that step
@@ -55,7 +55,7 @@ class ModelPlugin:
 
     @hookimpl
     def nanoplug_register_model(self, register) -> None:
-        register.add("Qwen3ForCausalLM", self.cls)
+        register.add("Qwen3ForCausalLM", self.cls, replace=True)
 
 
 def generate_twice(llm):
@@ -91,11 +91,17 @@ def torchrun_rank(checkpoint: str, out_dir: str) -> None:
 
 
 def hold_engine(checkpoint: str) -> None:
-    """Start a tp=2 engine, print its worker pids, then keep generating until killed or interrupted."""
+    """Start a tp=2 engine, print its worker pids, then keep generating until killed or interrupted.
+
+    Python installs its Ctrl-C handler only where SIGINT is not ignored, and a child inherits an ignored
+    SIGINT: a test run in the background (`pytest &` from a script) would never see KeyboardInterrupt."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from nanoplug import LLM, SamplingParams
 
     llm = LLM(checkpoint, parallel="tensor", tensor_parallel_size=2, **ENGINE_OPTIONS)
-    print("PIDS", *llm.executor.worker_pids, flush=True)
+    print("PIDS", *llm.engine.worker.worker_pids, flush=True)
     try:
         while True:
             llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)

@@ -15,16 +15,17 @@ from pathlib import Path
 import pytest
 import torch
 
+import _processes
 from nanoplug.cli import main
 
-KINDS = ["attention", "kv_cache", "model", "parallel", "adapter"]
+KINDS = ["attention", "kv_cache", "model", "parallel", "adapter", "platform"]
 
 
 def run_cli(*args: str, extra_path: Path | None = None, **env: str) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **env}
     if extra_path is not None:
         full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(extra_path), full_env.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, "-m", "nanoplug", "plugins", *args], capture_output=True, text=True,
+    return _processes.run([sys.executable, "-m", "nanoplug", "plugins", *args], capture_output=True, text=True,
                           env=full_env, timeout=120)
 
 
@@ -59,6 +60,10 @@ def check_listing(data: dict) -> None:
     assert by_name["kv_cache"]["torch"]["available"] and by_name["parallel"]["single"]["available"]
     available = [p for p in data["kinds"]["attention"]["plugins"] if p["available"]]
     assert data["kinds"]["attention"]["auto"] == max(available, key=lambda p: p["priority"])["name"]
+    platforms = by_name["platform"]  # listed with their reasons like every kind
+    assert {"cpu", "cuda"} <= set(platforms) and data["kinds"]["platform"]["auto"] == expected_device
+    other = "cpu" if expected_device == "cuda" else "cuda"
+    assert platforms[other]["reasons"] == [f"serves {other} devices, not {expected_device}"]
 
 
 def test_json_through_python_dash_m():
@@ -70,7 +75,7 @@ def test_json_through_python_dash_m():
 def test_console_script_prints_every_kind_with_status_and_source():
     script = shutil.which("nanoplug") or str(Path(sys.executable).parent / "nanoplug")
     assert Path(script).exists(), "the `nanoplug` console script is not installed: pip install -e ."
-    result = subprocess.run([script, "plugins"], capture_output=True, text=True, timeout=120)
+    result = _processes.run([script, "plugins"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert out.startswith("judged for device ")

@@ -37,15 +37,14 @@ def manual_outcome(tiny_qwen3):
 def nan_fresh_cache(monkeypatch):
     """A fresh CPU cache is uninitialized memory; make it NaN so a backend reading unwritten slots fails
     here every time, not only when the allocator happens to hand back NaN bytes."""
-    from nanoplug.core.runner import ModelRunner
+    from nanoplug.plugins.platforms.cpu.platform import CpuPlatform
 
-    allocate = ModelRunner._set_cache
+    allocate = CpuPlatform.allocate_kv_cache
 
-    def allocate_poisoned(self, num_blocks):
-        allocate(self, num_blocks)
-        self.kv_cache.fill_(float("nan"))
+    def allocate_poisoned(self, shape, dtype, device):
+        return allocate(self, shape, dtype, device).fill_(float("nan"))
 
-    monkeypatch.setattr(ModelRunner, "_set_cache", allocate_poisoned)
+    monkeypatch.setattr(CpuPlatform, "allocate_kv_cache", allocate_poisoned)
 
 
 def test_scenario_really_hits_the_cache():

@@ -29,15 +29,30 @@ def assert_rejected(model_cls, field: str, rule: str, **values):
     ("max_num_batched_tokens", 0, "greater than or equal to 1"),
     ("kv_block_size", 24, "kv_block_size must be a power of two"),
     ("kv_block_size", 0, "greater than or equal to 1"),
-    ("gpu_memory_utilization", 1.5, "less than or equal to 1"),
-    ("gpu_memory_utilization", 0, "greater than 0"),
-    ("cpu_kv_cache_gb", float("inf"), "finite number"),
-    ("enforce_eager", "maybe", "valid boolean"),
+    ("cuda.memory_utilization", 1.5, "less than or equal to 1"),
+    ("cuda.memory_utilization", 0, "greater than 0"),
+    ("cpu.kv_cache_gb", float("inf"), "finite number"),
+    ("cuda.enforce_eager", "maybe", "valid boolean"),
+    ("cpu.kernels", "sometimes", "valid boolean"),
+    ("cpu.no_such_option", 1, "Extra inputs are not permitted"),
     ("seed", 1.5, "valid integer"),
     ("no_such_option", 1, "Extra inputs are not permitted"),
 ])
 def test_engine_config_rejects_wrong_values_naming_field_and_rule(field, value, rule):
-    assert_rejected(EngineConfig, field, rule, model="m", **{field: value})
+    top, _, sub = field.partition(".")
+    assert_rejected(EngineConfig, field, rule, model="m", **{top: {sub: value} if sub else value})
+
+
+def test_platform_options_live_in_their_platform_part_and_old_names_still_work():
+    cfg = EngineConfig(model="m", cpu={"kernels": False}, cuda={"enforce_eager": True})
+    assert (cfg.cpu.kernels, cfg.cpu.kv_cache_gb, cfg.cuda.enforce_eager) == (False, 4.0, True)
+    assert cfg.options_of("cpu") is cfg.cpu and cfg.options_of("npu") == {}
+    assert EngineConfig(model="m", platform_options={"npu": {"cores": 8}}).options_of("npu") == {"cores": 8}
+    with pytest.warns(DeprecationWarning, match="'cpu_kernels' is deprecated; use cpu={'kernels': ...}"):
+        old = EngineConfig(model="m", cpu_kernels=False, gpu_memory_utilization=0.5, cpu={"kv_cache_gb": 1.0})
+    assert (old.cpu.kernels, old.cpu.kv_cache_gb, old.cuda.memory_utilization) == (False, 1.0, 0.5)
+    with pytest.raises(ValidationError, match="cuda.memory_utilization"):
+        EngineConfig(model="m", gpu_memory_utilization=2)
 
 
 def test_engine_config_defaults_and_conversions():
@@ -95,3 +110,48 @@ def test_llm_rejects_wrong_values_before_loading(qwen3_dir):
     with pytest.raises(ValidationError) as err:
         LLM(str(qwen3_dir), max_num_seqs=0)
     assert "max_num_seqs" in str(err.value) and "greater than or equal to 1" in str(err.value)
+
+
+# strict types (issue 13, item 7): a value read from text or a bool is a caller's mistake, refused by name
+@pytest.mark.parametrize("field, value, rule", [
+    ("max_tokens", "5", "valid integer"),
+    ("max_tokens", True, "valid integer"),
+    ("max_tokens", 5.0, "valid integer"),
+    ("top_k", "50", "valid integer"),
+    ("temperature", "0.7", "valid number"),
+    ("temperature", True, "valid number"),
+    ("ignore_eos", 1, "valid boolean"),
+    ("ignore_eos", "false", "valid boolean"),
+    ("seed", "7", "valid integer"),
+    ("stop_token_ids.0", ["2"], "valid integer"),
+])
+def test_sampling_params_are_strict_about_types(field, value, rule):
+    assert_rejected(SamplingParams, field, rule, **{field.split(".")[0]: value})
+
+
+@pytest.mark.parametrize("field, value, rule", [
+    ("max_model_len", "4096", "valid integer"),
+    ("max_model_len", True, "valid integer"),
+    ("num_kv_blocks", 8.0, "valid integer"),
+    ("kv_block_size", "16", "valid integer"),
+    ("cuda.enforce_eager", "false", "valid boolean"),
+    ("enable_prefix_caching", 0, "valid boolean"),
+    ("cuda.memory_utilization", "0.5", "valid number"),
+    ("cpu.kernels", 1, "valid boolean"),
+    ("seed", True, "valid integer"),
+])
+def test_engine_config_is_strict_about_types(field, value, rule):
+    top, _, sub = field.partition(".")
+    assert_rejected(EngineConfig, field, rule, model="m", **{top: {sub: value} if sub else value})
+
+
+def test_strict_types_still_take_what_a_caller_means():
+    import numpy as np
+
+    p = SamplingParams(temperature=0, top_p=1, max_tokens=np.int64(5), seed=np.int32(3), stop_token_ids=[np.int64(2)])
+    assert (p.temperature, p.top_p, p.max_tokens, p.seed, p.stop_token_ids) == (0.0, 1.0, 5, 3, [2])
+    assert type(p.max_tokens) is int and type(p.temperature) is float
+    assert EngineConfig(model="m", max_model_len=np.int64(512), cpu_kv_cache_gb=1).max_model_len == 512
+    from pathlib import Path
+
+    assert EngineConfig(model=Path("/models/qwen3")).model == "/models/qwen3"

@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (nanoplug/cpu_kernels) against the torch code they replace, on the same inputs:
+"""The C++ CPU kernels (nanoplug/plugins/platforms/cpu/kernels) against the torch code they replace, on the same inputs:
 each op alone (odd sizes, strided views, the threaded sizes), the `cpu` attention backend and the fused
 ops inside an engine (same tokens and logits as the plain engine), and the build: cached, and a clear
 reason, with the plain path chosen, where no compiler works. The packed GEMM's engine-level checks are
@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from _checkpoints import CHECKPOINTS, PROMPTS, checkpoint
-from nanoplug import LLM, SamplingParams, cpu_kernels
-from nanoplug.core import packed_linear
-from nanoplug.core.config import EngineConfig
-from nanoplug.core.interfaces import ModelFacts, Target
-from nanoplug.cpu_kernels import build
+from nanoplug import LLM, SamplingParams
+from nanoplug.plugins.platforms.cpu import kernels as cpu_kernels
+from nanoplug.plugins.platforms.cpu import packed_linear
+from nanoplug.api import ModelFacts, Target
+from nanoplug.plugins.platforms.cpu.kernels import build
 from nanoplug.plugins.attention.cpu import CpuAttention
-from nanoplug.plugins.models.decoder import RotaryEmbedding, add_rms_norm, apply_rope, rms_norm, silu_and_mul
+from nanoplug.api import RotaryEmbedding, add_rms_norm, apply_rope, rms_norm, silu_and_mul
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -180,9 +180,9 @@ def served_checkpoint(request):
 
 @pytest.mark.parametrize("batched_tokens", [16384, 24])  # whole prompts, and chunked prefill
 def test_engine_with_kernels_gives_the_plain_engines_tokens_and_logits(kernels, served_checkpoint, batched_tokens):
-    plain = LLM(served_checkpoint, **ENGINE, attention="sdpa", cpu_kernels=False, max_num_batched_tokens=batched_tokens)
-    fast = LLM(served_checkpoint, **ENGINE, attention="cpu", cpu_kernels=True, max_num_batched_tokens=batched_tokens)
-    assert fast.executor.worker.sampler.greedy == kernels.argmax
+    plain = LLM(served_checkpoint, **ENGINE, attention="sdpa", cpu={"kernels": False}, max_num_batched_tokens=batched_tokens)
+    fast = LLM(served_checkpoint, **ENGINE, attention="cpu", cpu={"kernels": True}, max_num_batched_tokens=batched_tokens)
+    assert fast.engine.worker.sampler.greedy == kernels.argmax
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, output_logits=True)
     prompts = PROMPTS * 3 + [PROMPTS[2] + " And then"]  # 13 sequences; the last reuses a cached prefix
     for a, b in zip(plain.generate(prompts, params, use_tqdm=False), fast.generate(prompts, params, use_tqdm=False)):
@@ -192,11 +192,11 @@ def test_engine_with_kernels_gives_the_plain_engines_tokens_and_logits(kernels, 
 
 
 def test_the_fused_ops_are_in_the_model_only_when_asked(kernels, served_checkpoint):
-    fast = LLM(served_checkpoint, **ENGINE, attention="sdpa")  # cpu_kernels=None: on where they build
-    norms = [m for m in fast.executor.worker.model.modules() if type(m).__name__ == "RMSNorm"]
+    fast = LLM(served_checkpoint, **ENGINE, attention="sdpa")  # cpu kernels None: on where they build
+    norms = [m for m in fast.engine.worker.model.modules() if type(m).__name__ == "RMSNorm"]
     assert norms and all(m.fused == kernels.rms_norm for m in norms)
-    plain = LLM(served_checkpoint, **ENGINE, attention="sdpa", cpu_kernels=False)
-    assert all(m.fused is None for m in plain.executor.worker.model.modules() if type(m).__name__ == "RMSNorm")
+    plain = LLM(served_checkpoint, **ENGINE, attention="sdpa", cpu={"kernels": False})
+    assert all(m.fused is None for m in plain.engine.worker.model.modules() if type(m).__name__ == "RMSNorm")
 
 
 def facts(head_dim=64, heads=9, kv_heads=3) -> ModelFacts:
@@ -204,7 +204,7 @@ def facts(head_dim=64, heads=9, kv_heads=3) -> ModelFacts:
 
 
 def target(dtype=torch.float32, device="cpu", **shape) -> Target:
-    return Target(EngineConfig(model="x"), torch.device(device), dtype, facts(**shape))
+    return Target(device=torch.device(device), dtype=dtype, model=facts(**shape))
 
 
 def test_cpu_attention_says_why_it_cannot_serve(kernels):
@@ -227,15 +227,15 @@ def no_kernels(monkeypatch, tmp_path):
 
 def test_without_a_compiler_the_engine_runs_the_plain_path_and_says_why(no_kernels, caplog):
     reason = cpu_kernels.unavailable()
-    assert "no C++ compiler found" in reason and "g++" in reason and "cpu_kernels=False" in reason
+    assert "no C++ compiler found" in reason and "g++" in reason and "cpu={'kernels': False}" in reason
     with caplog.at_level(logging.INFO, logger="nanoplug"):
         llm = LLM(checkpoint("head64"), **ENGINE)
     assert llm.choices["attention"].name == "sdpa"
     assert "cpu_kernels: not used: no C++ compiler found" in caplog.text
-    assert all(m.fused is None for m in llm.executor.worker.model.modules() if type(m).__name__ == "RMSNorm")
-    packed = [m.packed for m in llm.executor.worker.model.modules() if getattr(m, "packed", None) is not None]
+    assert all(m.fused is None for m in llm.engine.worker.model.modules() if type(m).__name__ == "RMSNorm")
+    packed = [m.packed for m in llm.engine.worker.model.modules() if getattr(m, "packed", None) is not None]
     assert packed and all(p.mm is packed_linear._mkl_mm for p in packed)  # MKL's packed GEMM instead
-    assert llm.executor.worker.sampler.greedy is not cpu_kernels.kernels
+    assert llm.engine.worker.sampler.greedy is not cpu_kernels.kernels
     out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert len(out[0].token_ids) == 3
     with pytest.raises(Exception, match=r"attention plugin .cpu. cannot serve.*no C\+\+ compiler found"):
@@ -247,7 +247,7 @@ def test_a_failing_compiler_is_reported_with_its_command(no_kernels, tmp_path, m
     failing.write_text("#!/bin/sh\necho 'fatal: no room' >&2\nexit 1\n")
     failing.chmod(0o755)
     monkeypatch.setenv("CXX", str(failing))
-    with pytest.raises(build.KernelsUnavailable, match="(?s)could not build.*fatal: no room.*cpu_kernels=False"):
+    with pytest.raises(build.KernelsUnavailable, match="(?s)could not build.*fatal: no room.*cpu=.'kernels': False."):
         build.library_path()
     assert not list(tmp_path.glob("cpu_kernels/*/*.so*"))  # no half-written library left behind
 

@@ -169,8 +169,15 @@ def _fake_pipeline(monkeypatch, calls: list, fail: bool = False, delay: float = 
         for name in dm.REQUIRED_FILES:
             (out / name).write_text("{}")
 
+    def fake_dequantize(source, out, progress):
+        calls.append(out)
+        out.mkdir(parents=True)
+        for name in dm.FLOAT32_FILES:
+            (out / name).write_text("{}")
+
     monkeypatch.setattr(dm, "_obtain_gguf", fake_obtain)
     monkeypatch.setattr(dm, "_convert_gguf", fake_convert)
+    monkeypatch.setattr(dm, "_dequantize", fake_dequantize)
 
 
 def test_interrupted_conversion_leaves_no_folder(monkeypatch, tmp_path):
@@ -225,3 +232,111 @@ def test_offline_error_names_the_fix(monkeypatch, tmp_path):
     msg = str(info.value)
     assert "offline" in msg and "--model DIR" in msg and "NANOPLUG_CACHE" in msg
     assert not (tmp_path / "cache" / dm.MODEL_SUBDIR).exists()
+
+
+# ------------------------------------------------------------------ a cache damaged after conversion
+def _truncate(path: pathlib.Path, keep: int) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:keep])
+
+
+def test_truncated_cached_file_is_detected_and_rebuilt(monkeypatch, tmp_path):
+    """A later truncation (a full disk, an interrupted copy) is seen from the manifest's sizes and rebuilt."""
+    monkeypatch.setenv("NANOPLUG_CACHE", str(tmp_path))
+    calls: list = []
+    _fake_pipeline(monkeypatch, calls)
+    path = dm.default_model_path(progress=False)
+    assert (path / dm.MANIFEST).is_file()
+    whole = (path / "tokenizer.json").read_bytes()
+    _truncate(path / "tokenizer.json", 1)
+    assert dm.default_model_path(progress=False) == path
+    assert len(calls) == 2, "the truncated folder was trusted"
+    assert (path / "tokenizer.json").read_bytes() == whole
+    assert not list(tmp_path.glob(".*.tmp-*"))
+    dm.default_model_path(progress=False)
+    assert len(calls) == 2  # a whole folder is reused
+
+
+def test_damaged_cache_that_cannot_be_rebuilt_says_what_and_how(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("NANOPLUG_CACHE", str(tmp_path))
+    calls: list = []
+    _fake_pipeline(monkeypatch, calls)
+    path = dm.default_model_path(progress=False)
+    size = (path / dm.GGUF_NAME).stat().st_size
+    _truncate(path / dm.GGUF_NAME, 1)
+
+    def offline(workdir, progress):
+        raise dm.DefaultModelError(f"Could not download (are you offline?). {dm._fix_hint(dm.cache_root())}")
+
+    monkeypatch.setattr(dm, "_obtain_gguf", offline)
+    with pytest.raises(dm.DefaultModelError) as info:
+        dm.default_model_path(progress=False)
+    msg = str(info.value)
+    assert f"cached default model in {path} is damaged" in msg
+    assert f"{dm.GGUF_NAME} has 1 bytes, the manifest says {size}" in msg
+    assert "--model DIR" in msg and dm.GGUF_ENV in msg  # the ways out
+    assert "rebuilding it" in capsys.readouterr().err
+    assert (path / dm.GGUF_NAME).stat().st_size == 1  # the folder stays until a rebuild succeeds
+
+
+def test_verify_checks_every_byte(monkeypatch, tmp_path):
+    """Same size, different bytes: the fast check cannot see it, --verify (verify=True) can and rebuilds."""
+    monkeypatch.setenv("NANOPLUG_CACHE", str(tmp_path))
+    calls: list = []
+    _fake_pipeline(monkeypatch, calls)
+    path = dm.default_model_path(progress=False)
+    (path / "config.json").write_text("[]")  # as long as the "{}" the fake wrote
+    assert dm.default_model_path(progress=False) == path and len(calls) == 1
+    assert dm.main(["--verify"]) == 0
+    assert len(calls) == 2 and (path / "config.json").read_text() == "{}"
+    assert dm.main(["--bogus"]) == 2
+
+
+def _legacy_folder(root: pathlib.Path) -> pathlib.Path:
+    """A converted folder as nanoplug wrote it before manifests existed (a real, tiny safetensors file):
+    the float32 folder's name and files, which the default folder had then."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder = root / dm.FLOAT32_SUBDIR
+    folder.mkdir(parents=True)
+    save_file({"w": torch.arange(64, dtype=torch.float32)}, str(folder / "model.safetensors"))
+    for name in dm.FLOAT32_FILES:
+        if name.endswith(".json"):
+            (folder / name).write_text('{"a": 1}')
+    return folder
+
+
+def test_folder_from_before_manifests_is_checked_once_and_adopted(monkeypatch, tmp_path):
+    monkeypatch.setenv("NANOPLUG_CACHE", str(tmp_path))
+    calls: list = []
+    _fake_pipeline(monkeypatch, calls)
+    folder = _legacy_folder(tmp_path)
+    assert dm.default_model_path(progress=False, float32=True) == folder and calls == []
+    manifest = json.loads((folder / dm.MANIFEST).read_text())
+    assert set(manifest["files"]) == set(dm.FLOAT32_FILES)
+    assert manifest["files"]["model.safetensors"]["sha256"] == dm._sha256(folder / "model.safetensors")
+
+
+def test_truncated_folder_from_before_manifests_is_rebuilt(monkeypatch, tmp_path):
+    monkeypatch.setenv("NANOPLUG_CACHE", str(tmp_path))
+    calls: list = []
+    _fake_pipeline(monkeypatch, calls)
+    folder = _legacy_folder(tmp_path)
+    weights = folder / "model.safetensors"
+    _truncate(weights, weights.stat().st_size - 4)
+    assert dm._structure_problem(folder).startswith("model.safetensors has ")
+    assert dm.default_model_path(progress=False, float32=True) == folder
+    assert len(calls) == 2  # the GGUF folder first, then the float32 folder made from it
+    assert weights.read_text() == "{}"  # the (fake) rebuilt folder
+
+
+def test_gguf_override_with_another_hash_is_an_error(monkeypatch, tmp_path):
+    wrong = tmp_path / dm.GGUF_NAME
+    wrong.write_bytes(b"GGUF not the pinned file")
+    monkeypatch.setenv(dm.GGUF_ENV, str(wrong))
+    with pytest.raises(dm.DefaultModelError) as info:
+        dm._obtain_gguf(tmp_path / "work", progress=False)
+    msg = str(info.value)
+    assert f"expected {dm.GGUF_SHA256}" in msg and dm._sha256(wrong) in msg
+    assert f"unset {dm.GGUF_ENV}" in msg and "--model DIR" in msg

@@ -11,13 +11,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from functools import lru_cache
 
 import pytest
 import torch
 
+import _processes
 from _checkpoints import checkpoint, hf_greedy, hf_logits, prompt_ids, relative_error, tokenizer
 from nanoplug import LLM, SamplingParams
 
@@ -130,9 +130,9 @@ def test_greedy_equals_transformers(name, variant):
     else:
         assert all(o.num_cached_tokens == 0 for o in second)
     if "num_kv_blocks" in options:
-        assert llm.scheduler.num_preemptions > 0
-    assert not llm.scheduler.has_work()
-    assert llm.scheduler.blocks.num_free_blocks == llm.num_kv_blocks  # every block came back
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert not llm.engine.scheduler.has_work()
+    assert llm.engine.scheduler.blocks.num_free_blocks == llm.engine.num_kv_blocks  # every block came back
 
 
 def test_preemption_with_sampling_keeps_seeded_outputs():
@@ -142,7 +142,7 @@ def test_preemption_with_sampling_keeps_seeded_outputs():
     roomy = engine(attention="sdpa").generate(prompts, params, use_tqdm=False)
     tight_llm = engine(attention="sdpa", num_kv_blocks=9, max_model_len=144)
     tight = tight_llm.generate(prompts, params, use_tqdm=False)
-    assert tight_llm.scheduler.num_preemptions > 0
+    assert tight_llm.engine.scheduler.num_preemptions > 0
     assert tokens_of(tight) == tokens_of(roomy)
     assert all(len(o.token_ids) == 16 for o in tight)
 
@@ -151,7 +151,7 @@ def test_sdpa_padded_decode_equals_transformers():
     """sdpa's decode steps take the padded path on CUDA (the gather-only one is for CPUs): the same
     path, checked here on the CPU with the gather-only decode turned off."""
     llm = engine(attention="sdpa", max_num_batched_tokens=20)
-    backend = llm.executor.worker.ctx.decode
+    backend = llm.engine.worker.ctx.decode
     assert backend.paged_decode is not None  # CPU: gather-only decode by default
     backend.paged_decode = None
     assert tokens_of(llm.generate(cache_prompts(), GREEDY, use_tqdm=False)) == reference("qwen3", GREEDY.max_tokens, "cache")
@@ -162,7 +162,7 @@ def test_sdpa_padded_decode_equals_transformers():
 def test_garbage_in_a_fresh_kv_cache_never_reaches_the_output(attention):
     """A CPU cache starts as uninitialized memory: NaN there must not leak through padded reads."""
     llm = engine(attention=attention, max_num_batched_tokens=20)
-    llm.executor.worker.kv_cache.fill_(float("nan"))
+    llm.engine.worker.kv_cache.fill_(float("nan"))
     prompts = cache_prompts()
     assert tokens_of(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference("qwen3", GREEDY.max_tokens, "cache")
 
@@ -175,7 +175,7 @@ path, prompts, options = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.ar
 llm = LLM(path, kv_cache="triton", device="cpu", **options)
 params = SamplingParams(temperature=0, max_tokens=int(sys.argv[4]))
 runs = [[o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] for _ in range(2)]
-print("RESULT" + json.dumps({"runs": runs, "preemptions": llm.scheduler.num_preemptions}))
+print("RESULT" + json.dumps({"runs": runs, "preemptions": llm.engine.scheduler.num_preemptions}))
 """
 
 
@@ -188,7 +188,7 @@ def test_triton_kv_store_greedy_equals_transformers(attention):
     options = dict(kv_block_size=BLOCK, attention=attention, num_kv_blocks=9, max_model_len=144,
                    max_num_batched_tokens=20)
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
+    proc = _processes.run(
         [sys.executable, "-c", TRITON_SCRIPT, checkpoint(), json.dumps(prompts), json.dumps(options),
          str(GREEDY.max_tokens)],
         env=env, capture_output=True, text=True, timeout=600,

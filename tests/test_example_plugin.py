@@ -10,15 +10,15 @@ import importlib
 import importlib.metadata
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from nanoplug import LLM, EngineConfig, SamplingParams
-from nanoplug.core.interfaces import Target
+import _processes
+from nanoplug import LLM, SamplingParams
+from nanoplug.api import Target
 from nanoplug.core.registry import Registry
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "nanoplug-example-plugin"
@@ -26,7 +26,7 @@ DIST = "nanoplug-example-plugin"
 
 
 def pip(*args: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=300)
+    result = _processes.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"pip {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}"
 
 
@@ -61,22 +61,22 @@ def test_entry_point_discovery(example_plugin):
     cls = reg.get("attention", "chunked")
     assert cls.__module__ == "nanoplug_example_plugin.chunked"
     assert EXAMPLE not in Path(sys.modules[cls.__module__].__file__).parents  # the installed copy, not the source
-    from nanoplug.core.interfaces import AttentionBackend
+    from nanoplug.api import AttentionBackend
 
     assert issubclass(cls, AttentionBackend) and cls.description
 
 
 def test_availability_and_auto(example_plugin):
     reg = Registry(load_entry_points=True)
-    config = EngineConfig(model="unused", device="cpu")
-    assert reg.reasons("attention", "chunked", Target(config, torch.device("cpu"), torch.float32)) == []
-    reasons = reg.reasons("attention", "chunked", Target(config, torch.device("cpu"), torch.float64))
+    cpu = torch.device("cpu")
+    assert reg.reasons("attention", "chunked", Target(device=cpu, dtype=torch.float32)) == []
+    reasons = reg.reasons("attention", "chunked", Target(device=cpu, dtype=torch.float64))
     assert reasons == ["dtype torch.float64 unsupported; use float32, float16 or bfloat16"]
-    assert reg.resolve("attention", "auto", Target(config, torch.device("cpu"), torch.float32)).name != "chunked"
+    assert reg.resolve("attention", "auto", Target(device=cpu, dtype=torch.float32)).name != "chunked"
 
 
 def test_cli_lists_it_with_its_distribution(example_plugin):
-    result = subprocess.run([sys.executable, "-m", "nanoplug", "plugins", "--json"], capture_output=True, text=True,
+    result = _processes.run([sys.executable, "-m", "nanoplug", "plugins", "--json"], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
     plugins = json.loads(result.stdout)["kinds"]["attention"]["plugins"]

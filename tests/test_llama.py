@@ -68,7 +68,7 @@ def test_llama3_rope_scaling_is_applied(llama_dirs):
     """The llama3 rope type really changes the frequencies (so the logits test below exercises it)."""
     from transformers import AutoConfig
 
-    from nanoplug.plugins.models.decoder import rope_inv_freq
+    from nanoplug.api import rope_inv_freq
 
     cfg = AutoConfig.from_pretrained(llama_dirs["llama3_rope"])
     scaled, _ = rope_inv_freq(cfg, 16)

@@ -18,7 +18,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 
 def loaded_model(llm: LLM) -> torch.nn.Module:
-    return llm.executor.worker.model
+    return llm.engine.worker.model
 
 
 def copy_with(folder: Path, source: str, skip: tuple[str, ...] = ()) -> Path:

@@ -180,7 +180,7 @@ def test_unknown_request_adapter_names_the_loaded_ones_and_costs_no_other_reques
     with pytest.raises(RequestError, match=r"'nope'.*'one'"):
         llm.generate(prompts, [GREEDY.model_copy(update={"adapter": "one"}), GREEDY.model_copy(update={"adapter": "nope"})],
                      use_tqdm=False)
-    assert not llm.scheduler.waiting and not llm.scheduler.running
+    assert not llm.engine.scheduler.waiting and not llm.engine.scheduler.running
     assert len(llm.generate(prompts, GREEDY.model_copy(update={"adapter": "one"}), use_tqdm=False)) == 2
     with pytest.raises(RequestError, match="none"):
         engine("qwen3").generate(prompts, GREEDY.model_copy(update={"adapter": "one"}), use_tqdm=False)

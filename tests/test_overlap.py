@@ -48,23 +48,25 @@ def mixed_params(sync: LLM) -> list[SamplingParams]:
 
 def test_the_engine_really_overlaps(pair):
     _, fast = pair
-    assert fast.overlap
-    for seq in fast._make_sequences(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)):
-        fast.scheduler.add(seq)
-    assert fast.step() == []  # the first step is launched; nothing has come back yet
+    core = fast.engine
+    assert core.overlap
+    for prompt in PROMPTS:
+        core.add_request(core.make_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)))
+    assert core.step() == []  # the first step is launched; nothing has come back yet
     seen_pending = False
-    while fast.scheduler.has_work():
-        fast.step()
+    while core.scheduler.has_work():
+        core.step()
         # the step just launched is still on its way while the one before it was resolved
-        assert len(fast.executor.worker.pending) == (1 if fast.in_flight else 0)
-        seen_pending |= any(PENDING in s.token_ids for s in fast.scheduler.running)
-    fast._drain()
+        assert len(core.worker.pending) == (1 if core.in_flight else 0)
+        seen_pending |= any(PENDING in s.token_ids for s in core.scheduler.running)
+    while core.has_unfinished():  # a step still on the device is collected
+        core.step()
     assert seen_pending
     assert_idle(fast)
 
 
 def test_cpu_default_is_one_step_at_a_time():
-    assert not LLM(checkpoint(), **OPTIONS).overlap
+    assert not LLM(checkpoint(), **OPTIONS).engine.overlap
 
 
 @pytest.mark.parametrize("repeat", [1, 2])  # the second run starts from prefix-cache hits
@@ -86,7 +88,7 @@ def test_preemption_and_small_chunks_give_the_same_outputs():
     # step later), so only the cache hits may differ
     outputs_equal(sync.generate(prompts, params, use_tqdm=False), fast.generate(prompts, params, use_tqdm=False),
                   same_cache_hits=False)
-    assert fast.scheduler.num_preemptions > 0
+    assert fast.engine.scheduler.num_preemptions > 0
     assert_idle(fast)
 
 

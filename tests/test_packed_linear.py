@@ -1,5 +1,5 @@
-"""Linear weights packed once on the CPU (`cpu_weight_packing`, core/packed_linear.py), for nanoplug's
-own GEMM (nanoplug.cpu_kernels) and for MKL's: each packed GEMM must give F.linear's result at every
+"""Linear weights packed once on the CPU (`cpu={"weight_packing": ...}`, the cpu platform's linear method), for
+nanoplug's own GEMM (its C++ kernels) and for MKL's: each packed GEMM must give F.linear's result at every
 row count, the engine's tokens and logits must not change, packing must follow LoRA merges, and it
 must stay off where it cannot serve or does not fit."""
 from __future__ import annotations
@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from _checkpoints import PROMPTS, checkpoint
-from nanoplug import LLM, SamplingParams, cpu_kernels
-from nanoplug.core import packed_linear
-from nanoplug.core.packed_linear import MAX_ROWS, MKL_MIN_ROWS, PackedWeight, linear, pack_linear_weights
+from nanoplug import LLM, SamplingParams
+from nanoplug.plugins.platforms.cpu import kernels as cpu_kernels
+from nanoplug.plugins.platforms.cpu import packed_linear
+from nanoplug.plugins.platforms.cpu.packed_linear import MAX_ROWS, MKL_MIN_ROWS, PackedWeight, linear, pack_linear_weights
 
 CPU, F32 = torch.device("cpu"), torch.float32
 OPTIONS = dict(kv_block_size=16, attention="sdpa", kv_cache="torch", num_kv_blocks=64, max_model_len=256)
@@ -31,7 +32,7 @@ class Probe(nn.Module):
 
 
 def packed_layers(llm: LLM) -> list[nn.Module]:
-    return [m for m in llm.executor.worker.model.modules() if getattr(m, "packed", None) is not None]
+    return [m for m in llm.engine.worker.model.modules() if getattr(m, "packed", None) is not None]
 
 
 @pytest.fixture(params=["nanoplug", "mkl"])
@@ -68,9 +69,9 @@ def test_only_decode_sized_inputs_take_the_packed_path(gemm):
 
 @pytest.fixture(scope="module")
 def engines():
-    return {"plain": LLM(checkpoint(), **OPTIONS, cpu_weight_packing=False),
-            "nanoplug": LLM(checkpoint(), **OPTIONS, cpu_weight_packing=True),  # cpu_kernels: on where they build
-            "mkl": LLM(checkpoint(), **OPTIONS, cpu_weight_packing=True, cpu_kernels=False)}
+    return {"plain": LLM(checkpoint(), **OPTIONS, cpu={"weight_packing": False}),
+            "nanoplug": LLM(checkpoint(), **OPTIONS, cpu={"weight_packing": True}),  # the kernels: on where they build
+            "mkl": LLM(checkpoint(), **OPTIONS, cpu={"weight_packing": True, "kernels": False})}
 
 
 @pytest.mark.parametrize("packed", ["nanoplug", "mkl"])
@@ -92,7 +93,7 @@ def test_engine_tokens_and_logits_unchanged_by_packing(engines, packed):
 def test_packing_follows_the_lora_merge():
     from test_lora import peft_lora  # a PEFT LoRA folder, made by PEFT
 
-    llm = LLM(checkpoint("qwen3"), **OPTIONS, adapters=[peft_lora("qwen3", seed=1)], cpu_weight_packing=True)
+    llm = LLM(checkpoint("qwen3"), **OPTIONS, adapters=[peft_lora("qwen3", seed=1)], cpu={"weight_packing": True})
     layers = packed_layers(llm)
     assert layers
     x = torch.randn(MKL_MIN_ROWS + 3, layers[0].weight.shape[1])

@@ -13,19 +13,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanoplug import LLM, EngineConfig, SamplingParams, hookimpl
+from nanoplug import LLM, SamplingParams, hookimpl
 from nanoplug.core.errors import PluginLoadError, PluginUnavailableError, UnknownPluginError
-from nanoplug.core.interfaces import PLUGIN_API_VERSION, Target
+from nanoplug.api import PLUGIN_API_VERSION, Target
 from nanoplug.core.registry import KIND_HOOKS, PluginEntry, Registry, default_registry
 from nanoplug.plugins.attention.manual import ManualAttention
 
 
 @pytest.fixture
 def cpu_target():
-    return Target(EngineConfig(model="unused", device="cpu"), torch.device("cpu"), torch.float32)
+    return Target(device=torch.device("cpu"), dtype=torch.float32)
 
 
-def fake_attention_module(module_name: str, plugins: dict[str, type], api_version=PLUGIN_API_VERSION):
+def fake_attention_module(module_name: str, plugins: dict[str, type], api_version=PLUGIN_API_VERSION,
+                          replace: bool = False):
     """A plugin module registering `plugins` ({name: class}) as attention backends."""
     module = types.ModuleType(module_name)
     module.NANOPLUG_API_VERSION = api_version
@@ -33,7 +34,7 @@ def fake_attention_module(module_name: str, plugins: dict[str, type], api_versio
     @hookimpl
     def nanoplug_register_attention(register):
         for name, cls in plugins.items():
-            register.add(name, cls)
+            register.add(name, cls, replace=True) if replace else register.add(name, cls)
 
     module.nanoplug_register_attention = nanoplug_register_attention
     return module
@@ -79,12 +80,13 @@ def entry_points(monkeypatch):
 # ----------------------------------------------------------------------------------- built-ins
 def test_builtins_of_every_kind_are_listed_and_not_imported_until_asked():
     reg = Registry(load_entry_points=False)
-    assert set(reg.entries) == set(KIND_HOOKS) == {"attention", "kv_cache", "model", "parallel", "adapter"}
+    assert set(reg.entries) == set(KIND_HOOKS) == {"attention", "kv_cache", "model", "parallel", "adapter", "platform"}
     assert {"manual", "sdpa", "flash", "xformers"} <= set(reg.names("attention"))
     assert {"torch", "triton"} <= set(reg.names("kv_cache"))
     assert {"Qwen3ForCausalLM", "LlamaForCausalLM"} <= set(reg.names("model"))
     assert {"single", "tensor"} <= set(reg.names("parallel"))
     assert "lora" in reg.names("adapter")
+    assert {"cpu", "cuda"} <= set(reg.names("platform"))
     assert all(e.cls is None and e.source == "built-in" for k in reg.entries.values() for e in k.values())
     assert reg.get("attention", "manual") is ManualAttention
     assert reg.entries["attention"]["manual"].cls is ManualAttention
@@ -285,16 +287,31 @@ def test_hook_that_raises_midway_adds_nothing(entry_points):
     assert reg.broken[0].error == "RuntimeError: second backend failed"
 
 
-def test_third_party_may_replace_a_builtin_and_a_later_builtin_import_keeps_it(entry_points, caplog):
+def test_third_party_may_replace_a_builtin_when_it_says_so_and_a_later_builtin_import_keeps_it(entry_points, caplog):
     mine = backend(1, description="my manual")
-    entry_points([FakeEntryPoint("mine", fake_attention_module("mine_mod", {"manual": mine}))])
-    with caplog.at_level(logging.WARNING, logger="nanoplug"):
+    entry_points([FakeEntryPoint("mine", fake_attention_module("mine_mod", {"manual": mine}, replace=True))])
+    with caplog.at_level(logging.INFO, logger="nanoplug"):
         reg = Registry(load_entry_points=True)
-    assert "attention plugin 'manual' from fake-dist 1.2 replaces the one from built-in" in caplog.text
-    import nanoplug.plugins.attention.manual as builtin_manual
+    assert "attention plugin 'manual' from fake-dist 1.2 replaces the one from built-in (replace=True)" in caplog.text
+    assert reg.broken == [] and reg.entries["attention"]["manual"].source == "fake-dist 1.2"
+    import nanoplug.plugins.attention.manual as builtin_manual  # noqa: F401  (importing a built-in changes nothing)
 
-    reg.add_plugin_module(builtin_manual, "built-in")  # what importing the built-in module does
     assert reg.get("attention", "manual") is mine
+    assert reg.get("attention", "sdpa").__module__ == "nanoplug.plugins.attention.sdpa"  # others stay built-in
+
+
+def test_each_builtin_is_declared_once():
+    """registry.toml is the one declaration: no built-in module implements a registrar hook too."""
+    import importlib
+
+    from nanoplug.api.hookspecs import KIND_HOOKS as HOOKS
+
+    reg = Registry(load_entry_points=False)
+    for kind, entries in reg.entries.items():
+        for name, entry in entries.items():
+            module = importlib.import_module(entry.target.partition(":")[0])
+            assert not any(hasattr(module, hook) for hook in HOOKS.values()), (kind, name)
+            assert not hasattr(reg.get(kind, name), "architectures"), (kind, name)
 
 
 @pytest.mark.parametrize("value, enabled", [("1", False), ("true", False), ("YES", False), ("0", True), ("", True)])

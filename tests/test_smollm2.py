@@ -52,7 +52,7 @@ def reference(smollm2_dir):
 def test_greedy_equals_transformers(smollm2_dir, reference, attention, cpu_kernels):
     prompts, want, tok = reference
     llm = LLM(smollm2_dir, attention=attention, kv_cache="torch", kv_block_size=16, max_model_len=256,
-              cpu_kv_cache_gb=0.25, cpu_kernels=cpu_kernels)
+              cpu={"kv_cache_gb": 0.25, "kernels": cpu_kernels})
     assert llm.choices["model"].name == "LlamaForCausalLM"
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
                         use_tqdm=False)
@@ -63,7 +63,7 @@ def test_greedy_equals_transformers(smollm2_dir, reference, attention, cpu_kerne
 
 def test_eos_ids_and_chat_stream(smollm2_dir):
     """Both SmolLM2 end tokens stop a request; a chat answer streams and stops at <|im_end|>."""
-    llm = LLM(smollm2_dir, kv_block_size=16, max_model_len=256, cpu_kv_cache_gb=0.25)
+    llm = LLM(smollm2_dir, kv_block_size=16, max_model_len=256, cpu={"kv_cache_gb": 0.25})
     assert llm.eos_token_ids == {0, 2}
     ids = llm.chat_prompt_ids([{"role": "user", "content": "What is the capital of France?"}])
     deltas = list(llm.stream(ids, SamplingParams(temperature=0, max_tokens=48)))

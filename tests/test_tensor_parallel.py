@@ -18,7 +18,7 @@ import tensor_parallel_helpers as helpers
 from nanoplug import LLM, EngineConfig
 from nanoplug.checkpoints import write_random_checkpoint
 from nanoplug.core.errors import PluginUnavailableError
-from nanoplug.core.interfaces import ModelFacts, Target
+from nanoplug.api import ModelFacts, Target
 from nanoplug.core.registry import Registry
 from nanoplug.plugins.parallel.pool import WorkerError
 
@@ -58,6 +58,22 @@ def _children() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
+@pytest.fixture(autouse=True)
+def _workers_end_with_their_test():
+    """Workers of an engine a test built and never closed (it failed first) are killed when the test ends.
+
+    Engines of module-scoped fixtures are set up before this fixture (wider scopes first), so they live on."""
+    before = _children()
+    yield
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    for p in left:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(left, timeout=10)
+
+
 def _gone(pids, within: float = 15.0) -> bool:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
@@ -83,7 +99,7 @@ def test_llama_tp2_matches_one_process_and_transformers(ckpt):
     reference = helpers.generate_twice(single)
     with LLM(ckpt["llama"], parallel="tensor", tensor_parallel_size=2, **helpers.ENGINE_OPTIONS) as tp:
         rounds = helpers.generate_twice(tp)
-        pids = tp.executor.worker_pids
+        pids = tp.engine.worker.worker_pids
         assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
     assert _gone(pids, within=1.0)  # leaving the block closed the engine and waited for its workers
     tp.close()  # a second close is harmless
@@ -120,7 +136,7 @@ class _ShardOnly:
         return x
 
     def layers(self):
-        from nanoplug.plugins.parallel.layers import Layers
+        from nanoplug.api import Layers
 
         return Layers(self)
 
@@ -179,11 +195,11 @@ def test_merged_column_rejects_parts_that_do_not_split():
 
 
 # ------------------------------------------------------------------- choice and early errors
-def _target(path: str, device: str = "cpu", **options) -> Target:
+def _target(path: str, device: str = "cpu", tensor_parallel_size: int = 1) -> Target:
     from nanoplug.core.loader import load_hf_config
 
-    return Target(EngineConfig(model=path, **options), torch.device(device), torch.float32,
-                  ModelFacts.from_hf_config(load_hf_config(path)))
+    return Target(device=torch.device(device), dtype=torch.float32, model=ModelFacts.from_hf_config(load_hf_config(path)),
+                  tensor_parallel_size=tensor_parallel_size)
 
 
 def test_auto_picks_tensor_for_two_ranks_and_single_for_one(ckpt):
@@ -258,7 +274,7 @@ def test_fault_in_a_step_surfaces_and_stops_the_engine(ckpt):
     before = _children()
     llm = LLM(ckpt["qwen3"], registry=_faulty_registry(helpers.FailsInStepOnRank1), parallel="tensor",
               tensor_parallel_size=2, **helpers.ENGINE_OPTIONS)
-    pids = llm.executor.worker_pids
+    pids = llm.engine.worker.worker_pids
     assert llm.generate([[1, 2, 3]], use_tqdm=False)[0].token_ids  # healthy until the fault
     start = time.monotonic()
     with pytest.raises(WorkerError, match=r"(?s)rank 1 failed during 'run'.*Traceback.*in forward.*"
@@ -274,9 +290,9 @@ def test_fault_in_a_step_surfaces_and_stops_the_engine(ckpt):
 
 # ------------------------------------------------------------------- processes and shutdown
 def test_two_engines_at_once_then_a_killed_worker_and_close(ckpt, tp_qwen3):
-    first_pids = tp_qwen3.executor.worker_pids
+    first_pids = tp_qwen3.engine.worker.worker_pids
     second = LLM(ckpt["qwen3"], parallel="tensor", tensor_parallel_size=2, **helpers.ENGINE_OPTIONS)
-    pids = second.executor.worker_pids
+    pids = second.engine.worker.worker_pids
     assert not set(pids) & set(first_pids)
     ref = helpers.generate_twice(tp_qwen3)
     _assert_same_outputs(ref, helpers.generate_twice(second))
@@ -290,36 +306,40 @@ def test_two_engines_at_once_then_a_killed_worker_and_close(ckpt, tp_qwen3):
     _assert_same_outputs(ref, helpers.generate_twice(tp_qwen3))  # the other engine is untouched
 
 
-def _hold_engine(ckpt_path: str):
-    proc = subprocess.Popen([sys.executable, str(HERE / "tensor_parallel_helpers.py"), "hold", ckpt_path],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(HERE))
+def _hold_engine(processes, ckpt_path: str):
+    """A helper process generating on a tp=2 engine; the fixture kills it and its workers whatever happens."""
+    proc = processes.popen([sys.executable, str(HERE / "tensor_parallel_helpers.py"), "hold", ckpt_path],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(HERE))
     line = proc.stdout.readline()
     assert line.startswith("PIDS"), line + proc.stderr.read()
+    pids = [int(p) for p in line.split()[1:]]
+    processes.adopt(pids)  # after the helper dies they are no longer its descendants
     time.sleep(1.0)  # let it get into a step
-    return proc, [int(p) for p in line.split()[1:]]
+    return proc, pids
 
 
-def test_ctrl_c_in_the_caller_stops_the_workers(ckpt):
-    proc, pids = _hold_engine(ckpt["qwen3"])
+def test_ctrl_c_in_the_caller_stops_the_workers(ckpt, processes):
+    """Holds when pytest itself runs with SIGINT ignored (a background job): the helper restores it."""
+    proc, pids = _hold_engine(processes, ckpt["qwen3"])
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert "INTERRUPTED" in out and "KeyboardInterrupt" in err
     assert _gone(pids)
 
 
-def test_workers_exit_when_the_caller_is_killed(ckpt):
-    proc, pids = _hold_engine(ckpt["qwen3"])
+def test_workers_exit_when_the_caller_is_killed(ckpt, processes):
+    proc, pids = _hold_engine(processes, ckpt["qwen3"])
     proc.kill()
     proc.communicate(timeout=30)
     assert _gone(pids, within=15.0)
 
 
 # -------------------------------------------------------------------------------- torchrun
-def test_torchrun_ranks_join_and_match_one_process(ckpt, tmp_path):
+def test_torchrun_ranks_join_and_match_one_process(ckpt, tmp_path, processes):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(HERE / "tensor_parallel_helpers.py"), ckpt["qwen3"], str(tmp_path)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=str(HERE))
+    result = processes.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=str(HERE))
     assert result.returncode == 0, result.stderr[-4000:]
     single = LLM(ckpt["qwen3"], parallel="single", **helpers.ENGINE_OPTIONS)
     reference = helpers.generate_twice(single)

@@ -11,8 +11,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from nanoplug.core.config import EngineConfig  # noqa: E402
-from nanoplug.core.interfaces import ModelFacts, Target  # noqa: E402
+from nanoplug.api import KVLayer, ModelFacts, Target  # noqa: E402
 from nanoplug.plugins.cache.torch import TorchStore  # noqa: E402
 
 import nanoplug.plugins.cache.triton as triton_store  # noqa: E402
@@ -36,14 +35,14 @@ def test_store_matches_torch_store(dtype):
     kc, vc = (t.to(dtype) for t in _caches())
     ref_k, ref_v = kc.clone(), vc.clone()
     keep = slots >= 0
-    TorchStore().store(k[keep], v[keep], ref_k, ref_v, slots[keep])
-    triton_store.TritonStore().store(k, v, kc, vc, slots)
+    TorchStore().store(k[keep], v[keep], ref_k, ref_v, slots[keep], KVLayer(0))
+    triton_store.TritonStore().store(k, v, kc, vc, slots, KVLayer(0))
     assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)  # a copy: bit-exact, slot -1 untouched
 
 
 def _target(device: str) -> Target:
     facts = ModelFacts("Qwen3ForCausalLM", 2, 4, 2, 16, 64, 100)
-    return Target(EngineConfig(model="x"), torch.device(device), torch.float32, facts)
+    return Target(device=torch.device(device), dtype=torch.float32, model=facts)
 
 
 def test_unavailable_names_the_fix(monkeypatch):

@@ -30,15 +30,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def one_line(exc: BaseException) -> str:
+    """An error's message on one line (a wrapped library message may span several)."""
+    return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Every NanoplugError (and a value pydantic refuses) is one line on stderr,
+    `nanoplug: error: ...`, with exit code 2; Ctrl-C exits with 130. Anything else is a bug: a traceback."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    from pydantic import ValidationError
+
     from nanoplug.core.errors import NanoplugError
 
     try:
         return int(args.func(args) or 0)
-    except NanoplugError as exc:
-        print(f"nanoplug: error: {exc}", file=sys.stderr)
+    except (NanoplugError, ValidationError) as exc:
+        print(f"nanoplug: error: {one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -31,7 +31,7 @@ def run(args) -> int:
     from nanoplug import bench
 
     options = dict(attention=args.attention, kv_cache=args.kv_cache, max_model_len=args.max_model_len,
-                   kv_block_size=args.kv_block_size, tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+                   kv_block_size=args.kv_block_size, tensor_parallel_size=args.tensor_parallel_size, cuda={"enforce_eager": args.enforce_eager},
                    device=args.device, dtype=args.dtype)
     if args.no_overlap:
         options["overlap_steps"] = False

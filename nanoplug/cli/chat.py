@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from nanoplug.cli.options import add_engine_options, add_sampling_options, build_llm, sampling_params
+from nanoplug.cli.options import (OptionError, add_engine_options, add_sampling_options, build_llm, command_line_text,
+                                  sampling_params)
 from nanoplug.core.errors import RequestError
 
 EXIT_COMMANDS = ("/exit", "/quit", "/bye")
@@ -25,14 +26,18 @@ def add_parser(sub) -> None:
 
 
 def read_message(interactive: bool) -> str | None:
-    """The user's next line, or None at end of input."""
-    if interactive:
-        try:
-            return input(">>> ")
-        except EOFError:
-            print()
-            return None
-    line = sys.stdin.readline()
+    """The user's next line, or None at end of input; input that is not UTF-8 is a one-line error."""
+    try:
+        if interactive:
+            try:
+                return input(">>> ")
+            except EOFError:
+                print()
+                return None
+        line = sys.stdin.readline()
+    except UnicodeDecodeError as exc:
+        raise OptionError(f"the input is not valid UTF-8 text ({exc.reason} at byte {exc.start}); "
+                          "convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from exc
     return None if line == "" else line.rstrip("\n")
 
 
@@ -53,6 +58,8 @@ def prompt_ids(llm, history: list[dict[str, str]], room: int) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     params = sampling_params(args)
+    if args.system is not None:
+        command_line_text("--system", args.system)
     llm = build_llm(args)
     interactive = sys.stdin.isatty()
     system = [{"role": "system", "content": args.system}] if args.system else []

@@ -79,8 +79,7 @@ class ScenarioState:
             self.next_block += 1
 
     def batch(self, step: Step):
-        from nanoplug.core.runner import StepBatch
-        from nanoplug.core.sampler import SamplingBatch
+        from nanoplug.api import SamplingBatch, StepBatch
 
         ids, starts, tables = [], [], []
         for i, n in zip(step.seqs, step.query_lens):
@@ -91,8 +90,7 @@ class ScenarioState:
             tables.append(list(self.tables[i]))
             self.starts[i] = start + n
         rows = list(range(len(step.seqs)))
-        k = len(rows)
-        sampling = SamplingBatch([0.0] * k, [0] * k, [1.0] * k, [0.0] * k, [None] * k, [0] * k)
+        sampling = SamplingBatch.greedy(len(rows))
         new, self.new_blocks = self.new_blocks, []
         return StepBatch(step.is_prefill, ids, starts, list(step.query_lens), tables, rows, sampling, rows,
                          new_blocks=new)
@@ -122,9 +120,8 @@ def run_backend(model: str, name: str, kind: str = "attention", device: str = "a
         outcome.error = str(exc)
         return outcome
     try:
-        runner = llm.executor.worker if hasattr(llm.executor, "worker") else None
-        call = runner.run if runner is not None else (lambda b: llm.executor.call("run", b))
-        state = ScenarioState(bs, llm.facts.vocab_size)
+        worker = llm.engine.worker  # the typed worker protocol: a local runner or a proxy over ranks
+        state = ScenarioState(bs, llm.engine.facts.vocab_size)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
             torch.cuda.reset_peak_memory_stats(dev)
@@ -132,7 +129,7 @@ def run_backend(model: str, name: str, kind: str = "attention", device: str = "a
         for step in state.steps:
             batch = state.batch(step)
             t0 = time.perf_counter()
-            _, rows = call(batch)
+            rows = worker.run(batch).logits
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             outcome.seconds[step.case] = outcome.seconds.get(step.case, 0.0) + time.perf_counter() - t0

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from nanoplug.cli.options import OptionError, add_engine_options, add_sampling_options, build_llm, sampling_params
+from nanoplug.cli.options import (OptionError, add_engine_options, add_sampling_options, build_llm, command_line_text,
+                                  read_stdin, sampling_params)
 
 
 def add_parser(sub) -> None:
@@ -24,7 +25,9 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.prompt is None and sys.stdin.isatty():
         raise OptionError("no prompt given; pass it as an argument: nanoplug generate \"The capital of France is\"")
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    prompt = command_line_text("the prompt", args.prompt) if args.prompt is not None else read_stdin("the prompt")
+    if args.system is not None:
+        command_line_text("--system", args.system)
     if not prompt.strip():
         raise OptionError("the prompt is empty; pass it as an argument: nanoplug generate \"The capital of France is\"")
     params = sampling_params(args)

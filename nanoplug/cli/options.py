@@ -25,7 +25,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache", default="auto", help="KV-cache store, e.g. torch, triton (default: auto)")
     parser.add_argument("--device", default="auto", help="auto (a GPU if present), cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    parser.add_argument("--max-model-len", type=int, default=4096, help="longest prompt plus answer, in tokens")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt plus answer, in tokens (default: 4096, or the model's limit if lower)")
 
 
 def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -46,6 +47,27 @@ def sampling_params(args: argparse.Namespace, **extra: Any):
                               max_tokens=args.max_tokens, seed=args.seed, **extra)
     except ValidationError as exc:
         raise OptionError(_first_problem(exc)) from exc
+
+
+def command_line_text(what: str, text: str) -> str:
+    """`text` from the command line, refused when it is not valid UTF-8 (Python keeps such bytes as lone
+    surrogates, which no tokenizer takes)."""
+    from nanoplug.core.request_input import lone_surrogate
+
+    bad = lone_surrogate(text)
+    if bad:
+        raise OptionError(f"{what} is not valid UTF-8 text: it has {bad}; convert it to UTF-8 "
+                          "(e.g. iconv -f latin1 -t utf-8) and try again")
+    return text
+
+
+def read_stdin(what: str) -> str:
+    """All of stdin as text, refused in one line when it is not valid UTF-8."""
+    try:
+        return sys.stdin.read()
+    except UnicodeDecodeError as exc:
+        raise OptionError(f"{what} on stdin is not valid UTF-8 text ({exc.reason}: byte 0x{exc.object[exc.start]:02x} "
+                          f"at byte {exc.start}); convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from exc
 
 
 def _first_problem(exc: Any) -> str:
@@ -77,8 +99,9 @@ def build_llm(args: argparse.Namespace):
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise OptionError(f"--device {args.device}: torch sees no CUDA GPU here; use --device cpu (or auto)")
-    options = dict(attention=args.attention, kv_cache=args.kv_cache, device=args.device, dtype=args.dtype,
-                   max_model_len=args.max_model_len)
+    options = dict(attention=args.attention, kv_cache=args.kv_cache, device=args.device, dtype=args.dtype)
+    if args.max_model_len is not None:
+        options["max_model_len"] = args.max_model_len
     if args.seed is not None:
         options["seed"] = args.seed
     if getattr(args, "lora", None):  # `generate --lora DIR`: PEFT LoRA folders merged at load

@@ -2,7 +2,8 @@
 
 Availability is judged against a default target (device auto, its dtype, no model) unless --model,
 --device or --dtype say otherwise, so a new user sees at a glance what "auto" would pick and why not
-the others. Broken third-party plugins are listed with their error.
+the others. Broken third-party plugins are listed with their error, and one plugin that misbehaves
+while it is listed is shown as unavailable with the reason: the listing itself always prints.
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import json
 import sys
 from typing import Any
 
-from nanoplug.core.registry import KIND_HOOKS, Registry
+from nanoplug.api.hookspecs import KIND_HOOKS
+from nanoplug.core.registry import Registry
 
 
 def add_parser(sub: Any) -> None:
@@ -24,41 +26,29 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def build_target(model: str | None, device: str, dtype: str):
-    """The Target availability is judged against: the engine's own device and dtype rules."""
+def build_target(model: str | None, device: str, dtype: str, registry: Registry):
+    """The Target availability is judged against: the engine's own device, platform and dtype rules."""
+    from nanoplug.api import ModelFacts, Target
     from nanoplug.core.config import EngineConfig
-    from nanoplug.core.engine import resolve_device, resolve_dtype
-    from nanoplug.core.interfaces import Target
+    from nanoplug.core.startup import platform_and_dtype
 
     config = EngineConfig(model=model or "", device=device, dtype=dtype)
     hf_config, facts = None, None
     if model:
         from nanoplug.core.loader import load_hf_config
-        from nanoplug.core.interfaces import ModelFacts
 
         hf_config = load_hf_config(config.model)
         facts = ModelFacts.from_hf_config(hf_config)
-    torch_device = resolve_device(config.device)
-    return Target(config, torch_device, resolve_dtype(config.dtype, torch_device, hf_config), facts)
+    _, torch_device, torch_dtype = platform_and_dtype(registry, config, hf_config)
+    return Target(device=torch_device, dtype=torch_dtype, model=facts, block_size=config.kv_block_size,
+                  tensor_parallel_size=config.tensor_parallel_size)
 
 
-def listing(registry: Registry, target) -> dict[str, Any]:
+def listing(registry: Registry, target, model: str | None = None) -> dict[str, Any]:
     """The whole report as plain data: the --json output and the source of the table."""
     kinds: dict[str, Any] = {}
     for kind in KIND_HOOKS:
-        plugins = []
-        for name in registry.by_priority(kind):
-            entry = registry.entries[kind][name]
-            reasons = registry.reasons(kind, name, target)
-            cls = entry.cls
-            plugins.append({
-                "name": name,
-                "source": entry.source,
-                "available": not reasons,
-                "reasons": reasons,
-                "description": getattr(cls, "description", "") if cls is not None else "",
-                "priority": getattr(cls, "priority", None) if cls is not None else None,
-            })
+        plugins = [_describe(registry, kind, name, target) for name in registry.by_priority(kind)]
         if kind == "model":  # the engine picks the model plugin by the checkpoint's architecture
             arch = target.model.architecture if target.model else None
             auto = next((p["name"] for p in plugins if p["available"] and p["name"] == arch), None)
@@ -71,12 +61,30 @@ def listing(registry: Registry, target) -> dict[str, Any]:
         "target": {
             "device": str(target.device),
             "dtype": str(target.dtype).removeprefix("torch."),
-            "model": target.config.model or None,
+            "model": model or None,
             "architecture": target.model.architecture if target.model else None,
         },
         "kinds": kinds,
         "broken": [{"name": b.name, "source": b.source, "error": b.error} for b in registry.broken],
     }
+
+
+def _describe(registry: Registry, kind: str, name: str, target) -> dict[str, Any]:
+    """One plugin's row; the registry checked its attributes at registration, and anything that still
+    raises here becomes its reason rather than ending the listing."""
+    entry = registry.entries[kind][name]
+    row = {"name": name, "source": entry.source, "available": False, "reasons": [], "description": "", "priority": None}
+    try:
+        reasons = [str(r) for r in registry.reasons(kind, name, target)]
+        cls = entry.cls
+        description = getattr(cls, "description", "") if cls is not None else ""
+        priority = getattr(cls, "priority", None) if cls is not None else None
+    except Exception as exc:
+        row["reasons"] = [f"listing it raised {type(exc).__name__}: {exc}"]
+        return row
+    row.update(available=not reasons, reasons=reasons, description=str(description),
+               priority=priority if isinstance(priority, int) and not isinstance(priority, bool) else None)
+    return row
 
 
 def format_table(data: dict[str, Any]) -> str:
@@ -100,10 +108,11 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     try:
-        target = build_target(args.model, args.device, args.dtype)
+        registry = Registry()
+        target = build_target(args.model, args.device, args.dtype, registry)
     except (ValidationError, RuntimeError) as exc:  # a bad --device/--dtype, or cuda asked on a CPU machine
         print(f"nanoplug plugins: error: {exc}", file=sys.stderr)
         return 2
-    data = listing(Registry(), target)
-    print(json.dumps(data, indent=2) if args.json else format_table(data))
+    data = listing(registry, target, args.model)
+    print(json.dumps(data, indent=2, default=str) if args.json else format_table(data))
     return 0

@@ -71,8 +71,9 @@ class BlockManager:
         reclaimed = sum(1 for b in hits if self.ref_counts[b] == 0)
         return self.blocks_needed(len(seq)) - len(hits) + reclaimed <= len(self.free_ids)
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give `seq` blocks for all its tokens, reusing cached prefix blocks."""
+    def allocate(self, seq: Sequence) -> int:
+        """Give `seq` blocks for all its tokens, reusing cached prefix blocks; returns the tokens those
+        hits hold (their K/V are computed already: the scheduler counts them)."""
         assert not seq.block_table
         hits = self._prefix_hits(seq)
         for b in hits:
@@ -83,7 +84,8 @@ class BlockManager:
         seq.block_hashes = [self.hashes[b] for b in hits]
         for _ in range(self.blocks_needed(len(seq)) - len(hits)):
             seq.block_table.append(self._take_free())
-        seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_cached_tokens = len(hits) * self.block_size  # the hits it had, reported with its output
+        return seq.num_cached_tokens
 
     def _take_free(self) -> int:
         b = self.free_ids.popleft()
@@ -112,7 +114,6 @@ class BlockManager:
             if self.ref_counts[b] == 0:
                 self.free_ids.append(b)
         seq.block_table, seq.block_hashes = [], []
-        seq.num_computed_tokens = 0  # num_cached_tokens stays: the output reports the hits it had
 
     # -------------------------------------------------------------------------------- decode
     def can_append(self, seq: Sequence) -> bool:

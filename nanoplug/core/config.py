@@ -1,16 +1,40 @@
 """The run's choices, validated once: EngineConfig (how to serve) and SamplingParams (what to sample).
 
-Wrong values fail here, naming the field and the rule, before any weight is read.
+Wrong values fail here, naming the field and the rule, before any weight is read. Numbers and
+switches are strict: `max_tokens="5"`, `max_tokens=True` or `enforce_eager="no"` are a caller's
+mistake (a value read from text and never converted), refused rather than guessed at. A float field
+takes an int (0 means 0.0), and an int field takes numpy's and torch's integer scalars.
 """
 from __future__ import annotations
 
+import operator
+import os
+import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator, model_validator
 
 PluginName = Annotated[str, Field(min_length=1, pattern=r"^\S+$")]
 """A plugin name, or "auto": non-empty, no spaces."""
+
+
+def _integer_scalar(value: Any) -> Any:
+    """numpy's and torch's integer scalars become ints; anything else is left for the strict check."""
+    if isinstance(value, (bool, int, float, str, bytes)) or not hasattr(value, "__index__"):
+        return value
+    try:
+        return operator.index(value)  # numpy.int64(5) -> 5; numpy.bool_ and floats refuse
+    except TypeError:
+        return value
+
+
+Int = Annotated[int, BeforeValidator(_integer_scalar), Strict()]
+"""An int (or numpy/torch integer scalar); never a bool, a float or a string."""
+Float = Annotated[float, Strict()]
+"""A float or an int; never a bool or a string."""
+Bool = Annotated[bool, Strict()]
+"""True or False; never 1, "yes" or "false"."""
 
 
 class AdapterSpec(BaseModel):
@@ -19,9 +43,9 @@ class AdapterSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     kind: PluginName = "lora"
     path: str = Field(min_length=1)
-    scale: float = 1.0
+    scale: Float = 1.0
     name: str | None = None
-    merge: bool = Field(True, description="merge into the weights at load (every request); False: chosen per "
+    merge: Bool = Field(True, description="merge into the weights at load (every request); False: chosen per "
                         "request by SamplingParams(adapter=name)")
 
     @property
@@ -30,39 +54,103 @@ class AdapterSpec(BaseModel):
         return self.name or Path(self.path).name
 
 
+class CpuOptions(BaseModel):
+    """Options of the `cpu` platform: `EngineConfig(cpu={"kernels": False})`."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    kv_cache_gb: Float = Field(4.0, gt=0, description="KV-cache memory when num_kv_blocks is None")
+    kernels: Bool | None = Field(None, description="nanoplug's C++ kernels for float32 steps (decode-sized GEMM, "
+                                 "RMSNorm, SiLU-and-mul, RoPE, greedy argmax), compiled once per machine; None: "
+                                 "when a C++ compiler is found")
+    weight_packing: Bool | None = Field(None, description="pack linear weights once for a decode-sized float32 GEMM "
+                                        "(nanoplug's with the kernels, else MKL's; a second copy of them); None: "
+                                        "when it fits in a quarter of the available memory")
+
+
+class CudaOptions(BaseModel):
+    """Options of the `cuda` platform: `EngineConfig(cuda={"enforce_eager": True})`."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    memory_utilization: Float = Field(0.9, gt=0, le=1, description="share of GPU memory the engine may use")
+    enforce_eager: Bool = Field(False, description="no CUDA graphs, no torch.compile")
+    compile_fused_ops: Bool = Field(True, description="torch.compile the small fused ops (off: measure without)")
+
+
+# the flat names these options had before they moved into their platform's part of the config
+DEPRECATED_OPTIONS = {
+    "cpu_kv_cache_gb": ("cpu", "kv_cache_gb"),
+    "cpu_kernels": ("cpu", "kernels"),
+    "cpu_weight_packing": ("cpu", "weight_packing"),
+    "gpu_memory_utilization": ("cuda", "memory_utilization"),
+    "enforce_eager": ("cuda", "enforce_eager"),
+    "compile_fused_ops": ("cuda", "compile_fused_ops"),
+}
+
+
 class EngineConfig(BaseModel):
-    """How one engine instance serves: the model, the plugin of each kind, and the memory limits."""
+    """How one engine instance serves: the model, the plugin of each kind, and the memory limits.
+
+    The fields are generic; what only one platform understands lives in that platform's part
+    (`cpu`, `cuda`; a third-party platform's in `platform_options[name]`)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
 
     model: str = Field(description="checkpoint folder (or a Hugging Face model id)")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
+    platform: PluginName = Field("auto", description="the platform plugin (device family); auto: the device's")
     attention: PluginName = "auto"
     prefill_attention: PluginName | None = Field(None, description="a different backend for prefill steps")
     kv_cache: PluginName = "auto"
     parallel: PluginName = "auto"
-    tensor_parallel_size: int = Field(1, ge=1)
+    tensor_parallel_size: Int = Field(1, ge=1)
     adapters: list[AdapterSpec] = Field(default_factory=list)
-    max_model_len: int = Field(4096, ge=1)
-    max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int = Field(16384, ge=1)
-    kv_block_size: int = Field(256, ge=1)
-    num_kv_blocks: int | None = Field(None, ge=1, description="fixed number of KV blocks; None sizes it from memory")
-    cpu_kv_cache_gb: float = Field(4.0, gt=0, description="KV-cache memory on CPU when num_kv_blocks is None")
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False
-    compile_fused_ops: bool = Field(True, description="torch.compile the small fused ops on CUDA (off: measure without)")
-    overlap_steps: bool | None = Field(None, description="prepare step N+1 on the host while the device computes "
-                                       "step N; None: on for CUDA when the parallel strategy supports it")
-    cpu_weight_packing: bool | None = Field(None, description="pack linear weights once for a decode-sized GEMM "
-                                            "on the CPU in float32 (nanoplug's with cpu_kernels, else MKL's; a second "
-                                            "copy of them); None: when it fits in a quarter of the available memory")
-    cpu_kernels: bool | None = Field(None, description="nanoplug's C++ kernels for float32 CPU steps (decode-sized "
-                                     "GEMM, RMSNorm, SiLU-and-mul, RoPE, greedy argmax), compiled once per machine; "
-                                     "None: when a C++ compiler is found")
-    seed: int = 0
+    max_model_len: Int = Field(4096, ge=1, description="longest prompt plus answer, in tokens; at most the "
+                               "model's max_position_embeddings (NANOPLUG_ALLOW_LONG_MAX_MODEL_LEN=1 allows more); "
+                               "when not given, 4096 or the model's limit if lower")
+    max_num_seqs: Int = Field(256, ge=1)
+    max_num_batched_tokens: Int = Field(16384, ge=1)
+    kv_block_size: Int = Field(256, ge=1)
+    num_kv_blocks: Int | None = Field(None, ge=1, description="fixed number of KV blocks; None sizes it from memory")
+    enable_prefix_caching: Bool = True
+    overlap_steps: Bool | None = Field(None, description="prepare step N+1 on the host while the device computes "
+                                       "step N; None: the platform's default (on for CUDA) when the parallel "
+                                       "strategy supports it")
+    skip_tokenizer_init: Bool = Field(False, description="load no tokenizer (as vLLM's option): prompts must be token "
+                                      "ids, outputs carry token ids and empty text, no stop strings or chat")
+    seed: Int = 0
+    cpu: CpuOptions = Field(default_factory=CpuOptions)
+    cuda: CudaOptions = Field(default_factory=CudaOptions)
+    platform_options: dict[str, dict[str, Any]] = Field(default_factory=dict,
+                                                        description="options of third-party platforms, by name")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated_flat_options(cls, values: Any) -> Any:
+        """cpu_kernels=False still works, as cpu={"kernels": False} (with a DeprecationWarning)."""
+        if not isinstance(values, dict) or not any(k in values for k in DEPRECATED_OPTIONS):
+            return values
+        values = dict(values)
+        for old, (platform, field) in DEPRECATED_OPTIONS.items():
+            if old in values:
+                warnings.warn(f"EngineConfig option {old!r} is deprecated; use {platform}={{{field!r}: ...}}",
+                              DeprecationWarning, stacklevel=4)
+                part = values.get(platform) or {}
+                part = part.model_dump(exclude_unset=True) if isinstance(part, BaseModel) else dict(part)
+                part.setdefault(field, values.pop(old))
+                values[platform] = part
+        return values
+
+    def options_of(self, platform: str) -> Any:
+        """The part of this config that platform `platform` reads ({} when it has none)."""
+        part = getattr(self, platform, None) if platform in type(self).model_fields else None
+        return part if isinstance(part, BaseModel) else self.platform_options.get(platform, {})
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _path(cls, value: Any) -> Any:
+        """A pathlib.Path (any os.PathLike) names a folder as well as its string does."""
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
 
     @field_validator("adapters", mode="before")
     @classmethod
@@ -109,17 +197,17 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    temperature: float = Field(1.0, ge=0)
-    top_k: int = Field(0, ge=0, description="0 keeps every token")
-    top_p: float = Field(1.0, gt=0, le=1)
-    min_p: float = Field(0.0, ge=0, le=1)
-    max_tokens: int = Field(64, ge=1)
-    ignore_eos: bool = False
+    temperature: Float = Field(1.0, ge=0)
+    top_k: Int = Field(0, ge=0, description="0 keeps every token")
+    top_p: Float = Field(1.0, gt=0, le=1)
+    min_p: Float = Field(0.0, ge=0, le=1)
+    max_tokens: Int = Field(64, ge=1)
+    ignore_eos: Bool = False
     stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[NonNegativeInt] = Field(default_factory=list)
-    seed: int | None = None
+    stop_token_ids: list[Annotated[Int, Field(ge=0)]] = Field(default_factory=list)
+    seed: Int | None = None
     adapter: str | None = Field(None, description="name of a per-request adapter loaded at start-up")
-    output_logits: bool = Field(False, description="return the raw logits row of every generated token")
+    output_logits: Bool = Field(False, description="return the raw logits row of every generated token")
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -1,29 +1,12 @@
-"""Errors a user sees: each says what went wrong and how to fix it."""
+"""Errors a user sees: each says what went wrong and how to fix it. Those a plugin may raise too are
+defined in the SDK (`nanoplug.api.errors`) and re-exported here; the engine's own follow."""
+from nanoplug.api.errors import (AdapterError, ModelLoadError, NanoplugError, PluginLoadError,  # noqa: F401
+                                 PluginUnavailableError, RequestError, UnknownPluginError, WeightShapeError)
 
 
-class NanoplugError(Exception):
-    """Base of every error nanoplug raises on purpose."""
+class ConfigError(NanoplugError, ValueError):
+    """A setting that does not fit this model (e.g. max_model_len past its context length)."""
 
 
-class UnknownPluginError(NanoplugError, ValueError):
-    """A plugin name that no built-in or installed plugin provides."""
-
-
-class PluginUnavailableError(NanoplugError, RuntimeError):
-    """The chosen plugin (or every candidate of "auto") cannot serve this config."""
-
-
-class PluginLoadError(NanoplugError, ImportError):
-    """A plugin failed to import or declares an incompatible API version."""
-
-
-class RequestError(NanoplugError, ValueError):
-    """A request that cannot be served as given (too long, empty, bad token ids)."""
-
-
-class ModelLoadError(NanoplugError, OSError):
-    """A checkpoint that cannot be found or read."""
-
-
-class AdapterError(NanoplugError, ValueError):
-    """A weight adapter that does not fit the model, or of a type the chosen adapter plugin cannot apply."""
+class EngineClosedError(NanoplugError, RuntimeError):
+    """A request to an LLM after close()."""

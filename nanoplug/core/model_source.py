@@ -29,8 +29,10 @@ def _local_alternative(model: str) -> str:
             f"the local folder instead: LLM('/path/to/{name}') or nanoplug generate --model /path/to/{name}")
 
 
-def resolve_model_path(model: str) -> str:
+def resolve_model_path(model: str | os.PathLike) -> str:
     """A local checkpoint folder for `model` (a folder path, or an id like "Qwen/Qwen3-0.6B")."""
+    if isinstance(model, os.PathLike):  # a pathlib.Path names a folder, never a hub id
+        return str(Path(model).expanduser())
     if not looks_like_hub_id(model):
         return str(Path(model).expanduser())
     try:

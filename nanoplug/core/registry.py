@@ -1,12 +1,17 @@
 """Finds plugins (built-ins from registry.toml, third parties from the `nanoplug` entry-point group),
 asks each whether it can serve, and resolves one name per kind for one engine.
 
+Each built-in is declared once, in registry.toml ("module:object"), and imported only when chosen or
+listed. Third-party plugins come through entry points: modules whose `@hookimpl` registrar hooks
+(nanoplug/api/hookspecs.py) add what they offer. Both are checked the same way when they register.
+
 Start-up only: the engine keeps the resolved classes; nothing here runs per step.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import inspect
 import logging
 import os
 import sys
@@ -15,10 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import pluggy
+import torch
 
-from nanoplug.core import hookspecs
-from nanoplug.core.errors import PluginLoadError, PluginUnavailableError, UnknownPluginError
-from nanoplug.core.interfaces import PLUGIN_API_VERSION, Target
+from nanoplug.api import (AttentionBackend, KVCacheStore, ModelArchitecture, ParallelStrategy, Platform, Target,
+                          WeightAdapter, hookspecs)
+from nanoplug.api.errors import PluginLoadError, PluginUnavailableError, UnknownPluginError
+from nanoplug.api.hookspecs import KIND_HOOKS, PLUGIN_API_VERSION
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -27,12 +34,13 @@ else:  # pragma: no cover
 
 log = logging.getLogger("nanoplug")
 
-KIND_HOOKS = {
-    "attention": "nanoplug_register_attention",
-    "kv_cache": "nanoplug_register_kv_cache",
-    "model": "nanoplug_register_model",
-    "parallel": "nanoplug_register_parallel",
-    "adapter": "nanoplug_register_adapter",
+KIND_BASES = {
+    "attention": AttentionBackend,
+    "kv_cache": KVCacheStore,
+    "model": ModelArchitecture,
+    "parallel": ParallelStrategy,
+    "adapter": WeightAdapter,
+    "platform": Platform,
 }
 ENTRY_POINT_GROUP = "nanoplug"
 DISABLE_ENTRY_POINTS_ENV = "NANOPLUG_DISABLE_ENTRY_POINTS"
@@ -61,22 +69,71 @@ class BrokenPlugin:
     error: str
 
 
+def malformed(kind: str, cls: Any) -> list[str]:
+    """What is wrong with `cls` as a plugin of `kind` (empty when nothing is): checked when it registers,
+    so a bad declaration is reported against its plugin instead of failing later in every engine's "auto"."""
+    base = KIND_BASES[kind]
+    if not isinstance(cls, type):
+        return [f"it is {cls!r}, not a class"]
+    problems = []
+    if not issubclass(cls, base):
+        problems.append(f"{cls.__qualname__} is not a subclass of nanoplug.api.{base.__name__}")
+    if kind == "model" and not issubclass(cls, torch.nn.Module):
+        problems.append(f"{cls.__qualname__} is not a torch.nn.Module")
+    abstract = sorted(getattr(cls, "__abstractmethods__", ()) or ())
+    if abstract:
+        problems.append(f"it does not implement {', '.join(abstract)}")
+    try:
+        priority, description = getattr(cls, "priority", 0), getattr(cls, "description", "")
+        unavailable = inspect.getattr_static(cls, "unavailable", None)
+        flags = {f: getattr(cls, f) for f in ("supports_cuda_graphs", "supports_overlap") if hasattr(cls, f)}
+        packed = getattr(cls, "packed_modules_mapping", {}) if kind == "model" else {}
+    except Exception as exc:  # a class attribute that raises when read
+        return problems + [f"reading its attributes raised {type(exc).__name__}: {exc}"]
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        problems.append(f"priority must be an int, found {priority!r}")
+    if not isinstance(description, str):
+        problems.append(f"description must be a str, found {description!r}")
+    if not isinstance(unavailable, (classmethod, staticmethod)) or not callable(unavailable.__func__):
+        problems.append(f"unavailable must be a classmethod unavailable(cls, target) -> list[str], "
+                        f"found {unavailable!r}")
+    problems += [f"{f} must be True or False, found {v!r}" for f, v in flags.items() if not isinstance(v, bool)]
+    if not isinstance(packed, dict) or not all(isinstance(k, str) and isinstance(v, tuple) and len(v) == 2
+                                               and isinstance(v[0], str) for k, v in packed.items()):
+        problems.append("packed_modules_mapping must map checkpoint module names to (fused module, shard id), "
+                        f"found {packed!r}")
+    return problems
+
+
 class Registrar:
-    """What a hook implementation receives: `register.add(name, cls)`. Collects; the registry commits."""
+    """What a hook implementation receives: `register.add(name, cls)`. Collects; the registry commits.
+
+    A name another source already provides (a built-in, another plugin) is refused unless the plugin
+    says `register.add(name, cls, replace=True)`: replacing a built-in is a decision, never an accident
+    of which package was installed."""
 
     def __init__(self, kind: str):
         self.kind = kind
-        self.added: list[tuple[str, Any]] = []
+        self.added: list[tuple[str, Any, bool]] = []
 
-    def add(self, name: str, cls: Any) -> None:
-        if not isinstance(name, str) or not name or name == "auto":
-            raise PluginLoadError(f"{self.kind} plugin name {name!r} is invalid; use a non-empty name other than 'auto'")
-        if not isinstance(cls, type) or not callable(getattr(cls, "unavailable", None)):
+    def add(self, name: str, cls: Any, *, replace: bool = False) -> None:
+        if not isinstance(name, str) or not name or name == "auto" or any(c.isspace() or c == "," for c in name):
+            raise PluginLoadError(f"{self.kind} plugin name {name!r} is invalid; use a non-empty name without spaces "
+                                  "or commas, other than 'auto'")
+        if not isinstance(replace, bool):
+            raise PluginLoadError(f"{self.kind} plugin {name!r}: replace must be True or False, found {replace!r}")
+        if any(n == name for n, _, _ in self.added):
+            raise PluginLoadError(f"{self.kind} plugin {name!r} is registered twice by one module; "
+                                  "register each name once")
+        problems = malformed(self.kind, cls)
+        if problems:
+            base = KIND_BASES[self.kind].__name__
             raise PluginLoadError(
-                f"{self.kind} plugin {name!r} must be a class with a classmethod `unavailable(target)`; "
-                f"subclass the kind's base class in nanoplug.core.interfaces (got {cls!r})"
+                f"{self.kind} plugin {name!r} is malformed: {'; '.join(problems)}; it must be a class that subclasses "
+                f"nanoplug.api.{base} with a classmethod `unavailable(target)`, an int priority and a "
+                "str description (see docs/plugins.md)"
             )
-        self.added.append((name, cls))
+        self.added.append((name, cls, replace))
 
 
 @dataclass
@@ -131,8 +188,8 @@ class Registry:
             try:
                 if not self.add_plugin_module(ep.load(), source):
                     raise PluginLoadError(
-                        f"{ep.value} registers no plugin; implement a hook of nanoplug.core.hookspecs "
-                        f"(e.g. nanoplug_register_attention) with @nanoplug.hookimpl"
+                        f"{ep.value} registers no plugin; implement a hook of nanoplug.api.hookspecs "
+                        f"(e.g. nanoplug_register_attention) with @nanoplug.api.hookimpl"
                     )
             except Exception as exc:  # a broken third-party plugin is reported, not fatal
                 self.broken.append(BrokenPlugin(ep.name, source, f"{type(exc).__name__}: {exc}"))
@@ -150,7 +207,7 @@ class Registry:
             raise PluginLoadError(
                 f"plugin module {label!r} ({source}) declares NANOPLUG_API_VERSION = {version!r}, but this "
                 f"nanoplug speaks plugin API {PLUGIN_API_VERSION}; install a release of the plugin built for "
-                f"API {PLUGIN_API_VERSION} (or set NANOPLUG_API_VERSION = nanoplug.PLUGIN_API_VERSION)"
+                f"API {PLUGIN_API_VERSION} (or set NANOPLUG_API_VERSION = nanoplug.api.PLUGIN_API_VERSION)"
             )
         newly_registered = not self.pm.is_registered(module)
         if newly_registered:
@@ -161,24 +218,37 @@ class Registry:
             others = [p for p in self.pm.get_plugins() if p is not module]
             for kind, hook in KIND_HOOKS.items():
                 self.pm.subset_hook_caller(hook, remove_plugins=others)(register=registrars[kind])
+            self._check_names(registrars, source)
         except Exception:
             if newly_registered:
                 self.pm.unregister(module)
             raise
         added = []
         for kind, registrar in registrars.items():
-            for name, cls in registrar.added:
+            for name, cls, _ in registrar.added:
                 self._commit(kind, name, cls, source)
                 added.append((kind, name))
         return added
 
+    def _check_names(self, registrars: dict[str, Registrar], source: str) -> None:
+        """Refuse a name another source provides, unless the plugin asked to replace it."""
+        taken = [f"{kind} plugin {name!r} is already provided by {self.entries[kind][name].source}"
+                 for kind, registrar in registrars.items() for name, _, replace in registrar.added
+                 if not replace and source != BUILTIN_SOURCE and name in self.entries[kind]
+                 and self.entries[kind][name].source != source]
+        if taken:
+            raise PluginLoadError(
+                "; ".join(taken) + "; choose another name, or replace it explicitly with "
+                "register.add(name, cls, replace=True)"
+            )
+
     def _commit(self, kind: str, name: str, cls: Any, source: str) -> None:
-        """Third-party plugins may replace built-ins (with a warning); built-ins never replace them."""
+        """A plugin that asked to replace a name takes it over; built-ins never replace one."""
         old = self.entries[kind].get(name)
         if old is not None and old.source != source:
             if source == BUILTIN_SOURCE:
                 return
-            log.warning("%s plugin %r from %s replaces the one from %s", kind, name, source, old.source)
+            log.info("%s plugin %r from %s replaces the one from %s (replace=True)", kind, name, source, old.source)
         if old is not None and old.source == source:
             old.cls, old.error = cls, None
             return
@@ -209,13 +279,13 @@ class Registry:
         return entry.cls
 
     def _import_builtin(self, entry: PluginEntry) -> None:
+        """Import a built-in's "module:object" (its one declaration, in registry.toml), checked as any plugin is."""
         if entry.error is None:
             module_name, _, obj = entry.target.partition(":")
             try:
-                module = importlib.import_module(module_name)
-                self.add_plugin_module(module, entry.source)
-                if entry.cls is None:
-                    entry.cls = getattr(module, obj)
+                cls = getattr(importlib.import_module(module_name), obj)
+                Registrar(entry.kind).add(entry.name, cls)
+                entry.cls = cls
             except Exception as exc:
                 entry.error = f"{type(exc).__name__}: {exc}"
                 if isinstance(exc, ModuleNotFoundError) and exc.name == module_name:
@@ -264,9 +334,11 @@ class Registry:
 
         def key(name: str) -> tuple[int, str]:
             try:
-                return (-int(getattr(self.get(kind, name), "priority", 0)), name)
+                priority = getattr(self.get(kind, name), "priority", 0)
             except PluginLoadError:
                 return (1 << 30, name)
+            # checked at registration; a class changed since sorts last rather than failing every "auto"
+            return (-priority, name) if isinstance(priority, int) and not isinstance(priority, bool) else (1 << 30, name)
 
         return sorted(self._kind(kind), key=key)
 

@@ -1,57 +1,26 @@
-"""One step on the device: pack the scheduled tokens into tensors, run the model, sample.
+"""The worker on one device: build the model once, then per step plan the inputs, run the model, sample.
 
-The runner lives on every tensor-parallel rank; it is built once with the engine's resolved
-plugin classes, so nothing per step goes through the registry or pluggy.
+It implements the worker protocol (`nanoplug.api.Worker`) and lives on every tensor-parallel rank.
+It is built once with the engine's resolved plugin classes, so nothing per step goes through the
+registry or pluggy, and it holds no device-family code: sizing and zeroing the KV cache, fused
+kernels, compiled ops, warm-up, graphs and the copy of the tokens back are its platform's.
 """
 from __future__ import annotations
 
-import itertools
-import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from nanoplug import cpu_kernels
-from nanoplug.core.attention_layer import PagedAttention, StepContext
+from nanoplug.api import (AttentionMetadata, AttentionSpec, KVCacheSpec, KVLayer, Layers, LinearMethod,
+                          ModelFacts, PagedAttention, ProcessGroup, SamplingBatch, StepBatch, StepContext, StepInputs, StepLimits,
+                          StepResult, Target, Worker, to_device)
 from nanoplug.core.config import EngineConfig
-from nanoplug.core.device_copy import to_device
-from nanoplug.core.interfaces import AttentionMetadata, AttentionSpec, ModelFacts, ProcessGroup, Worker
-from nanoplug.core.loader import load_hf_config, load_weights
-from nanoplug.core.packed_linear import pack_linear_weights
-from nanoplug.core.sampler import Sampler, SamplingBatch
-
-log = logging.getLogger("nanoplug")
-GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-
-
-@dataclass
-class StepBatch:
-    """One step's work as plain data (it crosses process boundaries under tensor parallelism)."""
-
-    is_prefill: bool
-    input_ids: list[int]
-    starts: list[int]  # tokens already in the cache for each sequence
-    query_lens: list[int]
-    block_tables: list[list[int]]
-    sample_rows: list[int]  # sequences whose last computed token yields a new token
-    sampling: SamplingBatch
-    logits_rows: list[int] = field(default_factory=list)  # of sample_rows, the ones that want logits
-    adapter_ids: list[int] = field(default_factory=list)
-    new_blocks: list[int] = field(default_factory=list)  # KV blocks used for the first time: cleared first
-    # input tokens not yet known on the host (overlapped steps): input_ids[i] for i in from_previous_at
-    # is row from_previous_rows[k] of the previous step's sampled tokens, taken on the device
-    from_previous_at: list[int] = field(default_factory=list)
-    from_previous_rows: list[int] = field(default_factory=list)
-
-
-def fill_rows(table: np.ndarray, rows: list[list[int]]) -> None:
-    """table[i, :len(rows[i])] = rows[i] for every i, in a few numpy calls instead of one per row."""
-    lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-    flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=table.dtype, count=int(lens.sum()))
-    table[: len(rows)][np.arange(table.shape[1]) < lens[:, None]] = flat
+from nanoplug.core.inputs import plan_inputs
+from nanoplug.core.loader import load_weights
+from nanoplug.core.sampler import Sampler
 
 
 @dataclass
@@ -62,334 +31,226 @@ class PluginClasses:
     prefill_attention: Any
     decode_attention: Any
     kv_cache: Any
-    adapters: list[Any]
+    adapters: list[Any]  # (class, AdapterSpec) pairs
+    platform: Any
+    platform_name: str
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker is built from (picklable: process-based strategies ship it to each rank)."""
+
+    config: EngineConfig
+    plugins: PluginClasses
+    hf_config: Any  # the checkpoint's config, read once by the engine
+    facts: ModelFacts
+    target: Target
+
+
+class RunnerFactory:
+    """Builds the model runner on a rank: `factory(group)`."""
+
+    def __init__(self, spec: WorkerSpec):
+        self.spec = spec
+
+    def __call__(self, group: ProcessGroup) -> "ModelRunner":
+        return ModelRunner(self.spec, group)
 
 
 class ModelRunner(Worker):
-    def __init__(self, config: EngineConfig, plugins: PluginClasses, group: ProcessGroup,
-                 device: torch.device, dtype: torch.dtype):
-        self.config, self.group, self.device, self.dtype = config, group, device, dtype
-        self.hf_config = load_hf_config(config.model)
-        self.facts = ModelFacts.from_hf_config(self.hf_config)
+    def __init__(self, spec: WorkerSpec, group: ProcessGroup):
+        config, plugins, facts = spec.config, spec.plugins, spec.facts
+        self.config, self.group, self.facts = config, group, facts
+        self.platform = plugins.platform(config.options_of(plugins.platform_name), spec.target)
+        self.device = device = self.platform.worker_device(spec.target.device, group)
+        self.dtype = dtype = spec.target.dtype
         self.block_size = config.kv_block_size
-        heads = self.facts.num_heads // group.world_size
-        kv_heads = self.facts.num_kv_heads // group.world_size
-        spec = AttentionSpec(heads, kv_heads, self.facts.head_dim, self.facts.head_dim ** -0.5,
-                             self.block_size, dtype, device)
-        decode = plugins.decode_attention(spec)
-        prefill = decode if plugins.prefill_attention is plugins.decode_attention else plugins.prefill_attention(spec)
-        self.ctx = StepContext(store=plugins.kv_cache(), prefill=prefill, decode=decode)
+        self.limits = StepLimits(config.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
+                                 config.kv_block_size)
+        heads = facts.num_heads // group.world_size
+        kv_heads = facts.num_kv_heads // group.world_size
+        store = plugins.kv_cache()
+        self.kv_spec = KVCacheSpec(store.cache_dtype(dtype), self.block_size, kv_heads, facts.head_dim,
+                                   facts.num_layers)
+        scales = store.scales(self.kv_spec)
+        if scales is not None:
+            self.kv_spec = KVCacheSpec(self.kv_spec.dtype, self.block_size, kv_heads, facts.head_dim,
+                                       facts.num_layers, *scales)
+        spec_ = AttentionSpec(heads, kv_heads, facts.head_dim, facts.head_dim ** -0.5, self.block_size, dtype, device,
+                              self.kv_spec)
+        decode = plugins.decode_attention(spec_)
+        prefill = decode if plugins.prefill_attention is plugins.decode_attention else plugins.prefill_attention(spec_)
+        self.ctx = StepContext(store=store, prefill=prefill, decode=decode)
 
         def attention_factory(layer_idx, num_heads, num_kv_heads, head_dim):
             return PagedAttention(self.ctx, layer_idx, num_heads, num_kv_heads, head_dim)
 
+        adapters = [cls(aspec, facts, spec.hf_config) for cls, aspec in plugins.adapters]
+        method = self._linear_method(adapters)
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
             with torch.device(device):
-                self.model = plugins.model(self.hf_config, group.layers(), attention_factory, config.max_model_len)
+                self.model = plugins.model(spec.hf_config, Layers(group, method), attention_factory,
+                                           config.max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
-        adapters = [cls(spec_, self.facts, self.hf_config) for cls, spec_ in plugins.adapters]
         load_weights(self.model, config.model, adapters)
+        for module in self.model.modules():  # after the LoRA merges, which change the weights
+            if getattr(module, "linear_method", None) is method:
+                method.process_after_loading(module)
         per_request = [a for a in adapters if not a.spec.merge]  # ids 1..K in config order, as the engine numbers them
         self.request_adapters = type(per_request[0]).serve_per_request(
             self.model, per_request, group, max(config.max_num_batched_tokens, config.max_num_seqs)
         ) if per_request else None
         self.model.eval()
-        kernels = cpu_kernels.usable(config.cpu_kernels, dtype, device)  # float32 CPU steps' C++ kernels
-        # packed after the LoRA merges, which change the weights
-        pack_linear_weights(self.model, config.cpu_weight_packing, dtype, device, kernels)
-        if kernels is not None:
-            cpu_kernels.install(self.model, kernels)
-        self.sampler = Sampler(device, config.seed, greedy=kernels.argmax if kernels is not None else None)
+        self.sampler = Sampler(device, config.seed, greedy=self.platform.greedy_sampler())
         self.pending: deque = deque()  # launched steps whose tokens are not collected yet
         self.last_tokens: torch.Tensor | None = None
         self.num_blocks = self._allocate_kv_cache()
-        self.graphs: dict[int, Any] = {}
-        if device.type == "cuda" and not config.enforce_eager and config.compile_fused_ops \
-                and hasattr(self.model, "compile_fused_ops"):
-            self.model.compile_fused_ops()
-        if device.type == "cuda":
-            self._warm_up()
-        if device.type == "cuda" and not config.enforce_eager:
-            graphs_ok = decode.supports_cuda_graphs and self.request_adapters is None  # per-request LoRA: eager
-            if graphs_ok:
-                self._capture_graphs()
+        self.scratch_block = self.num_blocks  # the block past those the engine hands out (api/step.py)
+        self.platform.prepare_model(self.model)
+        self.platform.warm_up(self.run, self.limits, self.num_blocks)
+        graphs_ok = decode.supports_cuda_graphs and self.request_adapters is None  # per-request LoRA: eager
+        self.graphs = self.platform.capture_graphs(self._forward, self.ctx, self.limits, self.scratch_block) \
+            if graphs_ok else None
+
+    def _linear_method(self, adapters: list[Any]) -> LinearMethod:
+        """A weight format's method if an adapter gives one (at most one may), else the platform's dense one."""
+        methods = [(a, m) for a in adapters if (m := a.linear_method()) is not None]
+        if len(methods) > 1:
+            raise ValueError("several adapters give a weight format ("
+                             + ", ".join(type(a).__name__ for a, _ in methods) + "); load at most one")
+        return methods[0][1] if methods else self.platform.linear_method()
 
     # ---------------------------------------------------------------------------- KV cache
     def _block_bytes(self) -> int:
-        k = self.ctx.decode.spec
-        return 2 * self.facts.num_layers * self.block_size * k.num_kv_heads * k.head_dim * self.dtype.itemsize
+        s = self.kv_spec
+        return 2 * s.num_layers * s.block_size * s.num_kv_heads * s.head_dim * s.dtype.itemsize
 
     def _allocate_kv_cache(self) -> int:
-        """Size the cache (fixed, or from memory) and allocate it with one scratch block at the end."""
+        """Size the cache (fixed, or the platform's way) and allocate it with one scratch block at the end."""
         if self.config.num_kv_blocks is not None:
             num_blocks = self.config.num_kv_blocks
-        elif self.device.type == "cuda":
-            num_blocks = self._blocks_from_gpu_memory()
         else:
-            num_blocks = int(self.config.cpu_kv_cache_gb * 2**30 // self._block_bytes())
-            num_blocks = max(num_blocks, 1)
+            num_blocks = self.platform.num_kv_blocks(self._block_bytes(), self._profile_run, self._release_cache)
         if self.group.world_size > 1:  # every rank must hold the same blocks: the fewest any rank has room for
             num_blocks = int(self.group.all_gather(torch.tensor([num_blocks], device=self.device), dim=0).min())
         self._set_cache(num_blocks + 1)
         return num_blocks
 
     def _set_cache(self, num_blocks: int) -> None:
-        spec = self.ctx.decode.spec
-        # on CUDA zeros, not empty: kernels that load whole pages (FlashAttention-4 by TMA) read the unused
-        # rows of a sequence's last page, and NaN garbage there would turn into NaN outputs (0 * NaN)
-        alloc = torch.zeros if self.device.type == "cuda" else torch.empty
-        kv = alloc(2, self.facts.num_layers, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
-                         dtype=self.dtype, device=self.device)
+        s = self.kv_spec
+        shape = (2, s.num_layers, num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
+        kv = self.platform.allocate_kv_cache(shape, s.dtype, self.device)
+        kv[:, :, -1].zero_()  # the scratch block: padded reads see it (masked, but 0 * NaN garbage is NaN)
         self.kv_cache = kv
-        self.ctx.kv_caches = [(kv[0, i], kv[1, i]) for i in range(self.facts.num_layers)]
+        self.ctx.kv = [(kv[0, i], kv[1, i], self._kv_layer(i)) for i in range(s.num_layers)]
 
-    def _blocks_from_gpu_memory(self) -> int:
-        """Run the largest prefill once on a small temporary cache, then give the rest to the KV cache."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        n = min(self.config.max_num_batched_tokens, self.config.max_model_len * self.config.max_num_seqs)
-        seq_len = min(n, self.config.max_model_len)
+    def _kv_layer(self, i: int) -> KVLayer:
+        s = self.kv_spec
+        if s.k_scale is None:
+            return KVLayer(i)
+        return KVLayer(i, s.k_scale[i], s.v_scale[i])
+
+    def _profile_run(self) -> None:
+        """The largest prefill, once, on a small temporary cache (for platforms that size the cache from memory)."""
+        cfg, bs = self.config, self.block_size
+        n = min(cfg.max_num_batched_tokens, cfg.max_model_len * cfg.max_num_seqs)
+        seq_len = min(n, cfg.max_model_len)
         num_seqs = max(1, n // seq_len)
-        per_seq = (seq_len + self.block_size - 1) // self.block_size
+        per_seq = (seq_len + bs - 1) // bs
         self._set_cache(num_seqs * per_seq + 1)
-        batch = StepBatch(
+        self.scratch_block = num_seqs * per_seq
+        self.run(StepBatch(
             is_prefill=True, input_ids=[0] * (num_seqs * seq_len), starts=[0] * num_seqs,
             query_lens=[seq_len] * num_seqs,
             block_tables=[list(range(i * per_seq, (i + 1) * per_seq)) for i in range(num_seqs)],
-            sample_rows=list(range(num_seqs)),
-            sampling=SamplingBatch([0.0] * num_seqs, [0] * num_seqs, [1.0] * num_seqs, [0.0] * num_seqs,
-                                   [None] * num_seqs, [0] * num_seqs),
-        )
-        self.run(batch)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
+            sample_rows=list(range(num_seqs)), sampling=SamplingBatch.greedy(num_seqs),
+        ))
+
+    def _release_cache(self) -> None:
         del self.kv_cache
-        self.ctx.kv_caches = []
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_elsewhere = total - free - torch.cuda.memory_reserved(self.device)
-        budget = total * self.config.gpu_memory_utilization - used_elsewhere - peak
-        num_blocks = int(budget // self._block_bytes())
-        if num_blocks < 1:
-            raise RuntimeError(
-                "no GPU memory left for the KV cache; raise gpu_memory_utilization or lower max_num_batched_tokens"
-            )
-        return num_blocks
-
-    def _warm_up(self) -> None:
-        """Run each kind of step once on the first blocks: fresh prefills and prefill chunks over
-        cached context, with short and long queries, and a decode. Kernels that compile on first use
-        (FlashAttention-4 builds one per variant, seconds each, and a query longer than one tile is
-        another variant) then compile here, not inside the first requests' steps. The blocks are
-        cleared before the block manager first hands them out (`take_new_blocks`)."""
-        cfg, bs = self.config, self.block_size
-        long = max(2, min(512, cfg.max_model_len - 2, cfg.max_num_batched_tokens))
-        table = [min(i, self.num_blocks) for i in range((long + 1 + bs - 1) // bs)]
-        greedy = SamplingBatch([0.0], [0], [1.0], [0.0], [None], [0])
-        for is_prefill, start, n in ((True, 0, 2), (True, 0, long), (True, 1, 2), (True, 1, long), (False, 1, 1)):
-            self.run(StepBatch(is_prefill=is_prefill, input_ids=[0] * n, starts=[start], query_lens=[n],
-                               block_tables=[table], sample_rows=[0], sampling=greedy))
-        torch.cuda.synchronize(self.device)
-
-    @property
-    def scratch_slot(self) -> int:
-        return self.num_blocks * self.block_size
-
-    # --------------------------------------------------------------------------------- inputs
-    def _prepare(self, batch: StepBatch):
-        bs = self.block_size
-        q_lens = np.asarray(batch.query_lens, dtype=np.int64)
-        starts = np.asarray(batch.starts, dtype=np.int64)
-        seq_lens = starts + q_lens
-        seq_idx = np.repeat(np.arange(len(q_lens)), q_lens)
-        cu_q = np.zeros(len(q_lens) + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=cu_q[1:])
-        positions = np.arange(int(cu_q[-1])) - np.repeat(cu_q[:-1], q_lens) + np.repeat(starts, q_lens)
-        width = max(len(t) for t in batch.block_tables)
-        tables = np.full((len(q_lens), width), -1, dtype=np.int64)
-        fill_rows(tables, batch.block_tables)
-        slots = tables[seq_idx, positions // bs] * bs + positions % bs
-        cu_k = np.zeros(len(q_lens) + 1, dtype=np.int64)
-        np.cumsum(seq_lens, out=cu_k[1:])
-        dev = self.device
-
-        def put(a, dtype):
-            return to_device(np.ascontiguousarray(a), dtype, dev)
-
-        meta = AttentionMetadata(
-            is_prefill=batch.is_prefill,
-            cu_seqlens_q=put(cu_q, torch.int32),
-            cu_seqlens_k=put(cu_k, torch.int32),
-            seq_lens=put(seq_lens, torch.int32),
-            slot_mapping=put(slots, torch.int64),
-            block_tables=put(tables, torch.int32),
-            max_seqlen_q=int(q_lens.max()),
-            max_seqlen_k=int(seq_lens.max()),
-            query_lens_host=q_lens.tolist(),
-            seq_lens_host=seq_lens.tolist(),
-        )
-        last = cu_q[1:][batch.sample_rows] - 1 if batch.sample_rows else np.zeros(0, dtype=np.int64)
-        return put(np.asarray(batch.input_ids), torch.int64), put(positions, torch.int64), meta, put(last, torch.int64)
+        self.ctx.kv = []
 
     # ----------------------------------------------------------------------------------- step
-    def run(self, batch: StepBatch) -> tuple[list[int], list[Any]] | None:
+    def run(self, step: StepBatch) -> StepResult | None:
         """Compute one step; rank 0 returns the sampled tokens and the requested logits rows."""
-        self.launch(batch)
+        self.launch(step)
         return self.collect()
 
     @torch.inference_mode()
-    def launch(self, batch: StepBatch) -> None:
+    def launch(self, step: StepBatch) -> None:
         """Queue one step's device work (model, sampler, the copy of the tokens back) without waiting.
 
         The host may then prepare the next step while the device computes this one; `collect`
         waits for the tokens. At most one step may be uncollected when the next is launched (the
         graph inputs' pinned host buffers come in two, used in turn)."""
-        num_seqs = len(batch.query_lens)
-        if batch.new_blocks:  # never-written memory may hold NaN that padded reads would spread
-            self.kv_cache.index_fill_(2, to_device(batch.new_blocks, torch.int64, self.device), 0)
-        graph = None if batch.is_prefill else self._graph_for(num_seqs)
+        num_seqs = len(step.query_lens)
+        if step.new_blocks:  # never-written memory may hold NaN that padded reads would spread
+            self.kv_cache.index_fill_(2, to_device(step.new_blocks, torch.int64, self.device), 0)
+        size = None if step.is_prefill or self.graphs is None else self.graphs.size_for(num_seqs)
         if self.request_adapters is not None:
-            ids = np.asarray(batch.adapter_ids or [0] * num_seqs, dtype=np.int64)
-            self.request_adapters.set_step(torch.from_numpy(np.repeat(ids, batch.query_lens)))
-        if graph is not None:
-            logits = self._replay(graph, batch)
+            ids = np.asarray(step.adapter_ids or [0] * num_seqs, dtype=np.int64)
+            self.request_adapters.set_step(torch.from_numpy(np.repeat(ids, step.query_lens)))
+        if size is not None:
+            inputs = plan_inputs(step, self.block_size, self.scratch_block, out=self.graphs.inputs(size), rows=size)
+            logits = self.graphs.replay(size, inputs, self.last_tokens)
+            logits = logits[:num_seqs][step.sample_rows] if len(step.sample_rows) != num_seqs else logits[:num_seqs]
         else:
-            input_ids, positions, meta, last = self._prepare(batch)
-            if batch.from_previous_at:
-                at = to_device(batch.from_previous_at, torch.int64, self.device)
-                rows = to_device(batch.from_previous_rows, torch.int64, self.device)
+            inputs = plan_inputs(step, self.block_size, self.scratch_block)
+            input_ids, positions, meta = self._to_device(step.is_prefill, inputs)
+            if inputs.num_from_previous:
+                at = to_device(inputs.from_previous_at, torch.int64, self.device)
+                rows = to_device(inputs.from_previous_rows, torch.int64, self.device)
                 input_ids.index_copy_(0, at, self.last_tokens.index_select(0, rows))
             self.ctx.set_step(meta)
             hidden = self.model(input_ids, positions)
-            logits = self.model.compute_logits(hidden[last]) if batch.sample_rows else None
-        if self.group.rank != 0 or not batch.sample_rows:
+            if step.sample_rows:
+                last = inputs.cu_seqlens_q[1:][step.sample_rows].astype(np.int64) - 1
+                logits = self.model.compute_logits(hidden[to_device(last, torch.int64, self.device)])
+        if self.group.rank != 0 or not step.sample_rows:
             self.pending.append(None)
             return
-        tokens = self.sampler(logits, batch.sampling)
+        tokens = self.sampler(logits, step.sampling)
         self.last_tokens = tokens  # the next step may read its inputs from here
-        rows = logits[batch.logits_rows].float() if batch.logits_rows else None  # before a replay overwrites them
-        if self.device.type == "cuda":
-            tokens, rows = tokens.to("cpu", non_blocking=True), rows.to("cpu", non_blocking=True) if rows is not None else None
-            done = torch.cuda.Event()
-            done.record()
-        else:
-            done = None
-        self.pending.append((tokens, rows, done))
+        rows = logits[step.logits_rows].float() if step.logits_rows else None  # before a replay overwrites them
+        self.pending.append(self.platform.to_host(tokens, rows))
 
-    def collect(self) -> tuple[list[int], list[Any]] | None:
+    def _to_device(self, is_prefill: bool, inputs: StepInputs):
+        dev = self.device
+        meta = AttentionMetadata(
+            is_prefill=is_prefill,
+            cu_seqlens_q=to_device(inputs.cu_seqlens_q, torch.int32, dev),
+            cu_seqlens_k=to_device(inputs.cu_seqlens_k, torch.int32, dev),
+            seq_lens=to_device(inputs.seq_lens, torch.int32, dev),
+            slot_mapping=to_device(inputs.slot_mapping, torch.int64, dev),
+            block_tables=to_device(inputs.block_tables, torch.int32, dev),
+            max_seqlen_q=inputs.max_seqlen_q,
+            max_seqlen_k=inputs.max_seqlen_k,
+            query_lens_host=inputs.query_lens_host,
+            seq_lens_host=inputs.seq_lens_host,
+        )
+        return to_device(inputs.input_ids, torch.int64, dev), to_device(inputs.positions, torch.int64, dev), meta
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Every position's logits (the step context already set): what a graph captures."""
+        return self.model.compute_logits(self.model(input_ids, positions))
+
+    def collect(self) -> StepResult | None:
         """Wait for the oldest launched step's tokens (rank 0; None on other ranks)."""
         entry = self.pending.popleft()
         if self.group.rank != 0:
             return None
         if entry is None:
-            return [], []
-        tokens, rows, done = entry
-        if done is not None:
-            done.synchronize()
-        return tokens.tolist(), list(rows) if rows is not None else []
+            return StepResult([], [])
+        tokens, rows, handle = entry
+        self.platform.wait(handle)
+        return StepResult(tokens.tolist(), list(rows) if rows is not None else [])
 
-    # ------------------------------------------------------------------------------- graphs
-    def _graph_for(self, num_seqs: int):
-        if not self.graphs:
-            return None
-        for size in self.graphs:
-            if size >= num_seqs:
-                return self.graphs[size]
-        return None
-
-    @torch.inference_mode()
-    def _capture_graphs(self) -> None:
-        """Capture decode for batch-size buckets; a replay pads the batch up to the next bucket.
-
-        A backend whose kernels cannot be captured leaves decode eager (logged), never broken."""
-        try:
-            self._capture_graph_buckets()
-        except Exception as exc:  # noqa: BLE001  (any capture failure means: run eager)
-            log.warning("CUDA graph capture failed (%s: %s); decode runs eager", type(exc).__name__, exc)
-            self.graphs = {}
-            torch.cuda.synchronize(self.device)
-
-    def _capture_graph_buckets(self) -> None:
-        max_bs = min(self.config.max_num_seqs, GRAPH_BATCH_SIZES[-1])
-        sizes = [s for s in GRAPH_BATCH_SIZES if s <= max_bs]
-        max_blocks = (self.config.max_model_len + self.block_size - 1) // self.block_size
-        dev = self.device
-        # the graphs' inputs live in two device buffers fed from pinned host buffers: a replay costs
-        # two host-to-device copies, with no allocation. Two sets of host buffers, used in turn: the
-        # host fills one while the copy of the last step may still be reading the other
-        self._hosts = [(torch.zeros(5, max_bs, dtype=torch.int64).pin_memory(),
-                        torch.zeros(2 * max_bs + 1 + max_bs * max_blocks, dtype=torch.int32).pin_memory())
-                       for _ in range(2)]
-        self._dev64, self._dev32 = (t.to(dev) for t in self._hosts[0])
-        d32 = self._dev32
-        st = {
-            "input_ids": self._dev64[0], "positions": self._dev64[1], "slot_mapping": self._dev64[2],
-            "seq_lens": d32[:max_bs], "cu_seqlens_k": d32[max_bs:2 * max_bs + 1],
-            "block_tables": d32[2 * max_bs + 1:].view(max_bs, max_blocks),
-            "cu_seqlens_q": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
-        }
-        st["slot_mapping"].fill_(self.scratch_slot)
-        st["seq_lens"].fill_(1)
-        st["cu_seqlens_k"].copy_(st["cu_seqlens_q"])
-        st["block_tables"].fill_(self.num_blocks)
-        self.static = st
-        pool = None
-        for size in reversed(sizes):
-            meta = AttentionMetadata(
-                is_prefill=False, cu_seqlens_q=st["cu_seqlens_q"][: size + 1], cu_seqlens_k=st["cu_seqlens_k"][: size + 1],
-                seq_lens=st["seq_lens"][:size], slot_mapping=st["slot_mapping"][:size],
-                block_tables=st["block_tables"][:size], max_seqlen_q=1, max_seqlen_k=self.config.max_model_len,
-                query_lens_host=[1] * size, seq_lens_host=[1] * size,
-            )
-            self.ctx.set_step(meta)
-            ids, pos = st["input_ids"][:size], st["positions"][:size]
-            self.model.compute_logits(self.model(ids, pos))  # warm up outside the graph
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                logits = self.model.compute_logits(self.model(ids, pos))
-            pool = graph.pool()
-            self.graphs[size] = (graph, meta, logits)
-            torch.cuda.synchronize(dev)
-        self.graphs = dict(sorted(self.graphs.items()))
-
-    def _replay(self, entry, batch: StepBatch) -> torch.Tensor:
-        graph, meta, logits = entry
-        n, size = len(batch.query_lens), meta.seq_lens.shape[0]
-        self._hosts.reverse()
-        host64, host32 = self._hosts[0]
-        bs, max_bs = self.block_size, host64.shape[1]
-        starts = np.asarray(batch.starts, dtype=np.int64)
-        h64, h32 = host64.numpy(), host32.numpy()
-        seq_lens, cu_k = h32[:max_bs], h32[max_bs:2 * max_bs + 1]
-        tables = h32[2 * max_bs + 1:].reshape(max_bs, -1)
-        tables[:size] = self.num_blocks  # padding rows and columns point at the scratch block
-        fill_rows(tables, batch.block_tables)
-        h64[0, :n], h64[0, n:size] = batch.input_ids, 0
-        h64[1, :n], h64[1, n:size] = starts, 0
-        h64[2, :n] = tables[np.arange(n), starts // bs].astype(np.int64) * bs + starts % bs
-        h64[2, n:size] = self.scratch_slot
-        seq_lens[:n], seq_lens[n:size] = starts + 1, 1
-        np.cumsum(seq_lens[:size], out=cu_k[1:size + 1])
-        k = len(batch.from_previous_at)
-        h64[3, :k], h64[4, :k] = batch.from_previous_at, batch.from_previous_rows
-        self._dev64.copy_(host64, non_blocking=True)
-        self._dev32.copy_(host32, non_blocking=True)
-        if k:
-            d64 = self._dev64
-            d64[0].index_copy_(0, d64[3, :k], self.last_tokens.index_select(0, d64[4, :k]))
-        meta.query_lens_host, meta.seq_lens_host = [1] * size, seq_lens[:size].tolist()
-        meta.max_seqlen_k = int(seq_lens[:size].max())
-        self.ctx.meta = meta
-        self.ctx.decode.prepare(meta)
-        graph.replay()
-        return logits[: n][batch.sample_rows] if len(batch.sample_rows) != n else logits[:n]
-
-    def kv_blocks(self) -> int:
+    def num_kv_blocks(self) -> int:
         return self.num_blocks
 
-    def call(self, method: str, *args: Any) -> Any:
-        return getattr(self, method)(*args)
+    def shutdown(self) -> None:
+        """Nothing to stop in this process; the engine drops its reference."""

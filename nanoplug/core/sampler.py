@@ -6,27 +6,9 @@ seeded by (seed, its token position), so it gets the same tokens whatever else i
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from nanoplug.core.device_copy import to_device
-
-
-@dataclass
-class SamplingBatch:
-    """Per-row sampling settings as plain lists (picklable, so they cross process boundaries)."""
-
-    temperatures: list[float]
-    top_ks: list[int]
-    top_ps: list[float]
-    min_ps: list[float]
-    seeds: list[int | None]
-    positions: list[int]  # index of the token being sampled, for seeded noise
-
-    @property
-    def all_greedy(self) -> bool:
-        return all(t == 0.0 for t in self.temperatures)
+from nanoplug.api import SamplingBatch, to_device  # noqa: F401  (SamplingBatch: the step's sampling settings)
 
 
 def _seeded_noise(seed: int, position: int, vocab: int, device: torch.device) -> torch.Tensor:

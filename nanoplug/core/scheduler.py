@@ -4,6 +4,10 @@ A step is either a prefill step (chunks of prompts, any number of sequences, und
 `max_num_batched_tokens`) or a decode step (one token for each running sequence). Prompts are
 admitted while KV blocks last; when decode runs out of blocks the newest sequence is preempted and
 later recomputed from its tokens, so no request is lost, duplicated or changed.
+
+The scheduler is the one writer of a sequence's progress: how many of its tokens are computed
+(`advance`), the tokens it gains (`append_token`, placeholders for tokens still on the device
+included), and its status (admission, preemption, `finish`, `abort`).
 """
 from __future__ import annotations
 
@@ -63,7 +67,7 @@ class Scheduler:
             seq = self.waiting[0]
             if not self.blocks.can_allocate(seq):
                 break
-            self.blocks.allocate(seq)
+            seq.num_computed_tokens = self.blocks.allocate(seq)  # prefix-cache hits are computed already
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -105,26 +109,45 @@ class Scheduler:
         """Give back the sequence's blocks; it returns to the front of the queue and is recomputed."""
         self.running.remove(seq)
         self.blocks.free(seq)
+        seq.num_computed_tokens = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def advance(self, batch: list[Scheduled]) -> None:
-        """The step is launched: its tokens count as computed for scheduling the next one.
+    def advance(self, batch: list[Scheduled], pending: bool = False) -> None:
+        """The step is launched: its tokens count as computed for scheduling the next one. `pending`
+        (overlapped steps): each sequence it samples gets a placeholder for the token on its way, so
+        the next step can be scheduled before that token arrives (`append_token` fills it in).
 
-        Full blocks are registered for prefix caching (`blocks.commit`) once the tokens they hold
-        are known, which under overlapped steps is a step later."""
+        Full blocks are registered for prefix caching (`commit`) once the tokens they hold are
+        known, which under overlapped steps is a step later."""
         for item in batch:
-            item.seq.num_computed_tokens += item.num_tokens
+            seq = item.seq
+            seq.num_computed_tokens += item.num_tokens
+            if pending and seq.num_computed_tokens == len(seq):  # it samples: its next token is on the way
+                seq.add_pending()
 
-    def finish(self, seq: Sequence) -> None:
+    def append_token(self, seq: Sequence, token: int) -> None:
+        """A sampled token arrived: it fills the oldest placeholder, or is appended."""
+        seq.resolve_pending(token)
+
+    def commit(self, batch: list[Scheduled]) -> None:
+        """Register the full blocks of a resolved step's running sequences for prefix caching."""
+        for item in batch:
+            if item.seq.status is Status.RUNNING:
+                self.blocks.commit(item.seq)
+
+    def finish(self, seq: Sequence, reason: str | None = None) -> None:
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
             self.blocks.free(seq)
         elif seq in self.waiting:  # e.g. preempted while its last token was on the device
             self.waiting.remove(seq)
         seq.status = Status.FINISHED
+        seq.num_computed_tokens = 0
         seq.drop_pending()
+        if reason is not None:
+            seq.finish_reason = reason
 
     def abort(self, seq: Sequence) -> None:
         """Drop a request wherever it is (its caller went away), giving back its blocks."""

@@ -1,11 +1,13 @@
-"""One request as the engine tracks it: its tokens, how many are computed, and its KV blocks."""
+"""One request as the scheduler runs it: its tokens, how many are computed, and its KV blocks.
+
+The scheduler is the one writer of a sequence's progress (its tokens, `num_computed_tokens`, status);
+the block manager writes its block table.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from itertools import count
-from typing import Any
-
 from nanoplug.core.config import SamplingParams
 
 
@@ -25,7 +27,7 @@ class Sequence:
 
     token_ids: list[int]
     params: SamplingParams
-    index: int = 0  # position in the caller's list of prompts
+    request_id: str = ""
     seq_id: int = field(default_factory=lambda: next(_ids))
     status: Status = Status.WAITING
     num_prompt_tokens: int = 0
@@ -34,9 +36,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hashes of committed full blocks
     finish_reason: str | None = None
-    logits: list[Any] = field(default_factory=list)
     adapter_id: int = 0
-    detok: Any = None  # the engine's incremental detokenizer state
     num_pending: int = 0  # trailing PENDING placeholders in token_ids
 
     def __post_init__(self) -> None:

@@ -36,7 +36,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def reference(model):
-    outcome = compare.run_backend(model, "manual", device="cuda", dtype="bfloat16", enforce_eager=True)
+    outcome = compare.run_backend(model, "manual", device="cuda", dtype="bfloat16", cuda={"enforce_eager": True})
     assert outcome.error is None, outcome.error
     return outcome
 
@@ -51,7 +51,7 @@ def check_close(outcome, reference):
 @pytest.mark.parametrize("name", ["flash", "xformers", "sdpa"])
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
 def test_attention_matches_manual(model, reference, name, eager):
-    outcome = compare.run_backend(model, name, device="cuda", dtype="bfloat16", enforce_eager=eager)
+    outcome = compare.run_backend(model, name, device="cuda", dtype="bfloat16", cuda={"enforce_eager": eager})
     if name == "flash" and not fa4_importable() and outcome.error:
         assert "pip install flash-attn" in outcome.error  # no FlashAttention build here: the reason names the fix
         return
@@ -64,7 +64,7 @@ def test_attention_matches_manual(model, reference, name, eager):
 
 def test_triton_store_cuda_matches_torch(model, reference):
     outcome = compare.run_backend(model, "triton", "kv_cache", device="cuda", dtype="bfloat16",
-                                  attention="manual", enforce_eager=True)
+                                  attention="manual", cuda={"enforce_eager": True})
     assert outcome.error is None, outcome.error
     assert all(d[0] == 0.0 for d in compare.differences(outcome, reference).values())  # a copy: exact
 

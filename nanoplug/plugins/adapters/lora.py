@@ -7,18 +7,15 @@ its low-rank update at run time to the tokens of the requests that ask for it.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from nanoplug.core.errors import AdapterError
-from nanoplug.core.hookspecs import hookimpl
-from nanoplug.core.interfaces import PLUGIN_API_VERSION, ModelFacts, ProcessGroup, WeightAdapter
+from nanoplug.api import AdapterError, ModelFacts, ProcessGroup, WeightAdapter
+from nanoplug.api.files import read_json
 from nanoplug.plugins.adapters.peft_folder import PeftLora, read_peft_lora
 
-NANOPLUG_API_VERSION = PLUGIN_API_VERSION
 SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
 
 
@@ -82,8 +79,10 @@ def check_base_model(lora: PeftLora, facts: ModelFacts, base_config: Any) -> Non
     base = Path(lora.base_model).expanduser() if lora.base_model else None
     if base is None or not (base / "config.json").is_file():
         return  # a Hub id, or a folder not on this machine: the shapes are checked tensor by tensor
-    with open(base / "config.json") as f:
-        saved = json.load(f)
+    saved = read_json(base / "config.json", "the adapter names this folder as its base model "
+                      "(base_model_name_or_path): fix its config.json")
+    if not isinstance(saved, dict):
+        return  # not a config: the shapes are checked tensor by tensor
     archs = saved.get("architectures") or []
     differ = [f"architecture {archs[0]} vs {facts.architecture}"] if archs and archs[0] != facts.architecture else []
     differ += [f"{key} {saved[key]} vs {getattr(base_config, key)}" for key in SHAPE_KEYS
@@ -94,7 +93,3 @@ def check_base_model(lora: PeftLora, facts: ModelFacts, base_config: Any) -> Non
             f"({'; '.join(differ)}); load the adapter with the base model it was trained on"
         )
 
-
-@hookimpl
-def nanoplug_register_adapter(register) -> None:
-    register.add("lora", LoraAdapter)

@@ -9,7 +9,7 @@ a 0/1 mask over the K*R columns, so a layer computes
 
 with two small matmuls, no gather of weights per token and no loop over tokens or adapters; the
 shapes never depend on which adapters a step uses, so CUDA graphs capture it as is. Under tensor
-parallelism A and B are sharded by the base layer's own weight loader: B like the weight of a
+parallelism A and B are sharded as the base layer shards its weight (`local_part`): B like the weight of a
 column-parallel layer (output rows, each packed slice at its offset), A like the weight of a
 row-parallel layer (input columns, the update added before the all-reduce that sums the shards).
 """
@@ -21,10 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoplug.core.device_copy import to_device
-from nanoplug.core.errors import AdapterError
-from nanoplug.core.interfaces import RequestAdapters
-from nanoplug.core.packed_linear import linear
+from nanoplug.api import AdapterError, LinearBase, RequestAdapters, to_device
 from nanoplug.plugins.adapters.peft_folder import LoraModule, PeftLora
 
 
@@ -71,17 +68,14 @@ class MultiLoraLinear(nn.Module):
         self.base, self.slots, self.num_slices = base, slots, num_slices
         self.register_buffer("lora_a", lora_a, persistent=False)  # [S*K*R, in]
         self.register_buffer("lora_b", lora_b, persistent=False)  # [out, S*K*R]
-        group = getattr(base, "group", None)
-        row_parallel = getattr(base, "tp_dim", None) == 1 and group is not None and group.world_size > 1
-        self.reduce_group = group if row_parallel else None
+        self.reduce_group = base.group if base.reduces else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self.reduce_group
         if group is None:
             y = self.base(x)
             return self._add_update(x, y) if self.slots.needed() else y
-        base = self.base  # row parallel: add this shard's partial update before the sum over shards
-        y = linear(x, base.weight, base.bias if group.rank == 0 else None, getattr(base, "packed", None))
+        y = self.base.partial(x)  # row parallel: add this shard's partial update before the sum over shards
         if self.slots.needed():
             y = self._add_update(x, y)
         return group.all_reduce(y)
@@ -101,19 +95,17 @@ def _layer_of(module_name: str, packed: dict[str, tuple[str, Any]]) -> tuple[str
     return module_name, None
 
 
-def _stack(base: nn.Module, parts: dict[tuple[int, Any], tuple[LoraModule, float]], shards: list[Any],
+def _stack(base: LinearBase, parts: dict[tuple[int, Any], tuple[LoraModule, float]], shards: list[Any],
            num_adapters: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's stacked A [S*K*R, in] and scaled B [out, S*K*R] of one layer, in float32."""
-    out_local, in_local = base.weight.shape
-    row = getattr(base, "tp_dim", None) == 1
-    loader = getattr(base.weight, "weight_loader", None)
+    out_local, in_local = base.output_size, base.input_size
+    row = base.tp_dim == 1
 
     def shard_like_weight(full: torch.Tensor, local_shape: tuple[int, int], shard: Any) -> torch.Tensor:
+        """This rank's part of `full`, placed where the layer's own loader would put the weight's."""
         local = torch.zeros(local_shape)
-        if loader is None:
-            local.copy_(full)
-        else:
-            loader(local, full, shard) if shard is not None else loader(local, full)
+        offset, size, part = base.local_part(full, shard)
+        local.narrow(0, offset, size).copy_(part)
         return local
 
     a = torch.zeros(len(shards), num_adapters, rank, in_local)
@@ -143,7 +135,7 @@ def attach_multi_lora(model: nn.Module, loras: list[tuple[PeftLora, float]], max
     slots = LoraSlots(len(loras), rank, weight.dtype, weight.device, max_tokens)
     for path, parts in targets.items():
         base = model.get_submodule(path)
-        if not hasattr(base, "tp_dim") or not isinstance(getattr(base, "weight", None), torch.Tensor):
+        if not isinstance(base, LinearBase):
             raise AdapterError(
                 f"per-request LoRA adapts linear projections only, not {path} ({type(base).__name__}); "
                 "merge this adapter instead (merge=True)"

@@ -6,7 +6,6 @@ PEFT's `merge_and_unload()`.
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -14,13 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from nanoplug.core.errors import AdapterError, ModelLoadError
+from nanoplug.api import AdapterError, ModelLoadError
+from nanoplug.api.files import read_json
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 MERGE_FIX = "merge it into the base model with PEFT (model.merge_and_unload().save_pretrained(DIR)) and serve DIR"
+RESAVE_FIX = "save the adapter again with PEFT's save_pretrained(DIR)"
 
 # LoraConfig options that change the maths beyond W + scaling * B @ A: refused when set.
 UNSUPPORTED_OPTIONS = {
@@ -92,8 +94,9 @@ def read_config(folder: Path) -> dict[str, Any]:
             f"{str(file)!r} is missing; pass the folder PEFT's save_pretrained wrote (it holds {CONFIG_FILE} "
             f"and {WEIGHTS_FILE})"
         )
-    with open(file) as f:
-        config = json.load(f)
+    config = read_json(file, RESAVE_FIX)
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{str(file)!r} holds a JSON {type(config).__name__}, not an object of settings; {RESAVE_FIX}")
     peft_type = str(config.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
         raise AdapterError(
@@ -112,7 +115,11 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
                 "save_pretrained(DIR, safe_serialization=True)") if (folder / "adapter_model.bin").is_file() \
             else "pass the folder PEFT's save_pretrained wrote"
         raise ModelLoadError(f"{str(file)!r} is missing; {hint}")
-    return load_file(str(file), device="cpu")
+    try:
+        return load_file(str(file), device="cpu")
+    except (SafetensorError, OSError) as exc:
+        raise ModelLoadError(f"{str(file)!r} is not a readable safetensors file ({exc}); the file is damaged or "
+                             f"incomplete: {RESAVE_FIX}") from exc
 
 
 def read_peft_lora(path: str | Path) -> PeftLora:

@@ -2,7 +2,7 @@
 
 On a CPU, `sdpa`'s decode gathers every sequence's keys and values into a padded batch before it
 attends (two `index_select`s and a mask per layer); for a small model that costs as much as the
-attention itself. This backend's decode kernel (nanoplug/cpu_kernels) walks each sequence's block
+attention itself. This backend's decode kernel (nanoplug/plugins/platforms/cpu/kernels) walks each sequence's block
 table instead, with the query heads of a KV head sharing each K/V read, split over torch's threads.
 Prefill and mixed steps, where PyTorch's CPU flash kernel does well, go through `sdpa`'s path.
 float32 only; the kernels are compiled once per machine at first use (a C++ compiler is needed).
@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from nanoplug import cpu_kernels
-from nanoplug.core.hookspecs import hookimpl
-from nanoplug.core.interfaces import PLUGIN_API_VERSION, AttentionMetadata, Target
+from nanoplug.plugins.platforms.cpu import kernels as cpu_kernels
+from nanoplug.api import AttentionMetadata, Target
 from nanoplug.plugins.attention.paged_decode import PagedDecode
 from nanoplug.plugins.attention.sdpa import SdpaAttention
-
-NANOPLUG_API_VERSION = PLUGIN_API_VERSION
 
 
 class CpuAttention(SdpaAttention):
@@ -31,6 +28,8 @@ class CpuAttention(SdpaAttention):
             reasons.append(f"runs on the CPU, not {target.device.type}; use flash, xformers or sdpa there")
         if target.dtype != torch.float32:
             reasons.append(f"float32 only, this run is {str(target.dtype).removeprefix('torch.')}; use sdpa")
+        elif target.cache_dtype != target.dtype:
+            reasons.append(f"reads a float32 cache only, not {str(target.cache_dtype).removeprefix('torch.')}; use sdpa")
         facts = target.model
         if facts is not None:
             if facts.head_dim not in cpu_kernels.DECODE_HEAD_DIMS:
@@ -56,13 +55,8 @@ class CpuAttention(SdpaAttention):
             return
         super().prepare(meta)
 
-    def forward(self, q, k, v, k_cache, v_cache):
+    def forward(self, q, k, v, k_cache, v_cache, layer):
         if self.kernel_decoding:
             meta = self.meta
             return self.kernels.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.spec.scale)
-        return super().forward(q, k, v, k_cache, v_cache)
-
-
-@hookimpl
-def nanoplug_register_attention(register) -> None:
-    register.add("cpu", CpuAttention)
+        return super().forward(q, k, v, k_cache, v_cache, layer)

@@ -17,10 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from nanoplug.core.hookspecs import hookimpl
-from nanoplug.core.interfaces import PLUGIN_API_VERSION, AttentionBackend, AttentionMetadata, Target
-
-NANOPLUG_API_VERSION = PLUGIN_API_VERSION
+from nanoplug.api import AttentionBackend, AttentionMetadata, Target
 INSTALL_HINT = "pip install flash-attn (FlashAttention-2, Ampere or newer) or pip install flash-attn-4 (Hopper/Blackwell)"
 
 
@@ -78,7 +75,10 @@ class FlashAttention(AttentionBackend):
         if not kernels.min_capability <= cap <= kernels.max_capability:
             reasons.append(f"{kernels.name} needs compute capability {kernels.min_capability[0]}.{kernels.min_capability[1]}"
                            f" to {kernels.max_capability[0]}.x, this GPU has {cap[0]}.{cap[1]}; {INSTALL_HINT}")
-        block = target.config.kv_block_size
+        if target.cache_dtype != target.dtype:
+            reasons.append(f"reads a cache of the model's dtype only, not {str(target.cache_dtype).removeprefix('torch.')}; "
+                           "use kv_cache='torch' or 'triton'")
+        block = target.block_size
         if block % kernels.block_multiple:
             reasons.append(f"{kernels.name} paged attention needs kv_block_size a multiple of "
                            f"{kernels.block_multiple} (got {block})")
@@ -89,11 +89,10 @@ class FlashAttention(AttentionBackend):
         self.kernels, _ = load_kernels()
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        self.meta = meta
-        meta.block_tables.clamp_(min=0)  # in place: unused rows must name a real page; graphs keep this tensor
+        self.meta = meta  # padding in the block tables names the scratch block: every entry is a real page
         self.paged = not meta.is_prefill or meta.has_cached_context
 
-    def forward(self, q, k, v, k_cache, v_cache):
+    def forward(self, q, k, v, k_cache, v_cache, layer):
         meta, scale = self.meta, self.spec.scale
         if self.kernels.name == "FA2":
             return self._fa2(q, k, v, k_cache, v_cache, meta, scale)
@@ -125,8 +124,3 @@ class FlashAttention(AttentionBackend):
         out = self.kernels.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
                                         block_table=meta.block_tables, softmax_scale=scale, causal=True)
         return out.squeeze(1)
-
-
-@hookimpl
-def nanoplug_register_attention(register) -> None:
-    register.add("flash", FlashAttention)

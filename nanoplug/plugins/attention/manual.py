@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoplug.core.hookspecs import hookimpl
-from nanoplug.core.interfaces import PLUGIN_API_VERSION, AttentionBackend
-
-NANOPLUG_API_VERSION = PLUGIN_API_VERSION
+from nanoplug.api import AttentionBackend
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -24,7 +21,7 @@ class ManualAttention(AttentionBackend):
     description = "plain PyTorch, float32 softmax (the reference)"
     priority = 0
 
-    def forward(self, q, k, v, k_cache, v_cache):
+    def forward(self, q, k, v, k_cache, v_cache, layer):
         meta, spec = self.meta, self.spec
         out = torch.empty_like(q)
         group = spec.num_heads // spec.num_kv_heads
@@ -42,8 +39,3 @@ class ManualAttention(AttentionBackend):
             out[start:start + q_len] = (scores.softmax(dim=-1) @ vi).transpose(0, 1).to(q.dtype)
             start += q_len
         return out
-
-
-@hookimpl
-def nanoplug_register_attention(register) -> None:
-    register.add("manual", ManualAttention)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanoplug.core.interfaces import AttentionMetadata, AttentionSpec
+from nanoplug.api import AttentionMetadata, AttentionSpec
 
 
 class PagedDecode:
     def __init__(self, spec: AttentionSpec):
         self.spec = spec
         self.group = spec.num_heads // spec.num_kv_heads
+        self.cast = spec.cache_dtype != spec.dtype  # a cache of another dtype is read as the model's
 
     @staticmethod
     def serves(meta: AttentionMetadata) -> bool:
@@ -28,7 +29,7 @@ class PagedDecode:
         bs, dev = self.spec.block_size, meta.slot_mapping.device
         max_k = meta.max_seqlen_k
         pos = torch.arange(max_k, device=dev)
-        tables = meta.block_tables[:, : (max_k + bs - 1) // bs].clamp(min=0).long()
+        tables = meta.block_tables[:, : (max_k + bs - 1) // bs].long()
         self.index = (tables[:, pos // bs] * bs + pos % bs).flatten()  # cache slot of every (seq, position)
         pad = pos.unsqueeze(0) >= meta.seq_lens.long().unsqueeze(1)  # [B, Lk]
         mask = torch.zeros(pad.shape, dtype=self.spec.dtype, device=dev).masked_fill_(pad, float("-inf"))
@@ -41,6 +42,8 @@ class PagedDecode:
         shape = (num_seqs, self.max_k, kv_heads, dim)
         keys = k_cache.view(-1, kv_heads, dim).index_select(0, self.index).view(shape).transpose(1, 2)
         values = v_cache.view(-1, kv_heads, dim).index_select(0, self.index).view(shape).transpose(1, 2)
+        if self.cast:
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
         queries = q.reshape(num_seqs, kv_heads, self.group, dim)  # heads of one KV head as its query rows
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=self.spec.scale)
         return out.reshape(num_seqs, self.spec.num_heads, dim)

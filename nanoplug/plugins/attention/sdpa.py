@@ -9,12 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanoplug.core.hookspecs import hookimpl
-from nanoplug.core.interfaces import PLUGIN_API_VERSION, AttentionBackend, AttentionMetadata, Target
+from nanoplug.api import AttentionBackend, AttentionMetadata, Target
 from nanoplug.plugins.attention.paged_decode import PagedDecode
 from nanoplug.plugins.attention.sdpa_cuda import CudaVarlenAttention
-
-NANOPLUG_API_VERSION = PLUGIN_API_VERSION
 
 
 class SdpaAttention(AttentionBackend):
@@ -35,6 +32,7 @@ class SdpaAttention(AttentionBackend):
         # decode steps on the CPU: gather live tokens only (on a GPU the padded path measured faster)
         self.paged_decode = PagedDecode(spec) if spec.device.type == "cpu" else None
         self.decoding = False
+        self.cast = spec.cache_dtype != spec.dtype  # a cache of another dtype is read as the model's
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self.meta = meta
@@ -53,14 +51,14 @@ class SdpaAttention(AttentionBackend):
         self.col = torch.arange(self.row.numel(), device=dev) - meta.cu_seqlens_q[:-1].long()[self.row]
         block_size = self.spec.block_size
         num_blocks = (meta.max_seqlen_k + block_size - 1) // block_size
-        self.blocks = meta.block_tables[:, :num_blocks].clamp(min=0).long()
+        self.blocks = meta.block_tables[:, :num_blocks].long()
         q_pos = (seq_lens - q_lens).unsqueeze(1) + torch.arange(max_q, device=dev).unsqueeze(0)  # [B, Lq]
         k_pos = torch.arange(num_blocks * block_size, device=dev)
         self.mask = (k_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)) & (k_pos.view(1, 1, -1) < seq_lens.view(-1, 1, 1))
         self.mask = self.mask.unsqueeze(1)  # [B, 1, Lq, Lk]
         self.max_q = max_q
 
-    def forward(self, q, k, v, k_cache, v_cache):
+    def forward(self, q, k, v, k_cache, v_cache, layer):
         if self.fast:
             return self.cuda.forward(q, k, v, k_cache, v_cache, self.meta)
         if self.decoding:
@@ -70,13 +68,10 @@ class SdpaAttention(AttentionBackend):
         qp[self.row, self.col] = q
         kp = k_cache[self.blocks].flatten(1, 2).transpose(1, 2)  # [B, Hkv, Lk, D]
         vp = v_cache[self.blocks].flatten(1, 2).transpose(1, 2)
+        if self.cast:
+            kp, vp = kp.to(q.dtype), vp.to(q.dtype)
         out = F.scaled_dot_product_attention(
             qp.transpose(1, 2), kp, vp, attn_mask=self.mask, scale=self.spec.scale,
             enable_gqa=self.spec.num_heads != self.spec.num_kv_heads,
         )
         return out.transpose(1, 2)[self.row, self.col]
-
-
-@hookimpl
-def nanoplug_register_attention(register) -> None:
-    register.add("sdpa", SdpaAttention)

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from nanoplug.core.interfaces import AttentionMetadata, AttentionSpec
+from nanoplug.api import AttentionMetadata, AttentionSpec
 
 
 @functools.lru_cache(maxsize=None)
@@ -32,7 +32,8 @@ class CudaVarlenAttention:
     @staticmethod
     def usable(spec: AttentionSpec) -> bool:
         fn, _ = _varlen()
-        return fn is not None and spec.device.type == "cuda" and spec.dtype in (torch.float16, torch.bfloat16)
+        return (fn is not None and spec.device.type == "cuda" and spec.dtype in (torch.float16, torch.bfloat16)
+                and spec.cache_dtype == spec.dtype)
 
     def __init__(self, spec: AttentionSpec):
         self.spec = spec
@@ -64,5 +65,5 @@ class CudaVarlenAttention:
         else:
             out = self.fn(q, k_cache, v_cache, meta.cu_seqlens_q, None,
                           meta.max_seqlen_q, meta.max_seqlen_k, seqused_k=meta.seq_lens,
-                          block_table=meta.block_tables.clamp(min=0), **self.kwargs)
+                          block_table=meta.block_tables, **self.kwargs)
         return out[0] if isinstance(out, tuple) else out

@@ -14,10 +14,7 @@ import logging
 
 import torch
 
-from nanoplug.core.hookspecs import hookimpl
-from nanoplug.core.interfaces import PLUGIN_API_VERSION, AttentionBackend, AttentionMetadata, Target
-
-NANOPLUG_API_VERSION = PLUGIN_API_VERSION
+from nanoplug.api import AttentionBackend, AttentionMetadata, Target
 log = logging.getLogger("nanoplug")
 
 
@@ -45,6 +42,9 @@ class XformersAttention(AttentionBackend):
         if target.dtype not in (torch.float16, torch.bfloat16):
             reasons.append(f"needs dtype float16 or bfloat16 (got {str(target.dtype).removeprefix('torch.')}); "
                            "pass dtype='bfloat16'")
+        if target.cache_dtype != target.dtype:
+            reasons.append(f"reads a cache of the model's dtype only, not {str(target.cache_dtype).removeprefix('torch.')}; "
+                           "use kv_cache='torch' or 'triton'")
         lib, why = load_xformers()
         if lib is None:
             reasons.append(f"{why}; pip install xformers (a build matching this torch), and if flash_attn.cute "
@@ -65,9 +65,8 @@ class XformersAttention(AttentionBackend):
             self.bias = b.BlockDiagonalCausalMask.from_seqlens(q_lens, device=meta.slot_mapping.device)
             self.mode = "fresh"
         elif self.use_paged:
-            tables = meta.block_tables.clamp(min=0)
             self.bias = b.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(
-                q_seqlen=q_lens, kv_seqlen=seq_lens, block_tables=tables, page_size=self.spec.block_size,
+                q_seqlen=q_lens, kv_seqlen=seq_lens, block_tables=meta.block_tables, page_size=self.spec.block_size,
                 device=meta.slot_mapping.device)
             self.mode = "paged"
         else:
@@ -89,7 +88,7 @@ class XformersAttention(AttentionBackend):
         t, hkv, d = x.shape
         return x.view(1, t, hkv, 1, d).expand(1, t, hkv, self.group, d)
 
-    def forward(self, q, k, v, k_cache, v_cache):
+    def forward(self, q, k, v, k_cache, v_cache, layer):
         n, h, d = q.shape
         qg = q.view(1, n, self.spec.num_kv_heads, self.group, d)
         if self.mode == "fresh":
@@ -109,10 +108,5 @@ class XformersAttention(AttentionBackend):
                         str(exc).splitlines()[0])
             self.use_paged = False
             self._prepare_gather(self.meta)
-            return self.forward(q, k, v, k_cache, v_cache)
+            return self.forward(q, k, v, k_cache, v_cache, layer)
         return out.reshape(n, h, d)
-
-
-@hookimpl
-def nanoplug_register_attention(register) -> None:
-    register.add("xformers", XformersAttention)

@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import os
 
-from nanoplug.core.hookspecs import hookimpl
-from nanoplug.core.interfaces import PLUGIN_API_VERSION, KVCacheStore, Target
-
-NANOPLUG_API_VERSION = PLUGIN_API_VERSION
+from nanoplug.api import KVCacheStore, Target
 
 try:
     import triton
@@ -55,13 +52,13 @@ class TritonStore(KVCacheStore):
                            "set before triton is imported, for tests")
         model = target.model
         if model is not None:
-            row = model.num_kv_heads * model.head_dim // max(target.config.tensor_parallel_size, 1)
+            row = model.num_kv_heads * model.head_dim // max(target.tensor_parallel_size, 1)
             if row & (row - 1):
                 reasons.append(f"needs num_kv_heads * head_dim per rank to be a power of two (it is {row}); "
                                "use kv_cache='torch'")
         return reasons
 
-    def store(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+    def store(self, k, v, k_cache, v_cache, slot_mapping, layer) -> None:
         n, heads, dim = k.shape
         row = heads * dim
         k, v = k.reshape(n, row), v.reshape(n, row)
@@ -70,8 +67,3 @@ class TritonStore(KVCacheStore):
         if v.stride(-1) != 1:
             v = v.contiguous()
         _store_kv_kernel[(n,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), ROW=row)
-
-
-@hookimpl
-def nanoplug_register_kv_cache(register) -> None:
-    register.add("triton", TritonStore)

@@ -4,96 +4,12 @@ q/k/v bias). Parameter names follow Hugging Face checkpoints, so the loader maps
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from nanoplug.core.attention_layer import PagedAttention
-from nanoplug.core.interfaces import ModelArchitecture, Target
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, with the residual add fused in when given."""
-
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
-
-    fused = None  # set by install_fused_ops: one kernel for norm, and fused_add for add + norm
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if self.fused is not None:
-            return self.fused(x, self.weight, self.eps) if residual is None else self.fused_add(x, residual, self.weight, self.eps)
-        if residual is None:
-            return self._norm(x)
-        residual = x + residual
-        return self._norm(residual), residual
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)  # one fused kernel, same float32 math (CPU hot path)
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    residual = x + residual
-    return rms_norm(residual, weight, eps), residual
-
-
-def rope_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and scaling for the checkpoint's rope type (llama3, yarn, linear, ...)."""
-    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    if rope_type == "default":
-        factor = getattr(hf_config, "partial_rotary_factor", 1.0)
-        dim = int(head_dim * factor)
-        return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
-    return inv_freq.float(), float(scaling)
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (the rotate-half form), cos/sin precomputed for every position."""
-
-    def __init__(self, hf_config: Any, head_dim: int, max_positions: int):
-        super().__init__()
-        inv_freq, scaling = rope_inv_freq(hf_config, head_dim)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
-
-    fused = None  # set by install_fused_ops
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        return (self.fused or apply_rope)(positions, q, k, self.cos, self.sin)
-
-
-def apply_rope(positions, q, k, cos_table, sin_table):
-    cos = cos_table[positions].unsqueeze(1)
-    sin = sin_table[positions].unsqueeze(1)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x1, x2 = x.chunk(2, dim=-1)
-    return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).to(dtype)
+from nanoplug.api import ModelArchitecture, PagedAttention, RMSNorm, RotaryEmbedding, SiluAndMul, Target
 
 
 class DecoderAttention(nn.Module):
@@ -123,38 +39,6 @@ class DecoderAttention(nn.Module):
         q, k = self.rotary(positions, q, k)
         o = self.attn(q, k, v)
         return self.o_proj(o.flatten(1))
-
-
-class SiluAndMul(nn.Module):
-    fused = None  # set by install_fused_ops
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.fused or silu_and_mul)(x)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def install_fused_ops(model: nn.Module, norm, add_norm, act, rope) -> None:
-    """Route every RMSNorm, SiLU-and-mul and RoPE of `model` through the given implementations (same
-    signatures as rms_norm, add_rms_norm, silu_and_mul and apply_rope)."""
-    for m in model.modules():
-        if isinstance(m, RMSNorm):
-            m.fused, m.fused_add = norm, add_norm
-        elif isinstance(m, SiluAndMul):
-            m.fused = act
-        elif isinstance(m, RotaryEmbedding):
-            m.fused = rope
-
-
-def compile_fused_ops(model: nn.Module) -> None:
-    """torch.compile the small elementwise ops (add + RMSNorm, SiLU-and-mul, RoPE) into one kernel
-    each: on a GPU each eager op is a launch and a pass over memory. Dynamic shapes, so one compile
-    serves every batch; CUDA graphs capture the compiled kernels as they capture eager ones."""
-    compile_ = functools.partial(torch.compile, dynamic=True, fullgraph=True)
-    install_fused_ops(model, compile_(rms_norm), compile_(add_rms_norm), compile_(silu_and_mul), compile_(apply_rope))
 
 
 class DecoderMLP(nn.Module):
@@ -209,7 +93,7 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module, ModelArchitecture):
-    """Base of the model plugins; subclasses set `architectures`, `qk_norm` and `qkv_bias`."""
+    """Base of the model plugins; subclasses set `qk_norm` and `qkv_bias`."""
 
     qk_norm = False
     qkv_bias = False
@@ -233,17 +117,10 @@ class DecoderForCausalLM(nn.Module, ModelArchitecture):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = layers.lm_head(hf_config.vocab_size, hf_config.hidden_size)
         if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tie_to(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
-
-    def compile_fused_ops(self) -> None:
-        compile_fused_ops(self)
-
-    def install_fused_ops(self, norm, add_norm, act, rope) -> None:
-        """Take other implementations of the fused ops (the CPU kernels of nanoplug.cpu_kernels)."""
-        install_fused_ops(self, norm, add_norm, act, rope)

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from nanoplug.core.errors import NanoplugError
+from nanoplug.api import NanoplugError, StepBatch, StepResult, Worker, WorkerMethod
 from nanoplug.plugins.parallel.torch_group import TorchGroup
 
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -41,8 +41,9 @@ def launched_local_rank() -> int:
     return rank % gpus if gpus else rank
 
 
-class JoinedRanks:
-    """This process is one rank; the launcher started (and will stop) the others."""
+class JoinedRanks(Worker):
+    """This process is one rank; the launcher started (and will stop) the others. As a `Worker`, each
+    method runs on this rank's own worker in lockstep with the others and returns rank 0's result."""
 
     def __init__(self, timeout_s: float):
         self.timeout = timedelta(seconds=timeout_s)
@@ -59,7 +60,22 @@ class JoinedRanks:
         self.device = torch.device("cuda", local_rank) if dist.get_backend() == "nccl" else torch.device("cpu")
         self.worker = make_worker(TorchGroup(dist.get_rank(), dist.get_world_size(), local_rank))
 
-    def call(self, method: str, *args: Any) -> Any:
+    def run(self, step: StepBatch) -> StepResult | None:
+        return self._call(WorkerMethod.RUN, step)
+
+    def launch(self, step: StepBatch) -> None:
+        self._call(WorkerMethod.LAUNCH, step)
+
+    def collect(self) -> StepResult | None:
+        return self._call(WorkerMethod.COLLECT)
+
+    def num_kv_blocks(self) -> int:
+        return self._call(WorkerMethod.NUM_KV_BLOCKS)
+
+    def shutdown(self) -> None:
+        self.stop()
+
+    def _call(self, method: WorkerMethod, *args: Any) -> Any:
         if self.worker is None:
             raise NanoplugError("this tensor-parallel engine is closed; create a new LLM")
         if args:
@@ -68,8 +84,8 @@ class JoinedRanks:
         dist.broadcast_object_list(box, src=0, device=self.device)
         return box[0]
 
-    def _check_same_step(self, method: str, args: tuple) -> None:
-        digest = hashlib.blake2b(pickle.dumps((method, args)), digest_size=7).digest()
+    def _check_same_step(self, method: WorkerMethod, args: tuple) -> None:
+        digest = hashlib.blake2b(pickle.dumps((method.value, args)), digest_size=7).digest()
         mine = torch.tensor([int.from_bytes(digest, "little")], dtype=torch.int64, device=self.device)
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from nanoplug.core.errors import NanoplugError
+from nanoplug.api import NanoplugError, StepBatch, StepResult, Worker, WorkerMethod
 from nanoplug.plugins.parallel.worker import STORE_HOST, receive, send
 
 TIMEOUT_ENV = "NANOPLUG_TP_TIMEOUT"
@@ -88,8 +88,9 @@ def _worker_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
 
 
-class WorkerPool:
-    """`world_size` worker processes on this host, one rank each."""
+class WorkerPool(Worker):
+    """`world_size` worker processes on this host, one rank each: the `Worker` the engine drives is this
+    proxy, whose every method runs on every rank and answers with rank 0's result."""
 
     def __init__(self, world_size: int):
         self.world_size = world_size
@@ -102,6 +103,24 @@ class WorkerPool:
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._handles.procs]
+
+    worker_pids = pids  # the worker processes this engine started
+
+    # ------------------------------------------------------------------ the worker protocol
+    def run(self, step: StepBatch) -> StepResult | None:
+        return self._call(WorkerMethod.RUN, step)
+
+    def launch(self, step: StepBatch) -> None:
+        self._call(WorkerMethod.LAUNCH, step)
+
+    def collect(self) -> StepResult | None:
+        return self._call(WorkerMethod.COLLECT)
+
+    def num_kv_blocks(self) -> int:
+        return self._call(WorkerMethod.NUM_KV_BLOCKS)
+
+    def shutdown(self) -> None:
+        self.stop()
 
     # ---------------------------------------------------------------------------- start
     def start(self, factory: Any, backend: str, cpu_threads: int | None) -> None:
@@ -130,10 +149,10 @@ class WorkerPool:
         self._handles.conns.append(Connection(ours.detach()))
 
     # ----------------------------------------------------------------------------- calls
-    def call(self, method: str, *args: Any) -> Any:
+    def _call(self, method: WorkerMethod, *args: Any) -> Any:
         if self._stopped_because is not None:
             raise WorkerError(f"the tensor-parallel workers are stopped ({self._stopped_because}); create a new LLM")
-        return self._round(("call", method, args), repr(method), self.call_timeout)[0]
+        return self._round(("call", method, args), repr(method.value), self.call_timeout)[0]
 
     def _round(self, message: Any, what: str, timeout: float) -> list[Any]:
         """Send `message` to every rank and gather the replies; on any failure stop all and raise."""

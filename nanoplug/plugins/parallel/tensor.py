@@ -12,23 +12,11 @@ Two ways to get the ranks:
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
-from nanoplug.core.hookspecs import hookimpl
-from nanoplug.core.interfaces import PLUGIN_API_VERSION, ParallelStrategy, ProcessGroup, Target
-
-NANOPLUG_API_VERSION = PLUGIN_API_VERSION
-
-
-def _intermediate_size(model: str) -> int | None:
-    try:
-        from nanoplug.core.loader import load_hf_config
-
-        return getattr(load_hf_config(model), "intermediate_size", None)
-    except Exception:
-        return None
+from nanoplug.api import ParallelStrategy, ProcessGroup, Target, Worker
 
 
 def _split_reasons(target: Target, n: int) -> list[str]:
@@ -37,7 +25,7 @@ def _split_reasons(target: Target, n: int) -> list[str]:
     if facts is None:
         return []
     counts = {"attention heads": facts.num_heads, "KV heads": facts.num_kv_heads}
-    intermediate = _intermediate_size(target.config.model)
+    intermediate = facts.intermediate_size
     if intermediate:
         counts["MLP intermediate size"] = intermediate
     bad = [f"the {count} {what}" for what, count in counts.items() if count % n]
@@ -80,12 +68,6 @@ def _device_reasons(target: Target, n: int) -> list[str]:
     return []
 
 
-def _device_type(config: Any) -> str:
-    if config.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(config.device).type
-
-
 class TensorParallel(ParallelStrategy):
     description = "layers split over GPUs (NCCL) or CPU processes (gloo); spawned workers, or torchrun's ranks"
     priority = 50  # `single` (100) wins under "auto" when tensor_parallel_size is 1
@@ -96,42 +78,26 @@ class TensorParallel(ParallelStrategy):
 
         if not dist.is_available():
             return ["this torch build has no torch.distributed"]
-        n = target.config.tensor_parallel_size
+        n = target.tensor_parallel_size
         return _split_reasons(target, n) + _device_reasons(target, n)
 
-    def start(self, make_worker: Callable[[ProcessGroup], Any]) -> None:
+    def start(self, make_worker: Callable[[ProcessGroup], Worker]) -> Worker:
+        """A proxy worker: the spawned pool's, or, under torchrun, this rank's own joined to the others."""
         from nanoplug.plugins.parallel.joined import JoinedRanks, launched_ranks
         from nanoplug.plugins.parallel.pool import TIMEOUT_ENV, WorkerPool, timeout_from_env
         from nanoplug.plugins.parallel.torch_group import backend_for
 
-        device_type = _device_type(self.config)
+        device_type = self.target.device.type
         backend = backend_for(device_type)
         if launched_ranks():
-            self.ranks: Any = JoinedRanks(timeout_from_env(TIMEOUT_ENV, 600.0))
-            self.ranks.start(make_worker, backend)
-            return
-        n = self.config.tensor_parallel_size
+            ranks = JoinedRanks(timeout_from_env(TIMEOUT_ENV, 600.0))
+            ranks.start(make_worker, backend)
+            return ranks
+        n = self.target.tensor_parallel_size
         cpu_threads = None
         if device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
             cpu_threads = max(1, cores // n)  # the ranks share this host's cores
-        self.ranks = WorkerPool(n)
-        self.ranks.start(make_worker, backend, cpu_threads)
-
-    def call(self, method: str, *args: Any) -> Any:
-        return self.ranks.call(method, *args)
-
-    def shutdown(self) -> None:
-        ranks = getattr(self, "ranks", None)
-        if ranks is not None:
-            ranks.stop()
-
-    @property
-    def worker_pids(self) -> list[int]:
-        """The worker processes this engine started (none under torchrun)."""
-        return list(getattr(self.ranks, "pids", []))
-
-
-@hookimpl
-def nanoplug_register_parallel(register) -> None:
-    register.add("tensor", TensorParallel)
+        pool = WorkerPool(n)
+        pool.start(make_worker, backend, cpu_threads)
+        return pool

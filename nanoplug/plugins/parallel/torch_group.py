@@ -8,8 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from nanoplug.core.interfaces import ProcessGroup
-from nanoplug.plugins.parallel.layers import Layers
+from nanoplug.api import ProcessGroup
 
 
 class TorchGroup(ProcessGroup):
@@ -27,9 +26,6 @@ class TorchGroup(ProcessGroup):
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         dist.all_gather(parts, x)
         return torch.cat(parts, dim=dim)
-
-    def layers(self) -> Layers:
-        return Layers(self)
 
 
 def backend_for(device_type: str) -> str:

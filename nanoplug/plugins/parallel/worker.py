@@ -5,7 +5,7 @@ through multiprocessing, so the caller's `__main__` is never re-imported (a scri
 `if __name__ == "__main__"` guard still works). Messages are pickled tuples:
 
     caller -> worker  ("init", sys_path, factory_pickle, store_port, world_size, backend, timeout_s, cpu_threads)
-                      ("call", method, args)        ("stop",)
+                      ("call", method, args)        ("stop",)       (method: a nanoplug.api.WorkerMethod)
     worker -> caller  ("ok", result)  (rank 0's result; None on other ranks)
                       ("error", traceback_text)
 
@@ -97,11 +97,12 @@ def serve(conn: Connection, rank: int) -> int:
                 reply = ("ok", None)
             else:
                 _, method, args = message
-                result = worker.call(method, *args)
+                result = worker.call(method, *args)  # Worker.call refuses anything but a WorkerMethod
                 reply = ("ok", result if rank == 0 else None)
         except BaseException:
             failed = True
-            reply = _error(f"rank {rank}, {kind} {message[1] if kind == 'call' else ''}".strip())
+            what = getattr(message[1], "value", message[1]) if kind == "call" else ""
+            reply = _error(f"rank {rank}, {kind} {what}".strip())
         try:
             payload = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:  # a result that cannot cross the process boundary is this rank's error too

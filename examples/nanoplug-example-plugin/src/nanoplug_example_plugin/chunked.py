@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import torch
 
-import nanoplug
-from nanoplug.core.interfaces import AttentionBackend, Target
+from nanoplug.api import AttentionBackend, Target, hookimpl
 
-NANOPLUG_API_VERSION = 1  # the plugin API this module was written for; the registry refuses others
+NANOPLUG_API_VERSION = 2  # the plugin API this module was written for; the registry refuses others
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCKS_PER_CHUNK = 2
@@ -31,7 +30,7 @@ class ChunkedAttention(AttentionBackend):
             reasons.append(f"dtype {target.dtype} unsupported; use float32, float16 or bfloat16")
         return reasons
 
-    def forward(self, q, k, v, k_cache, v_cache):
+    def forward(self, q, k, v, k_cache, v_cache, layer):
         meta, spec = self.meta, self.spec
         out = torch.empty_like(q)
         start = 0
@@ -69,6 +68,6 @@ class ChunkedAttention(AttentionBackend):
         return (acc / running_sum).transpose(0, 1).to(self.spec.dtype)
 
 
-@nanoplug.hookimpl
+@hookimpl
 def nanoplug_register_attention(register) -> None:
     register.add("chunked", ChunkedAttention)

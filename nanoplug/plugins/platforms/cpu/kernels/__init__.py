@@ -5,9 +5,9 @@ gathering K/V for attention) as in its GEMMs, because each eager op pays dispatc
 memory; and MKL's GEMM leaves memory and compute mostly in sequence at decode sizes. These kernels
 do each small op in one pass and a decode-sized GEMM with its weights streaming in the background:
 `kernels()` returns them (or raises `KernelsUnavailable` with the reason), `usable(...)` decides for an
-engine, `install(model, ...)` puts the fused ops into a model that accepts them,
-`core/packed_linear.py` packs the linear weights for their GEMM, the sampler takes their argmax, and
-the `cpu` attention backend runs decode attention on the paged cache.
+engine. The `cpu` platform puts the fused ops into the model (`fused_ops`), packs the linear weights
+for their GEMM (`packed_linear.py`) and gives the sampler their argmax; the `cpu` attention backend
+runs decode attention on the paged cache.
 """
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ import logging
 
 import torch
 
-from nanoplug.cpu_kernels.build import KernelsUnavailable, library_path
-from nanoplug.cpu_kernels.ops import DECODE_HEAD_DIMS, MAX_DECODE_GROUP, CpuKernels
+from nanoplug.api import FusedOps
+from nanoplug.plugins.platforms.cpu.kernels.build import KernelsUnavailable, library_path
+from nanoplug.plugins.platforms.cpu.kernels.ops import DECODE_HEAD_DIMS, MAX_DECODE_GROUP, CpuKernels
 
 log = logging.getLogger("nanoplug")
-__all__ = ["CpuKernels", "KernelsUnavailable", "kernels", "unavailable", "usable", "install", "DECODE_HEAD_DIMS",
+__all__ = ["CpuKernels", "KernelsUnavailable", "kernels", "unavailable", "usable", "fused_ops", "DECODE_HEAD_DIMS",
            "MAX_DECODE_GROUP"]
 
 
@@ -67,12 +68,6 @@ def usable(enabled: bool | None, dtype: torch.dtype, device: torch.device) -> Cp
     return ops
 
 
-def install(model: torch.nn.Module, ops: CpuKernels) -> bool:
-    """Put the fused RMSNorm, SiLU-and-mul and RoPE kernels into `model` through its
-    `install_fused_ops`; False for a model plugin without one (it keeps its own ops)."""
-    if not hasattr(model, "install_fused_ops"):
-        log.info("cpu_kernels: the model plugin has no install_fused_ops; it runs its own RMSNorm, SiLU and RoPE")
-        return False
-    model.install_fused_ops(norm=ops.rms_norm, add_norm=ops.add_rms_norm, act=ops.silu_and_mul, rope=ops.rope)
-    log.info("cpu_kernels: fused RMSNorm, SiLU-and-mul and RoPE kernels installed in the model")
-    return True
+def fused_ops(ops: CpuKernels) -> FusedOps:
+    """The kernels' RMSNorm, add + RMSNorm, SiLU-and-mul and RoPE, for a model's `install_fused_ops`."""
+    return FusedOps(rms_norm=ops.rms_norm, add_rms_norm=ops.add_rms_norm, silu_and_mul=ops.silu_and_mul, rope=ops.rope)

@@ -7,7 +7,7 @@ import pathlib
 
 import torch
 
-from nanoplug.cpu_kernels.build import KernelsUnavailable
+from nanoplug.plugins.platforms.cpu.kernels.build import KernelsUnavailable
 
 ABI_VERSION = 2
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float

@@ -1,5 +1,6 @@
-"""The attention module every model layer uses: store new K/V through the cache plugin, then attend
-through the attention backend. Both are resolved once per engine and reached through `StepContext`."""
+"""The attention module every model layer uses: store new K/V through the KV-cache store, then attend
+through the attention backend. Both are resolved once per engine and reached through `StepContext`,
+which each worker owns (no global), so two engines in one process never share a step."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,7 +8,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from nanoplug.core.interfaces import AttentionBackend, AttentionMetadata, KVCacheStore
+from nanoplug.api.interfaces import AttentionBackend, KVCacheStore
+from nanoplug.api.step import AttentionMetadata, KVLayer
 
 
 @dataclass
@@ -17,7 +19,7 @@ class StepContext:
     store: KVCacheStore
     prefill: AttentionBackend
     decode: AttentionBackend
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    kv: list[tuple[torch.Tensor, torch.Tensor, KVLayer]] = field(default_factory=list)  # per layer: K, V, layer
     meta: AttentionMetadata | None = None
 
     def set_step(self, meta: AttentionMetadata) -> None:
@@ -34,7 +36,8 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [N, H, D]; k, v: [N, Hkv, D] -> [N, H, D]."""
         ctx = self.ctx
-        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        ctx.store.store(k, v, k_cache, v_cache, ctx.meta.slot_mapping)
-        backend = ctx.prefill if ctx.meta.is_prefill else ctx.decode
-        return backend.forward(q, k, v, k_cache, v_cache)
+        k_cache, v_cache, layer = ctx.kv[self.layer_idx]
+        meta = ctx.meta
+        ctx.store.store(k, v, k_cache, v_cache, meta.slot_mapping, layer)
+        backend = ctx.prefill if meta.is_prefill else ctx.decode
+        return backend.forward(q, k, v, k_cache, v_cache, layer)

@@ -59,7 +59,7 @@ def _compiler_version(compiler: str) -> str:
 
 
 def cache_dir() -> pathlib.Path:
-    from nanoplug.default_model import cache_root
+    from nanoplug.api.cache import cache_root
 
     return cache_root() / "cpu_kernels"
 
@@ -71,7 +71,7 @@ def library_path(source: pathlib.Path = SOURCE, name: str = LIBRARY_NAME,
     compiler = find_compiler()
     if compiler is None:
         raise KernelsUnavailable("no C++ compiler found: install g++ or clang++ (or set $CXX), "
-                                 "or pass cpu_kernels=False and attention='sdpa' to run without the C++ kernels")
+                                 "or pass cpu={'kernels': False} and attention='sdpa' to run without the C++ kernels")
     code = source.read_bytes()
     key = hashlib.sha256(b"\0".join([code, _compiler_version(compiler).encode(), " ".join(BASE_FLAGS).encode(),
                                      repr(variants).encode(),
@@ -104,4 +104,4 @@ def library_path(source: pathlib.Path = SOURCE, name: str = LIBRARY_NAME,
         if done is not None:
             errors.append(f"{' '.join(cmd)}:\n{done.stderr.strip()[-1500:]}")
     raise KernelsUnavailable("the C++ compiler could not build nanoplug's CPU kernels; tried:\n" + "\n".join(errors)
-                             + "\npass cpu_kernels=False and attention='sdpa' to run without them")
+                             + "\npass cpu={'kernels': False} and attention='sdpa' to run without them")

@@ -14,7 +14,7 @@ import pathlib
 
 import torch
 
-from nanoplug.cpu_kernels.build import KernelsUnavailable, library_path
+from nanoplug.plugins.platforms.cpu.kernels.build import KernelsUnavailable, library_path
 
 ABI_VERSION = 1
 SOURCE = pathlib.Path(__file__).with_name("quant.cpp")

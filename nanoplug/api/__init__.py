@@ -1,0 +1,42 @@
+"""The nanoplug plugin SDK: the only nanoplug module a plugin imports.
+
+It holds the contract of every plugin kind (`interfaces`), the hook specs, `hookimpl` and the API
+version, the step data a worker and a backend read (`step`), the narrow `Target` a plugin is judged
+against, the linear-method seam, the worker protocol, and the layer library models build from
+(`layers`). It imports nothing else of nanoplug: the engine depends on it, never the other way.
+Its public names are pinned by tests/test_api.py, so a change to the SDK is a visible decision.
+"""
+from nanoplug.api.errors import (AdapterError, ModelLoadError, NanoplugError, PluginLoadError,
+                                 PluginUnavailableError, RequestError, UnknownPluginError, WeightShapeError)
+from nanoplug.api.hookspecs import KIND_HOOKS, PLUGIN_API_VERSION, hookimpl, hookspec
+from nanoplug.api.interfaces import (AdapterOptions, AttentionBackend, KVCacheStore, ModelArchitecture,
+                                     ParallelStrategy, Platform, Plugin, ProcessGroup, RequestAdapters, StepGraphs,
+                                     WeightAdapter)
+from nanoplug.api.layers import (FusedOps, Layers, LinearBase, PagedAttention, ParallelLMHead, RMSNorm,
+                                 RotaryEmbedding, SiluAndMul, StepContext, VocabParallelEmbedding, add_rms_norm,
+                                 apply_rope, install_fused_ops, rms_norm, rope_inv_freq, silu_and_mul)
+from nanoplug.api.linear import DenseLinearMethod, LinearMethod, check_shape, copy_weight
+from nanoplug.api.step import (AttentionMetadata, AttentionSpec, KVCacheSpec, KVLayer, SamplingBatch, StepBatch,
+                               StepInputs, StepLimits, StepResult, to_device)
+from nanoplug.api.target import ModelFacts, Target
+from nanoplug.api.worker import Worker, WorkerMethod
+
+__all__ = [
+    # the plugin protocol
+    "PLUGIN_API_VERSION", "hookimpl", "hookspec", "KIND_HOOKS",
+    # one base class per kind, and what they are judged against
+    "Plugin", "AttentionBackend", "KVCacheStore", "ProcessGroup", "ParallelStrategy", "WeightAdapter",
+    "AdapterOptions", "RequestAdapters", "ModelArchitecture", "Platform", "StepGraphs", "Target", "ModelFacts",
+    # one step as data
+    "StepBatch", "SamplingBatch", "StepResult", "StepInputs", "StepLimits", "AttentionMetadata", "AttentionSpec",
+    "KVCacheSpec", "KVLayer", "to_device",
+    # the worker protocol
+    "Worker", "WorkerMethod",
+    # the linear-method seam and the layer library
+    "LinearMethod", "DenseLinearMethod", "check_shape", "copy_weight", "Layers", "LinearBase", "VocabParallelEmbedding",
+    "ParallelLMHead", "RMSNorm", "rms_norm", "add_rms_norm", "RotaryEmbedding", "apply_rope", "rope_inv_freq",
+    "SiluAndMul", "silu_and_mul", "FusedOps", "install_fused_ops", "PagedAttention", "StepContext",
+    # errors a plugin raises
+    "NanoplugError", "AdapterError", "ModelLoadError", "PluginLoadError", "PluginUnavailableError",
+    "RequestError", "UnknownPluginError", "WeightShapeError",
+]

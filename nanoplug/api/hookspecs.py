@@ -1,0 +1,58 @@
+"""The six hook specs a nanoplug plugin implements: each adds what it offers to a registrar.
+
+A plugin module implements one or more of these with `@hookimpl` and sets `NANOPLUG_API_VERSION`
+to the plugin API version it was written for. Built-ins are declared in nanoplug/registry.toml
+instead (one declaration each), so these hooks are the third-party way in.
+"""
+from __future__ import annotations
+
+import pluggy
+
+PLUGIN_API_VERSION = 2
+"""Bumped when a contract of `nanoplug.api` changes incompatibly; the registry refuses plugins built for another.
+2: the SDK moved to `nanoplug.api`; narrow `Target`; `platform` kind; KV layers and linear methods."""
+
+PROJECT = "nanoplug"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+KIND_HOOKS = {
+    "attention": "nanoplug_register_attention",
+    "kv_cache": "nanoplug_register_kv_cache",
+    "model": "nanoplug_register_model",
+    "parallel": "nanoplug_register_parallel",
+    "adapter": "nanoplug_register_adapter",
+    "platform": "nanoplug_register_platform",
+}
+"""Plugin kind -> the hook that registers plugins of that kind."""
+
+
+@hookspec
+def nanoplug_register_attention(register) -> None:
+    """Add attention backends: `register.add("flash", FlashBackend)` (an AttentionBackend subclass)."""
+
+
+@hookspec
+def nanoplug_register_kv_cache(register) -> None:
+    """Add KV-cache stores: `register.add("triton", TritonStore)` (a KVCacheStore subclass)."""
+
+
+@hookspec
+def nanoplug_register_model(register) -> None:
+    """Add model architectures keyed by the Hugging Face `architectures` name:
+    `register.add("Qwen3ForCausalLM", Qwen3ForCausalLM)`."""
+
+
+@hookspec
+def nanoplug_register_parallel(register) -> None:
+    """Add parallel strategies: `register.add("tensor", TensorParallel)` (a ParallelStrategy subclass)."""
+
+
+@hookspec
+def nanoplug_register_adapter(register) -> None:
+    """Add weight adapters and weight formats: `register.add("lora", LoraAdapter)` (a WeightAdapter subclass)."""
+
+
+@hookspec
+def nanoplug_register_platform(register) -> None:
+    """Add platforms (device families): `register.add("npu", NpuPlatform)` (a Platform subclass)."""

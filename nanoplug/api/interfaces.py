@@ -1,0 +1,280 @@
+"""The contract of each plugin kind: one small base class per kind, optional hooks declared with defaults.
+
+A plugin is a class: its classmethod `unavailable(target)` lists what stops it from serving this
+target (empty when it can), and its instance does the work. The core imports no plugin by name.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Callable, ClassVar, Protocol
+
+import torch
+
+from nanoplug.api.linear import DenseLinearMethod, LinearMethod
+from nanoplug.api.step import (AttentionMetadata, AttentionSpec, KVCacheSpec, KVLayer, StepBatch, StepInputs,
+                               StepLimits)
+from nanoplug.api.target import ModelFacts, Target
+from nanoplug.api.worker import Worker
+
+
+class Plugin:
+    """Base of every plugin class: a description, a priority for `"auto"`, and availability."""
+
+    description: ClassVar[str] = ""
+    priority: ClassVar[int] = 0
+
+    @classmethod
+    def unavailable(cls, target: Target) -> list[str]:
+        """Reasons this plugin cannot serve `target`; empty when it can. Name the fix in each."""
+        return []
+
+
+# ----------------------------------------------------------------------------------------- attention
+class AttentionBackend(Plugin, ABC):
+    """Computes attention of new queries against the paged KV cache.
+
+    K/V of the new tokens are already stored in the cache when `forward` is called. The cache of one
+    layer is `[num_blocks, block_size, num_kv_heads, head_dim]` for K and the same for V, of
+    `spec.cache_dtype` (a backend that cannot read some cache dtype says so in `unavailable`, from
+    `target.cache_dtype`).
+    """
+
+    supports_cuda_graphs: ClassVar[bool] = False
+    """True when `prepare`/`forward` never read a device value on the host, so decode can be captured."""
+
+    def __init__(self, spec: AttentionSpec):
+        self.spec = spec
+        self.meta: AttentionMetadata | None = None
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Build per-step metadata once, before the layers run (never inside a captured graph)."""
+        self.meta = meta
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, layer: KVLayer) -> torch.Tensor:
+        """q: [N, H, D]; k, v: [N, Hkv, D] (the new tokens); returns [N, H, D]."""
+
+
+# --------------------------------------------------------------------------------------- KV cache
+class KVCacheStore(Plugin, ABC):
+    """Writes new K/V into the paged cache at their slots; decides what the cache stores them as."""
+
+    def cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """What K/V are stored as for a model of `model_dtype` (default: the same)."""
+        return model_dtype
+
+    def scales(self, spec: KVCacheSpec) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Per-layer (k_scale, v_scale) float32 [num_layers] for a quantized cache; None for a plain one."""
+        return None
+
+    @abstractmethod
+    def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              slot_mapping: torch.Tensor, layer: KVLayer) -> None:
+        """k, v: [N, Hkv, D] of the model's dtype; caches [num_blocks, block_size, Hkv, D]."""
+
+
+# --------------------------------------------------------------------------------------- parallel
+class ProcessGroup(ABC):
+    """The tensor-parallel group one model replica shard lives in."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0  # the GPU index of this rank on its host
+
+    @abstractmethod
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor: ...
+
+
+class ParallelStrategy(Plugin, ABC):
+    """Starts a worker on one or many processes and returns the `Worker` that drives them in lockstep.
+
+    `start(make_worker)` builds a worker per rank with `make_worker(group)` and returns one `Worker`:
+    the local one itself (`single`), or a proxy whose every method runs on every rank and returns
+    rank 0's result (`tensor`).
+    """
+
+    supports_overlap: ClassVar[bool] = False
+    """True when the returned worker's `launch` returns at once and `collect` later gives that step's
+    tokens, with every rank able to read the next step's inputs from the last sampled tokens (the
+    engine then overlaps host and device work)."""
+
+    def __init__(self, target: Target):
+        self.target = target
+
+    @abstractmethod
+    def start(self, make_worker: Callable[[ProcessGroup], Worker]) -> Worker: ...
+
+
+# --------------------------------------------------------------------------------------- adapters
+class AdapterOptions(Protocol):
+    """What the user asked of one adapter (`AdapterSpec` in the engine's config)."""
+
+    kind: str
+    path: str
+    scale: float
+    name: str | None
+    merge: bool
+
+    @property
+    def label(self) -> str: ...
+
+
+class WeightAdapter(Plugin, ABC):
+    """Changes checkpoint tensors as they load (a LoRA merge), or says how layers hold their weights
+    (a weight format, through `linear_method`)."""
+
+    def __init__(self, spec: AdapterOptions, facts: ModelFacts, base_config: Any):
+        self.spec = spec
+        self.facts = facts
+        self.base_config = base_config
+
+    def linear_method(self) -> LinearMethod | None:
+        """The method every linear layer uses instead of the platform's dense one (a weight format); None: keep it."""
+        return None
+
+    def transform(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Return the tensor to load under checkpoint name `name` (unsharded, as in the file)."""
+        return tensor
+
+    def finish(self) -> None:
+        """Called after the last tensor; raise if part of the adapter was never applied."""
+
+    @classmethod
+    def serve_per_request(cls, model: torch.nn.Module, adapters: list["WeightAdapter"], group: ProcessGroup,
+                          max_tokens: int) -> "RequestAdapters":
+        """Instead of merging `adapters` (spec.merge False; they saw every tensor but left it as it was),
+        change `model`'s layers so each token can use adapter id i (adapters[i - 1]) or none (0)."""
+        raise NotImplementedError(
+            f"adapter plugin {cls.__name__} cannot serve adapters per request; merge them (merge=True)"
+        )
+
+
+class RequestAdapters(ABC):
+    """Adapters picked per request: layers changed once at start-up, the token-to-adapter map set per step."""
+
+    @abstractmethod
+    def set_step(self, token_adapter_ids: torch.Tensor) -> None:
+        """Adapter id (0: none) of each token of the next step, int64 [N] on the CPU; called once per step
+        before the model runs (and before a CUDA graph replays)."""
+
+
+# ----------------------------------------------------------------------------------------- models
+class ModelArchitecture(Plugin):
+    """A model plugin is an `nn.Module` class with this mixin.
+
+    `__init__(hf_config, layers, attention_factory, max_positions)` builds it from the layer library
+    (`layers`: a `nanoplug.api.Layers` bound to the process group and the linear method;
+    `attention_factory(layer_idx, num_heads, num_kv_heads, head_dim)`: a `PagedAttention`),
+    `forward(input_ids, positions) -> hidden`, `compute_logits(hidden) -> logits`, and
+    `packed_modules_mapping` tells the loader which checkpoint tensors are parts of fused layers.
+    """
+
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, Any]]] = {}
+
+    def install_fused_ops(self, ops: Any) -> bool:
+        """Take other implementations of the small ops (a platform's kernels, compiled ops; a `FusedOps`).
+        Default: every RMSNorm, SiluAndMul and RotaryEmbedding of the layer library in this model takes
+        them. Returns whether any layer did (a model with its own ops keeps them)."""
+        from nanoplug.api.layers.fused import install_fused_ops
+
+        return install_fused_ops(self, ops) > 0
+
+
+# ---------------------------------------------------------------------------------------- platform
+class StepGraphs(ABC):
+    """Decode steps captured for some batch sizes (a platform's graphs), replayed on new inputs."""
+
+    @abstractmethod
+    def size_for(self, num_seqs: int) -> int | None:
+        """The captured batch size that serves `num_seqs` sequences, or None (the step runs eager)."""
+
+    @abstractmethod
+    def inputs(self, size: int) -> StepInputs:
+        """Host buffers (with room for `size` rows) for the next replay's inputs, to be planned into."""
+
+    @abstractmethod
+    def replay(self, size: int, inputs: StepInputs, previous_tokens: torch.Tensor | None) -> torch.Tensor:
+        """Run the graph of `size` on `inputs` (planned into `self.inputs(size)`); the logits [size, vocab]."""
+
+
+class StepContextLike(Protocol):
+    """What a platform may do with the worker's step context (nanoplug.api.layers.StepContext)."""
+
+    def set_step(self, meta: AttentionMetadata) -> None: ...
+
+
+class Platform(Plugin):
+    """A device family (`cpu`, `cuda`, or out of tree): everything specific to it, so the engine and the
+    runner stay generic. One instance lives on each worker; the engine also asks its classmethods."""
+
+    device_type: ClassVar[str] = ""
+    """The torch device type it serves ("cpu", "cuda", ...)."""
+
+    def __init__(self, options: Any, target: Target):
+        """options: this platform's part of the engine's config (e.g. `EngineConfig.cpu`), or {}."""
+        self.options = options
+        self.target = target
+        self.device = target.device  # this rank's, once `worker_device` has chosen it
+
+    @classmethod
+    def unavailable(cls, target: Target) -> list[str]:
+        if target.device.type != cls.device_type:
+            return [f"serves {cls.device_type} devices, not {target.device.type}"]
+        return []
+
+    @classmethod
+    def default_dtype(cls, saved: torch.dtype | None) -> torch.dtype:
+        """The dtype for dtype='auto', given the checkpoint's saved dtype (None: unknown)."""
+        return torch.float32
+
+    @classmethod
+    def overlaps_by_default(cls) -> bool:
+        """Overlapped steps when overlap_steps=None (off where the host computes the step itself)."""
+        return False
+
+    # ------------------------------------------------------------------ on each worker, at start-up
+    def worker_device(self, device: torch.device, group: ProcessGroup) -> torch.device:
+        """The device of this rank (one device per rank under tensor parallelism)."""
+        self.device = device
+        return device
+
+    def linear_method(self) -> LinearMethod:
+        """How linear layers hold and apply dense weights here (unless a weight format gives its own)."""
+        return DenseLinearMethod()
+
+    def greedy_sampler(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """A faster `logits.argmax(dim=-1)` here (same ties: the first maximum), or None."""
+        return None
+
+    def num_kv_blocks(self, block_bytes: int, profile: Callable[[], None], release: Callable[[], None]) -> int:
+        """How many KV blocks of `block_bytes` fit. `profile()` runs the largest step once on a small
+        temporary cache, `release()` frees that cache, for platforms that size the cache from memory."""
+        raise NotImplementedError(f"platform {type(self).__name__} cannot size the KV cache; pass num_kv_blocks")
+
+    def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The whole cache's memory (uninitialized is fine: each block is cleared before its first use)."""
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        """After the weights are loaded and the cache allocated: fused kernels, compiled ops."""
+
+    def warm_up(self, run: Callable[[StepBatch], Any], limits: StepLimits, num_blocks: int) -> None:
+        """Run each kind of step once (kernels that compile on first use compile here)."""
+
+    def capture_graphs(self, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                       ctx: StepContextLike, limits: StepLimits, scratch_block: int) -> StepGraphs | None:
+        """Capture decode steps: `ctx.set_step(meta)` then `forward(input_ids, positions) -> logits` runs
+        the model; padding writes to `scratch_block`. None: decode runs eager."""
+        return None
+
+    # ------------------------------------------------------------------------------------ per step
+    def to_host(self, tokens: torch.Tensor, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+        """Start copying a step's sampled tokens (and logits rows) to the host; returns them and a handle."""
+        return tokens, rows, None
+
+    def wait(self, handle: Any) -> None:
+        """Block until the copy `to_host` started has arrived."""

@@ -1,0 +1,38 @@
+"""Other implementations of the layer library's small ops (a platform's C++ kernels, torch.compile'd
+versions), put into a model's RMSNorm, SiluAndMul and RotaryEmbedding layers in one walk."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import nn
+
+from nanoplug.api.layers.activation import SiluAndMul
+from nanoplug.api.layers.norm import RMSNorm
+from nanoplug.api.layers.rotary import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class FusedOps:
+    """Same signatures as `rms_norm`, `add_rms_norm`, `silu_and_mul` and `apply_rope`."""
+
+    rms_norm: Callable
+    add_rms_norm: Callable
+    silu_and_mul: Callable
+    rope: Callable
+
+
+def install_fused_ops(model: nn.Module, ops: FusedOps) -> int:
+    """Route every RMSNorm, SiLU-and-mul and RoPE of `model` through `ops`; returns how many layers took them."""
+    count = 0
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            m.fused, m.fused_add = ops.rms_norm, ops.add_rms_norm
+        elif isinstance(m, SiluAndMul):
+            m.fused = ops.silu_and_mul
+        elif isinstance(m, RotaryEmbedding):
+            m.fused = ops.rope
+        else:
+            continue
+        count += 1
+    return count

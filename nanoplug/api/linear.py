@@ -1,0 +1,75 @@
+"""The linear-method seam (the shape of vLLM's quantization methods): how one layer's weight is
+created, loaded and applied.
+
+The layer library (`nanoplug.api.layers`) owns sharding: it narrows each checkpoint tensor to this
+rank's rows (or columns) and hands them to `LinearMethod.load`. The method owns the format: what
+parameters a layer has, how they are filled, and how `x @ W.T + b` is computed from them. So a weight
+format (int8, GGUF, fp8) or a device's fast GEMM is a method, and no model file changes.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoplug.api.errors import WeightShapeError
+
+
+class LinearMethod(ABC):
+    """How one layer's weight is created, loaded and applied; dense (the default) keeps today's code."""
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
+        """Register the layer's parameters (this rank's sizes). Each parameter carries
+        `weight_loader(param, tensor, shard_id=None)`, the layer's own loader, which shards/packs and
+        hands the format's data to `self.load(layer, param, tensor, shard_offset, shard_size)`.
+
+        The default: a dense `weight [output_size, input_size]` of `dtype`."""
+        weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
+        layer.register_parameter("weight", weight)
+
+    def load(self, layer: nn.Module, param: torch.Tensor, tensor: torch.Tensor, out_offset: int, out_size: int) -> None:
+        """Copy `tensor` (this rank's rows, already narrowed) into rows [out_offset, out_offset+out_size)
+        of `param`, checking the shape (a mismatch names the layer, expected and found shape)."""
+        dst = param.data.narrow(0, out_offset, out_size) if (out_offset, out_size) != (0, param.shape[0]) else param.data
+        copy_weight(dst, tensor, type(layer).__name__)
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        """Called once per layer after every weight is loaded (and merged): pack, transpose, quantize."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`x @ W.T + bias` for this layer's weight in this method's format."""
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the weight for token ids (embeddings; a tied LM head shares the weight)."""
+        return F.embedding(ids, layer.weight)
+
+
+class DenseLinearMethod(LinearMethod):
+    """Plain weights of the model's dtype and `F.linear`: the default, and the reference for every other."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+def check_shape(tensor: torch.Tensor, expected: Sequence[int], what: str = "") -> None:
+    """Raise WeightShapeError unless `tensor` has exactly the `expected` shape.
+
+    Every weight loader calls this on the full checkpoint tensor before it narrows or copies, so
+    `narrow` never cuts a tensor that does not split evenly and `copy_` never broadcasts one. The
+    engine's loader words the error again with the tensor's name and file."""
+    found, expected = list(tensor.shape), list(expected)
+    if found != expected:
+        detail = f"shape {found}, but the model expects {expected}{f' ({what})' if what else ''}"
+        err = WeightShapeError(f"a tensor of {detail}")
+        err.detail = detail
+        raise err
+
+
+def copy_weight(dst: torch.Tensor, src: torch.Tensor, what: str = "") -> None:
+    """`dst.copy_(src)` with the shapes checked first (copy_ would broadcast a [1, n] tensor silently)."""
+    check_shape(src, dst.shape, what)
+    dst.copy_(src)

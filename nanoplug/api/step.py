@@ -1,0 +1,181 @@
+"""One step as data: what the engine hands a worker (`StepBatch`), the inputs it plans from it on the
+host (`StepInputs`), and the metadata every attention backend and KV store reads (`AttentionMetadata`,
+`AttentionSpec`, `KVCacheSpec`, `KVLayer`).
+
+Padding is defined once, here: the KV cache has one scratch block past the blocks the engine hands
+out; block tables are padded with it and padding tokens write their K/V into it. So every entry of
+a block table names a real block, and no backend clamps or masks table entries.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings as plain lists (picklable, so they cross process boundaries)."""
+
+    temperatures: list[float]
+    top_ks: list[int]
+    top_ps: list[float]
+    min_ps: list[float]
+    seeds: list[int | None]
+    positions: list[int]  # index of the token being sampled, for seeded noise
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(t == 0.0 for t in self.temperatures)
+
+    @classmethod
+    def greedy(cls, rows: int) -> "SamplingBatch":
+        """`rows` greedy rows (warm-ups, profiling, comparisons)."""
+        return cls([0.0] * rows, [0] * rows, [1.0] * rows, [0.0] * rows, [None] * rows, [0] * rows)
+
+
+@dataclass
+class StepBatch:
+    """One step's work as plain data (it crosses process boundaries under tensor parallelism)."""
+
+    is_prefill: bool
+    input_ids: list[int]
+    starts: list[int]  # tokens already in the cache for each sequence
+    query_lens: list[int]
+    block_tables: list[list[int]]
+    sample_rows: list[int]  # sequences whose last computed token yields a new token
+    sampling: SamplingBatch
+    logits_rows: list[int] = field(default_factory=list)  # of sample_rows, the ones that want logits
+    adapter_ids: list[int] = field(default_factory=list)
+    new_blocks: list[int] = field(default_factory=list)  # KV blocks used for the first time: cleared first
+    # input tokens not yet known on the host (overlapped steps): input_ids[i] for i in from_previous_at
+    # is row from_previous_rows[k] of the previous step's sampled tokens, taken on the device
+    from_previous_at: list[int] = field(default_factory=list)
+    from_previous_rows: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StepLimits:
+    """The sizes steps stay within (from the engine's config), for platforms that prepare for them."""
+
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+
+
+@dataclass
+class StepResult:
+    """What rank 0 gives back for one step: the sampled token of each sample row, and the logits rows asked for."""
+
+    tokens: list[int]
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class StepInputs:
+    """One step's inputs on the host, laid out as the device reads them.
+
+    Planned in one place (nanoplug/core/inputs.py) for eager steps and for graph replays alike. A
+    graph replays a fixed number of rows R: rows past the batch's sequences are padding (one token
+    each, at position 0, writing to the scratch block, context length 1)."""
+
+    input_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    slot_mapping: np.ndarray  # int64 [T]
+    seq_lens: np.ndarray  # int32 [R], context length after this step
+    cu_seqlens_q: np.ndarray  # int32 [R+1]
+    cu_seqlens_k: np.ndarray  # int32 [R+1]
+    block_tables: np.ndarray  # int32 [R, W], padded with the scratch block
+    from_previous_at: np.ndarray  # int64 [K]: see StepBatch
+    from_previous_rows: np.ndarray  # int64 [K]
+    num_from_previous: int = 0
+    query_lens_host: list[int] = field(default_factory=list)
+    seq_lens_host: list[int] = field(default_factory=list)
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch layout, built once by the worker and read by every layer.
+
+    Tokens of all sequences are packed along one axis. For sequence i, the step computes
+    `query_lens[i]` new tokens at the end of a context of `seq_lens[i]` tokens (cached ones included),
+    so its queries sit at positions `seq_lens[i] - query_lens[i] ... seq_lens[i] - 1`. Every entry of
+    `block_tables` is a real block: padding names the scratch block (see the module's docstring).
+    """
+
+    is_prefill: bool
+    cu_seqlens_q: torch.Tensor  # int32 [B+1]
+    cu_seqlens_k: torch.Tensor  # int32 [B+1]
+    seq_lens: torch.Tensor  # int32 [B], context length after this step
+    slot_mapping: torch.Tensor  # int64 [N], cache slot of each new token
+    block_tables: torch.Tensor  # int32 [B, max_blocks], padded with the scratch block
+    max_seqlen_q: int
+    max_seqlen_k: int
+    query_lens_host: list[int] = field(default_factory=list)
+    seq_lens_host: list[int] = field(default_factory=list)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def has_cached_context(self) -> bool:
+        """True when some sequence attends to keys it does not compute in this step."""
+        return self.max_seqlen_k > self.max_seqlen_q or self.seq_lens_host != self.query_lens_host
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """How one engine's paged KV cache is laid out: each layer's K and V are
+    `[num_blocks, block_size, num_kv_heads, head_dim]` of `dtype` (which may differ from the model's)."""
+
+    dtype: torch.dtype
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+    # per-layer scales for quantized caches (float32 [num_layers]); None for plain caches
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class KVLayer:
+    """One layer's view of the cache, handed to the store and the backend with its K/V caches."""
+
+    index: int
+    k_scale: torch.Tensor | None = None  # 0-d float32, for quantized caches
+    v_scale: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The shape of attention a backend is built for (this rank's heads)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    block_size: int
+    dtype: torch.dtype  # of q, k, v and the output
+    device: torch.device
+    kv: KVCacheSpec | None = None  # the cache it reads; None: plain, of `dtype`
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv.dtype if self.kv is not None else self.dtype
+
+
+def to_device(values: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` (a list, numpy array or CPU tensor) as a `dtype` tensor on `device`, copied asynchronously.
+
+    A plain `torch.tensor(values, device="cuda")` copies from pageable memory, which blocks the host
+    until all queued GPU work is done, and that would undo overlapped steps. Staging the copy through
+    pinned memory lets it queue behind that work instead."""
+    t = torch.as_tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t

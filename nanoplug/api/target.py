@@ -1,0 +1,64 @@
+"""What a plugin is judged against: the checkpoint's facts and the narrow `Target` of one engine.
+
+A plugin sees only what it needs to say whether it can serve (device, dtype, head sizes, block
+size, parallel size, the cache's dtype), never the engine's whole config: that keeps what a plugin
+may depend on small, and the config free to change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a plugin may need to know about the checkpoint to say whether it can serve it (read once)."""
+
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    intermediate_size: int | None = None
+    max_position_embeddings: int | None = None
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> "ModelFacts":
+        """The numbers plugins judge a checkpoint by, read off a Hugging Face config."""
+        heads = hf_config.num_attention_heads
+        return cls(
+            architecture=(getattr(hf_config, "architectures", None) or ["?"])[0],
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+            hidden_size=hf_config.hidden_size,
+            vocab_size=hf_config.vocab_size,
+            intermediate_size=getattr(hf_config, "intermediate_size", None),
+            max_position_embeddings=getattr(hf_config, "max_position_embeddings", None),
+        )
+
+
+@dataclass(frozen=True)
+class Target:
+    """One engine as a plugin's `unavailable(target)` sees it.
+
+    `model` is None when plugins are listed without a checkpoint (`nanoplug plugins`): judge only
+    what is known. `kv_cache_dtype` is what K/V are stored as (the chosen KV-cache store decides;
+    None: the model's dtype)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    model: ModelFacts | None = None
+    block_size: int = 256
+    tensor_parallel_size: int = 1
+    kv_cache_dtype: torch.dtype | None = None
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """What K/V are stored as."""
+        return self.kv_cache_dtype or self.dtype

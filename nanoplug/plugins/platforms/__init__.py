@@ -1,0 +1,1 @@
+"""Built-in platforms: one package per device family (`cpu`, `cuda`)."""

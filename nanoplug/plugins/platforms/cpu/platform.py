@@ -1,0 +1,49 @@
+"""Platform `cpu`: what is specific to running steps on the host's cores.
+
+- the KV cache is sized by `cpu.kv_cache_gb` (no memory profiling: the host's memory is the model's);
+- float32 steps use nanoplug's C++ kernels (`kernels/`, built once per machine): the fused RMSNorm,
+  SiLU-and-mul and RoPE go into the model, the sampler takes their greedy argmax, and linear layers
+  pack their weights once for a decode-sized GEMM (`packed_linear.py`, the dense linear method here);
+- steps run one after another by default: the host computes the step itself, so there is nothing to
+  overlap with.
+"""
+from __future__ import annotations
+
+import torch
+
+from nanoplug.api import LinearMethod, Platform, Target
+from nanoplug.plugins.platforms.cpu import kernels as cpu_kernels
+from nanoplug.plugins.platforms.cpu.packed_linear import PackedLinearMethod
+
+
+class CpuPlatform(Platform):
+    description = "the host's cores: C++ kernels and packed weights for float32, KV cache sized by cpu.kv_cache_gb"
+    priority = 0
+    device_type = "cpu"
+
+    def __init__(self, options, target: Target):
+        super().__init__(options, target)
+        self.kv_cache_gb = getattr(options, "kv_cache_gb", 4.0)
+        # float32 CPU steps' C++ kernels (None where they are off or do not build here; why is logged)
+        self.kernels = cpu_kernels.usable(getattr(options, "kernels", None), target.dtype, target.device)
+        self.method = PackedLinearMethod(getattr(options, "weight_packing", None), target.dtype, target.device,
+                                         self.kernels)
+
+    def linear_method(self) -> LinearMethod:
+        return self.method
+
+    def greedy_sampler(self):
+        return self.kernels.argmax if self.kernels is not None else None
+
+    def num_kv_blocks(self, block_bytes, profile, release) -> int:
+        return max(int(self.kv_cache_gb * 2**30 // block_bytes), 1)
+
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        self.method.log_summary()
+        if self.kernels is None:
+            return
+        if model.install_fused_ops(cpu_kernels.fused_ops(self.kernels)):
+            cpu_kernels.log.info("cpu_kernels: fused RMSNorm, SiLU-and-mul and RoPE kernels installed in the model")
+        else:
+            cpu_kernels.log.info("cpu_kernels: the model has no layer that takes fused ops; it runs its own "
+                                 "RMSNorm, SiLU and RoPE")

@@ -1,0 +1,1 @@
+"""Platform `cuda`: NVIDIA GPUs (`platform.py`), decode under CUDA graphs (`graphs.py`)."""

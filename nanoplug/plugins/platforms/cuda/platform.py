@@ -1,0 +1,131 @@
+"""Platform `cuda`: what is specific to NVIDIA GPUs.
+
+- the KV cache takes what is left of `cuda.memory_utilization` of the GPU's memory after the largest
+  step has run once (memory profiling), and is allocated zeroed;
+- the small fused ops are torch.compile'd, every kind of step runs once at start-up (kernels that
+  compile on first use compile then), and decode runs under CUDA graphs (`graphs.py`), unless
+  `cuda.enforce_eager`;
+- steps overlap by default: the host prepares step N+1 while the GPU computes step N, and sampled
+  tokens come back by a non-blocking copy the next step waits for.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from nanoplug.api import (FusedOps, Platform, ProcessGroup, SamplingBatch, StepBatch, StepLimits, Target, add_rms_norm,
+                          apply_rope, rms_norm, silu_and_mul)
+from nanoplug.plugins.platforms.cuda.graphs import DecodeGraphs
+
+log = logging.getLogger("nanoplug")
+
+
+class CudaPlatform(Platform):
+    description = "NVIDIA GPUs: memory-sized KV cache, CUDA graphs, torch.compile'd fused ops, overlapped steps"
+    priority = 100
+    device_type = "cuda"
+
+    @classmethod
+    def unavailable(cls, target: Target) -> list[str]:
+        reasons = super().unavailable(target)
+        if not reasons and not torch.cuda.is_available():
+            reasons.append("torch sees no CUDA GPU (a CPU build of torch, or no driver); use device='cpu'")
+        return reasons
+
+    @classmethod
+    def default_dtype(cls, saved: torch.dtype | None) -> torch.dtype:
+        return saved if saved in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+    @classmethod
+    def overlaps_by_default(cls) -> bool:
+        return True
+
+    def __init__(self, options, target: Target):
+        super().__init__(options, target)
+        self.memory_utilization = getattr(options, "memory_utilization", 0.9)
+        self.enforce_eager = getattr(options, "enforce_eager", False)
+        self.compile_fused_ops = getattr(options, "compile_fused_ops", True)
+
+    def worker_device(self, device: torch.device, group: ProcessGroup) -> torch.device:
+        if group.world_size > 1:
+            device = torch.device("cuda", group.local_rank)
+            torch.cuda.set_device(device)
+        self.device = device
+        return device
+
+    # ----------------------------------------------------------------------------- KV cache
+    def num_kv_blocks(self, block_bytes, profile, release) -> int:
+        """Run the largest prefill once on a small temporary cache, then give the rest to the KV cache."""
+        device = self.device
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        profile()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        release()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        used_elsewhere = total - free - torch.cuda.memory_reserved(device)
+        budget = total * self.memory_utilization - used_elsewhere - peak
+        num_blocks = int(budget // block_bytes)
+        if num_blocks < 1:
+            raise RuntimeError("no GPU memory left for the KV cache; raise cuda={'memory_utilization': ...} or lower "
+                               "max_num_batched_tokens")
+        return num_blocks
+
+    def allocate_kv_cache(self, shape, dtype, device) -> torch.Tensor:
+        # zeros, not empty: kernels that load whole pages (FlashAttention-4 by TMA) read the unused rows of
+        # a sequence's last page, and NaN garbage there would turn into NaN outputs (0 * NaN)
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    # ---------------------------------------------------------------------- model and steps
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        """torch.compile the small elementwise ops (add + RMSNorm, SiLU-and-mul, RoPE) into one kernel
+        each: on a GPU each eager op is a launch and a pass over memory. Dynamic shapes, so one compile
+        serves every batch; CUDA graphs capture the compiled kernels as they capture eager ones."""
+        if self.enforce_eager or not self.compile_fused_ops:
+            return
+        compile_ = functools.partial(torch.compile, dynamic=True, fullgraph=True)
+        model.install_fused_ops(FusedOps(compile_(rms_norm), compile_(add_rms_norm), compile_(silu_and_mul),
+                                         compile_(apply_rope)))
+
+    def warm_up(self, run, limits: StepLimits, num_blocks: int) -> None:
+        """Run each kind of step once on the first blocks: fresh prefills and prefill chunks over
+        cached context, with short and long queries, and a decode. Kernels that compile on first use
+        (FlashAttention-4 builds one per variant, seconds each, and a query longer than one tile is
+        another variant) then compile here, not inside the first requests' steps. The blocks are
+        cleared before the block manager first hands them out (`take_new_blocks`)."""
+        bs = limits.block_size
+        long = max(2, min(512, limits.max_model_len - 2, limits.max_num_batched_tokens))
+        table = [min(i, num_blocks) for i in range((long + 1 + bs - 1) // bs)]
+        greedy = SamplingBatch.greedy(1)
+        for is_prefill, start, n in ((True, 0, 2), (True, 0, long), (True, 1, 2), (True, 1, long), (False, 1, 1)):
+            run(StepBatch(is_prefill=is_prefill, input_ids=[0] * n, starts=[start], query_lens=[n],
+                          block_tables=[table], sample_rows=[0], sampling=greedy))
+        torch.cuda.synchronize(self.device)
+
+    def capture_graphs(self, forward, ctx, limits: StepLimits, scratch_block: int):
+        """Capture decode for batch-size buckets. A backend whose kernels cannot be captured leaves
+        decode eager (logged), never broken."""
+        if self.enforce_eager:
+            return None
+        graphs = DecodeGraphs(forward, ctx, limits, scratch_block, self.device)
+        try:
+            graphs.capture()
+        except Exception as exc:  # noqa: BLE001  (any capture failure means: run eager)
+            log.warning("CUDA graph capture failed (%s: %s); decode runs eager", type(exc).__name__, exc)
+            torch.cuda.synchronize(self.device)
+            return None
+        return graphs
+
+    def to_host(self, tokens, rows):
+        tokens = tokens.to("cpu", non_blocking=True)
+        rows = rows.to("cpu", non_blocking=True) if rows is not None else None
+        done = torch.cuda.Event()
+        done.record()
+        return tokens, rows, done
+
+    def wait(self, handle) -> None:
+        handle.synchronize()

@@ -1,0 +1,143 @@
+"""A step's inputs are planned in one place (nanoplug/core/inputs.py) for eager steps and graph replays.
+
+The planner's padded form (a graph's buffers: rows past the batch write to the scratch block) must give
+the eager form's values for the batch's rows; and a platform whose "graphs" replay decode steps on such
+buffers (here a test-only platform on the CPU that runs the model on them eagerly, as DecodeGraphs runs
+its CUDA graphs) must give the eager engine's tokens and logits, overlapped steps included."""
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from _checkpoints import PROMPTS, checkpoint
+from nanoplug import LLM, SamplingParams
+from nanoplug.api import PLUGIN_API_VERSION, AttentionMetadata, SamplingBatch, StepBatch, StepGraphs, StepInputs, hookimpl
+from nanoplug.core.inputs import plan_inputs
+from nanoplug.core.registry import Registry
+from nanoplug.plugins.attention.manual import ManualAttention
+from nanoplug.plugins.attention.sdpa import SdpaAttention
+from nanoplug.plugins.platforms.cpu.platform import CpuPlatform
+
+BS, SCRATCH = 4, 50
+
+
+def decode_batch(starts: list[int], tables: list[list[int]]) -> StepBatch:
+    n = len(starts)
+    return StepBatch(False, [100 + i for i in range(n)], starts, [1] * n, tables, list(range(n)),
+                     SamplingBatch.greedy(n), from_previous_at=[1], from_previous_rows=[0])
+
+
+def buffers(rows: int, width: int) -> StepInputs:
+    h64, h32 = np.full((5, rows), -7, dtype=np.int64), np.full(2 * rows + 1 + rows * width, -7, dtype=np.int32)
+    return StepInputs(input_ids=h64[0], positions=h64[1], slot_mapping=h64[2], from_previous_at=h64[3],
+                      from_previous_rows=h64[4], seq_lens=h32[:rows], cu_seqlens_k=h32[rows:2 * rows + 1],
+                      block_tables=h32[2 * rows + 1:].reshape(rows, width), cu_seqlens_q=np.arange(rows + 1))
+
+
+def test_the_padded_plan_is_the_eager_plan_plus_padding_that_writes_to_the_scratch_block():
+    batch = decode_batch([5, 0, 11], [[3, 7], [9], [1, 2, 4]])
+    eager = plan_inputs(batch, BS, SCRATCH)
+    assert eager.block_tables.tolist() == [[3, 7, SCRATCH], [9, SCRATCH, SCRATCH], [1, 2, 4]]
+    assert eager.positions.tolist() == [5, 0, 11] and eager.slot_mapping.tolist() == [7 * BS + 1, 9 * BS, 4 * BS + 3]
+    assert eager.seq_lens.tolist() == [6, 1, 12] and eager.cu_seqlens_k.tolist() == [0, 6, 7, 19]
+    rows = 4
+    padded = plan_inputs(batch, BS, SCRATCH, out=buffers(8, 5), rows=rows)
+    n = 3
+    for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
+        assert getattr(padded, name)[:n].tolist() == getattr(eager, name).tolist(), name
+    assert padded.block_tables[:n, :3].tolist() == eager.block_tables.tolist()
+    assert (padded.block_tables[:rows, 3:] == SCRATCH).all() and (padded.block_tables[n:rows] == SCRATCH).all()
+    assert padded.input_ids[n:rows].tolist() == [0] and padded.positions[n:rows].tolist() == [0]
+    assert padded.slot_mapping[n:rows].tolist() == [SCRATCH * BS] and padded.seq_lens[n:rows].tolist() == [1]
+    assert padded.cu_seqlens_k[:rows + 1].tolist() == [0, 6, 7, 19, 20]
+    assert (padded.num_from_previous, padded.from_previous_at[0], padded.from_previous_rows[0]) == (1, 1, 0)
+    assert (padded.seq_lens_host, padded.max_seqlen_k) == ([6, 1, 12, 1], 12)
+
+
+# ------------------------------------------------------------------------ graphs on the CPU
+class EagerReplays(StepGraphs):
+    """DecodeGraphs' design without CUDA: one pair of static input buffers the engine plans into, one
+    static metadata per batch size over them, and the model run on them (eagerly) at each replay."""
+
+    SIZES = (1, 2, 4, 8)
+
+    def __init__(self, forward, ctx, limits, scratch_block):
+        self.forward, self.ctx, self.scratch_slot = forward, ctx, scratch_block * limits.block_size
+        max_bs, width = self.SIZES[-1], (limits.max_model_len + limits.block_size - 1) // limits.block_size
+        self.h64 = torch.zeros(5, max_bs, dtype=torch.int64)
+        self.h32 = torch.zeros(2 * max_bs + 1 + max_bs * width, dtype=torch.int32)
+        h32 = self.h32
+        self.static = StepInputs(
+            input_ids=self.h64[0].numpy(), positions=self.h64[1].numpy(), slot_mapping=self.h64[2].numpy(),
+            from_previous_at=self.h64[3].numpy(), from_previous_rows=self.h64[4].numpy(),
+            seq_lens=h32[:max_bs].numpy(), cu_seqlens_k=h32[max_bs:2 * max_bs + 1].numpy(),
+            block_tables=h32[2 * max_bs + 1:].view(max_bs, width).numpy(), cu_seqlens_q=np.arange(max_bs + 1))
+        cu_q = torch.arange(max_bs + 1, dtype=torch.int32)
+        self.metas = {size: AttentionMetadata(
+            is_prefill=False, cu_seqlens_q=cu_q[:size + 1], cu_seqlens_k=h32[max_bs:max_bs + size + 1],
+            seq_lens=h32[:size], slot_mapping=self.h64[2, :size], block_tables=h32[2 * max_bs + 1:].view(max_bs, width)[:size],
+            max_seqlen_q=1, max_seqlen_k=limits.max_model_len) for size in self.SIZES}
+        self.replayed: list[tuple[int, int]] = []  # (size, sequences) of each replay
+
+    def size_for(self, num_seqs):
+        return next((s for s in self.SIZES if s >= num_seqs), None)
+
+    def inputs(self, size):
+        return self.static
+
+    def replay(self, size, inputs, previous_tokens):
+        k = inputs.num_from_previous
+        if k:
+            self.h64[0].index_copy_(0, self.h64[3, :k], previous_tokens.index_select(0, self.h64[4, :k]))
+        meta = self.metas[size]
+        meta.query_lens_host, meta.seq_lens_host, meta.max_seqlen_k = inputs.query_lens_host, inputs.seq_lens_host, inputs.max_seqlen_k
+        self.ctx.set_step(meta)
+        self.replayed.append((size, int((inputs.slot_mapping[:size] != self.scratch_slot).sum())))
+        return self.forward(self.h64[0, :size], self.h64[1, :size])
+
+
+class GraphsOnCpu(CpuPlatform):
+    description = "test-only: decode replayed on static buffers, as CUDA graphs are"
+
+    def capture_graphs(self, forward, ctx, limits, scratch_block):
+        self.graphs = EagerReplays(forward, ctx, limits, scratch_block)
+        return self.graphs
+
+
+class CapturableManual(ManualAttention):
+    supports_cuda_graphs = True  # reads the step's metadata afresh in prepare: replays see new inputs
+
+
+class CapturableSdpa(SdpaAttention):
+    supports_cuda_graphs = True
+
+
+@pytest.fixture(scope="module")
+def registry():
+    module = types.ModuleType("graphs_on_cpu")
+    module.NANOPLUG_API_VERSION = PLUGIN_API_VERSION
+    module.nanoplug_register_platform = hookimpl(lambda register: register.add("cpu_graphs", GraphsOnCpu))
+    module.nanoplug_register_attention = hookimpl(lambda register: (register.add("manual_graphs", CapturableManual),
+                                                                    register.add("sdpa_graphs", CapturableSdpa)))
+    reg = Registry(load_entry_points=False)
+    reg.add_plugin_module(module, "test")
+    return reg
+
+
+@pytest.mark.parametrize("attention,overlap", [("manual", False), ("sdpa", False), ("sdpa", True)])
+def test_replays_on_padded_buffers_give_the_eager_engines_outputs(registry, attention, overlap):
+    options = dict(kv_block_size=16, kv_cache="torch", num_kv_blocks=64, max_model_len=256, device="cpu",
+                   dtype="float32", max_num_seqs=8, overlap_steps=overlap)
+    eager = LLM(checkpoint(), registry=registry, attention=attention, **options)
+    graphs = LLM(checkpoint(), registry=registry, attention=f"{attention}_graphs", platform="cpu_graphs", **options)
+    params = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True, output_logits=True) for i in range(7)]
+    prompts = (PROMPTS * 2)[:7]  # 7 sequences finishing one after another: decode batches of 7 down to 1
+    for a, b in zip(eager.generate(prompts, params, use_tqdm=False), graphs.generate(prompts, params, use_tqdm=False)):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logits, b.logits, strict=True):
+            torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
+    replayed = graphs.engine.worker.platform.graphs.replayed
+    assert {size for size, _ in replayed} >= {8, 4, 2, 1} and any(size > n for size, n in replayed)  # padded replays
