@@ -189,7 +189,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quality", action="store_true", help="also compare per-token log-probabilities")
     parser.add_argument("--no-llama", action="store_true", help="nanoplug only (llama-cpp-python not installed)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time with the process's CPU clock, not the wall clock (with --threads 1 on a shared "
+                             "machine: time the process was not running is not counted)")
     args = parser.parse_args()
+    if args.cpu_time:
+        if args.threads != 1:
+            parser.error("--cpu-time measures one thread's work: pass --threads 1")
+        time.perf_counter = time.process_time  # every timer below, the cpu_smollm2 helpers' included
     torch.set_num_threads(args.threads)
 
     from transformers import AutoTokenizer
@@ -197,7 +204,7 @@ def main() -> None:
     from nanoplug.default_model import default_gguf_path, default_model_path
 
     gguf = args.gguf or str(default_gguf_path())
-    folder = str(default_model_path())
+    folder = str(default_model_path(float32=True))  # the float32 engine of the batch figure
     tokenizer = AutoTokenizer.from_pretrained(folder)
     ids = (tokenizer.encode(TEXT) * 8)[: args.prompt_tokens]
     print(f"# {cpu_name()}, torch {torch.__version__} ({torch.get_num_threads()} threads), nanoplug {commit()}, "
@@ -205,8 +212,8 @@ def main() -> None:
     print(f"# {Path(gguf).name}; one {len(ids)}-token prompt, {args.new_tokens} greedy tokens, {args.threads} threads, "
           f"best of {args.repeats}, engines alternately in one process")
 
-    options = dict(device="cpu", kv_block_size=16, max_model_len=4096, cpu_kv_cache_gb=1.0, enable_prefix_caching=False,
-                   max_num_batched_tokens=4096)
+    options = dict(device="cpu", kv_block_size=16, max_model_len=4096, cpu={"kv_cache_gb": 1.0},
+                   enable_prefix_caching=False, max_num_batched_tokens=4096)
     rss0 = rss_mb()
     quant = NanoplugEngine(gguf, "nanoplug (GGUF blocks)", **options)
     rss_quant = rss_mb() - rss0
@@ -235,7 +242,7 @@ def main() -> None:
 
     weights, rope = weight_bytes(quant.model)
     print(f"\nresident weights: nanoplug {weights / 2**20:.1f} MiB in parameters and buffers (+{rope / 2**20:.1f} MiB "
-          f"RoPE tables); process RSS grew {rss_quant:.0f} MiB building it (KV cache of {options['cpu_kv_cache_gb']} GB "
+          f"RoPE tables); process RSS grew {rss_quant:.0f} MiB building it (KV cache of {options['cpu']['kv_cache_gb']} GB "
           f"allocated, untouched pages not resident)"
           + (f"; llama.cpp's model grew it {rss_llama:.0f} MiB" if not args.no_llama else ""))
 

@@ -141,6 +141,11 @@ def default_model_path(progress: bool = True, verify: bool = False, float32: boo
     return target
 
 
+def default_gguf_path(progress: bool = True) -> pathlib.Path:
+    """The default model's GGUF file (SmolLM2-135M-Instruct.Q4_1.gguf), obtained on first call."""
+    return default_model_path(progress) / GGUF_NAME
+
+
 # --------------------------------------------------------------------------- checking the cache
 
 

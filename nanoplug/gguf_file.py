@@ -7,12 +7,21 @@ way; `dequantize()` gives gguf-py's own float32 values, the oracle every kernel 
 llama.cpp's converter permutes the rows of a llama model's q and k projections (its RoPE pairs
 adjacent features, Hugging Face's pairs the two halves); the rows are put back as transformers does,
 which moves whole rows of blocks and so works on quantized rows too.
+
+`checkpoint_folder(file)` turns any GGUF file into a checkpoint folder nanoplug loads like a Hugging
+Face one (config, tokenizer, the file linked in), built once per file in the cache; its config says
+`quantization_config: {"quant_method": "gguf"}`, which the engine reads to pick the weight format.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
+import json
+import os
 import re
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -69,6 +78,23 @@ class GGUFTensor:
     def quantized(self) -> bool:
         return self.type_name not in ("F32", "F16", "BF16")
 
+    # what the layer library's loaders ask of a checkpoint tensor: its shape, and a range of its rows
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> "GGUFTensor":
+        if dim != 0:
+            raise ValueError(f"{self.gguf_name} ({self.type_name}) cannot be split along dim {dim}: a GGUF's "
+                             "quantized tensors split by rows only (tensor parallelism is not served for them)")
+        return GGUFTensor(self.name, self.gguf_name, self.ggml_type, self.type_name,
+                          (length, *self.shape[1:]), self.raw[start:start + length])
+
+    def __getitem__(self, rows: slice) -> "GGUFTensor":
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise TypeError("a GGUF tensor is indexed by a range of rows only")
+        start, stop, _ = rows.indices(self.shape[0])
+        return self.narrow(0, start, max(stop - start, 0))
+
     def blocks(self) -> torch.Tensor:
         """The quantized blocks as a uint8 tensor [rows, bytes per row] (a copy: the file's pages are read-only)."""
         if not self.quantized:
@@ -89,18 +115,97 @@ class GGUFTensor:
         return torch.from_numpy(np.array(self.raw, dtype=np.float32)).reshape(self.shape)
 
 
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+class _Header:
+    """A GGUF file's scalar metadata and tensor directory, read without decoding its arrays (gguf-py's
+    reader builds an object per vocabulary entry: seconds for a tokenizer of 49,152 tokens)."""
+
+    def __init__(self, path: Path):
+        import struct
+
+        with open(path, "rb") as f:
+            buf = f.read(1 << 20)
+            pos = 0
+
+            def need(n: int) -> None:
+                nonlocal buf
+                while pos + n > len(buf):
+                    more = f.read(max(1 << 20, n))
+                    if not more:
+                        raise ValueError("the file ends inside its header")
+                    buf += more
+
+            def take(fmt: str):
+                nonlocal pos
+                size = struct.calcsize(fmt)
+                need(size)
+                value = struct.unpack_from(fmt, buf, pos)
+                pos += size
+                return value[0] if len(value) == 1 else value
+
+            def string() -> str:
+                nonlocal pos
+                n = take("<Q")
+                need(n)
+                pos += n
+                return buf[pos - n:pos].decode("utf-8", errors="replace")
+
+            def skip(vtype: int) -> None:
+                nonlocal pos
+                if vtype == _STRING:
+                    n = take("<Q")
+                    need(n)
+                    pos += n
+                elif vtype == _ARRAY:
+                    etype, count = take("<I"), take("<Q")
+                    if etype in _SCALARS:
+                        size = struct.calcsize(_SCALARS[etype]) * count
+                        need(size)
+                        pos += size
+                    else:
+                        for _ in range(count):
+                            skip(etype)
+                else:
+                    take(_SCALARS[vtype])
+
+            if take("<I") != 0x46554747:  # "GGUF"
+                raise ValueError("no GGUF magic number at its start")
+            self.version = take("<I")
+            if self.version < 2:
+                raise ValueError(f"GGUF version {self.version} is too old (2 and later are read)")
+            n_tensors, n_kv = take("<Q"), take("<Q")
+            self.fields: dict[str, Any] = {}
+            for _ in range(n_kv):
+                key, vtype = string(), take("<I")
+                if vtype == _STRING:
+                    self.fields[key] = string()
+                elif vtype in _SCALARS:
+                    self.fields[key] = take(_SCALARS[vtype])
+                else:
+                    skip(vtype)  # arrays (the vocabulary, merges): transformers reads those
+            self.tensors = []
+            for _ in range(n_tensors):
+                name, ndim = string(), take("<I")
+                dims = [take("<Q") for _ in range(ndim)]
+                ttype, offset = take("<I"), take("<Q")
+                self.tensors.append((name, dims, ttype, offset))
+            align = int(self.fields.get("general.alignment", 32))
+            self.data_start = (pos + align - 1) // align * align
+
+
 class GGUFFile:
-    """The metadata and tensors of one GGUF file (memory-mapped by gguf-py)."""
+    """The metadata and tensors of one GGUF file (its data memory-mapped)."""
 
     def __init__(self, path: str | Path):
-        import gguf
-
         self.path = Path(path).expanduser()
         if not self.path.is_file():
             raise ModelLoadError(f"GGUF file {str(self.path)!r} does not exist")
         try:
-            self._reader = gguf.GGUFReader(str(self.path))
-        except Exception as exc:  # gguf-py raises ValueError/struct errors on a damaged or foreign file
+            self._header = _Header(self.path)
+        except (ValueError, KeyError, OSError) as exc:
             raise ModelLoadError(f"{str(self.path)!r} is not a readable GGUF file: {exc}") from exc
         self.arch = str(self.field("general.architecture"))
         if self.arch not in ARCHITECTURES:
@@ -110,25 +215,37 @@ class GGUFFile:
         self.num_kv_heads = int(self.field(f"{self.arch}.attention.head_count_kv", self.num_heads))
 
     def field(self, key: str, default: Any = None) -> Any:
-        f = self._reader.fields.get(key)
-        if f is None:
+        """A scalar or string metadata value (arrays are not read)."""
+        value = self._header.fields.get(key)
+        if value is None:
             if default is None:
                 raise ModelLoadError(f"{self.path.name} has no {key!r} metadata entry")
             return default
-        return f.contents()
+        return value
 
     def tensors(self) -> Iterator[GGUFTensor]:
         """Every tensor nanoplug loads, under its Hugging Face name, q/k rows back in Hugging Face order."""
-        for t in self._reader.tensors:
-            name = hf_name(t.name)
+        import gguf
+
+        data = np.memmap(self.path, mode="r")
+        for gguf_name, dims, ttype, offset in self._header.tensors:
+            name = hf_name(gguf_name)
             if name is None:
                 continue
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists the fastest dim first
-            raw = t.data
-            if self.arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name) and len(shape) == 2:
-                heads = self.num_heads if ".attn_q." in t.name else self.num_kv_heads
+            qtype = gguf.GGMLQuantizationType(ttype)
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            shape = tuple(int(d) for d in reversed(dims))  # GGUF lists the fastest dim first
+            start = self._header.data_start + offset
+            nbytes = int(np.prod(dims)) // block * size
+            raw = data[start:start + nbytes]
+            if qtype.name in ("F32", "F16", "BF16"):
+                raw = raw.view({"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[qtype.name]).reshape(shape)
+            else:
+                raw = raw.reshape(*shape[:-1], shape[-1] // block * size)
+            if self.arch == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name) and len(shape) == 2:
+                heads = self.num_heads if ".attn_q." in gguf_name else self.num_kv_heads
                 raw = np.asarray(raw)[unpermute_rows(shape[0], heads)]
-            yield GGUFTensor(name, t.name, int(t.tensor_type), t.tensor_type.name, shape, raw)
+            yield GGUFTensor(name, gguf_name, int(ttype), qtype.name, shape, raw)
 
     def hf_config_and_tokenizer(self, progress: bool = False) -> tuple[Any, Any]:
         """The Hugging Face config and tokenizer transformers builds from the metadata (no weights read)."""
@@ -160,9 +277,9 @@ class GGUFFile:
     def eos_token_ids(self) -> list[int]:
         """The end-of-sequence token, and the end-of-turn token where the file names one."""
         ids = [int(self.field("tokenizer.ggml.eos_token_id"))]
-        eot = self._reader.fields.get("tokenizer.ggml.eot_token_id")
-        if eot is not None and int(eot.contents()) not in ids:
-            ids.append(int(eot.contents()))
+        eot = self._header.fields.get("tokenizer.ggml.eot_token_id")
+        if eot is not None and int(eot) not in ids:
+            ids.append(int(eot))
         return ids
 
     def write_float32_weights(self, out: Path) -> None:
@@ -172,13 +289,55 @@ class GGUFFile:
         save_file({t.name: t.dequantize() for t in self.tensors()}, str(out), metadata={"format": "pt"})
 
 
+QUANT_METHOD = "gguf"  # the checkpoint config's quantization_config.quant_method for a GGUF folder
+
+
 def write_checkpoint(gguf: GGUFFile, out: Path, config: Any, tokenizer: Any, eos_token_ids: list[int]) -> None:
     """Write the config, generation config and tokenizer of a GGUF checkpoint folder into `out` (the
-    weights are the caller's: the file itself, a link to it, or float32 safetensors)."""
+    weights are the caller's: the file itself or a link to it). The config names the weight format."""
     from transformers import GenerationConfig
 
     out.mkdir(parents=True, exist_ok=True)
+    config.quantization_config = {"quant_method": QUANT_METHOD, "file": gguf.path.name}
     config.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     GenerationConfig(bos_token_id=getattr(config, "bos_token_id", None), eos_token_id=list(eos_token_ids),
                      pad_token_id=tokenizer.pad_token_id).save_pretrained(str(out))
+
+
+def gguf_in(folder: Path) -> Path | None:
+    """The GGUF file whose tensors are a checkpoint folder's weights (None: it has safetensors instead)."""
+    files = sorted(folder.glob("*.gguf"))
+    if not files or any(folder.glob("*.safetensors")):
+        return None
+    if len(files) > 1:
+        raise ModelLoadError(f"{folder} holds several GGUF files ({', '.join(f.name for f in files)}); keep one")
+    return files[0]
+
+
+def checkpoint_folder(path: str | Path, cache: Path, progress: bool = False) -> Path:
+    """A checkpoint folder for the GGUF file `path`: its config and tokenizer (built by transformers from
+    the metadata, which takes seconds, so once per file: keyed by path, size and modification time) and a
+    link to the file, under `cache`."""
+    path = Path(path).expanduser().resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache / f"{path.stem}-{key}"
+    if (target / "config.json").is_file() and (target / path.name).exists():
+        return target
+    gguf = GGUFFile(path)
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=cache))
+    try:
+        config, tokenizer = gguf.hf_config_and_tokenizer(progress)
+        write_checkpoint(gguf, tmp, config, tokenizer, gguf.eos_token_ids())
+        os.symlink(path, tmp / path.name)
+        (tmp / "nanoplug_source.json").write_text(json.dumps({"gguf": str(path), "size": stat.st_size}) + "\n")
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process published it first
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

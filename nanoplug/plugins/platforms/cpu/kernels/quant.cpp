@@ -661,15 +661,18 @@ void linear_fmt(int isa, int int8_act, const float* x, int64_t x_stride, int64_t
                 int64_t K, const float* bias, float* y) {
   const int64_t panels = (N + PR - 1) / PR, pb = panel_bytes(F, K), nsub = K / SB;
   const int64_t chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK;
-  std::vector<int8_t> q;
-  std::vector<float> d, s;
-  std::vector<int32_t> isum;
+  // the caller's activation blocks, kept between calls (a decode step makes ~120 calls: no malloc each)
+  static thread_local std::vector<int8_t> q;
+  static thread_local std::vector<float> d, s;
+  static thread_local std::vector<int32_t> isum;
   QAct a{nullptr, nullptr, nullptr, nullptr, K, nsub};
   if (int8_act) {
-    q.resize(M * K);
-    d.resize(M * nsub);
-    s.resize(M * nsub);
-    isum.resize(M * nsub);
+    if (static_cast<int64_t>(q.size()) < M * K) q.resize(M * K);
+    if (static_cast<int64_t>(d.size()) < M * nsub) {
+      d.resize(M * nsub);
+      s.resize(M * nsub);
+      isum.resize(M * nsub);
+    }
 #pragma omp parallel for schedule(static) if (M >= 16)
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t m0 = c * ROW_CHUNK, rows = std::min(ROW_CHUNK, M - m0);

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import pathlib
+from typing import Callable
 
 import torch
 
@@ -141,12 +142,41 @@ class QuantKernels:
         return y
 
 
+    def matmul(self, fmt: int | str, packed: torch.Tensor, n: int, k: int,
+               isa: str | None = None) -> Callable[[torch.Tensor, torch.Tensor | None, bool], torch.Tensor]:
+        """`mm(x, bias, int8)`: `linear` for this one packed weight, its format, shape and path checked once
+        here rather than on every call (a decode step makes ~120 of them)."""
+        fn, isa_id, fid, ptr = self._lib.np_q_linear, self._isa(isa), format_id(fmt), packed.data_ptr()
+        self.packed_size(fid, n, k)  # a shape the format cannot have raises here
+        if packed.numel() < self.packed_size(fid, n, k) or packed.dtype != torch.uint8:
+            raise ValueError(f"not a packed {fmt} weight of [{n}, {k}]")
+        f32, empty = torch.float32, torch.empty
+
+        def mm(x: torch.Tensor, bias: torch.Tensor | None, int8: bool = True) -> torch.Tensor:
+            if x.dim() != 2 or x.stride(-1) != 1:
+                x = x.reshape(-1, x.shape[-1]).contiguous()
+            if x.shape[1] != k or x.dtype != f32:
+                raise ValueError(f"the quantized linear takes float32 [rows, {k}], not {x.dtype} {list(x.shape)}")
+            y = empty(x.shape[0], n, dtype=f32)
+            fn(isa_id, int8, fid, x.data_ptr(), x.stride(0), x.shape[0], ptr, n, k,
+               None if bias is None else bias.data_ptr(), y.data_ptr())
+            return y
+
+        return mm
+
+
 @functools.lru_cache(maxsize=1)
 def _load() -> QuantKernels | str:
     try:
         return QuantKernels(library_path(SOURCE, LIBRARY_NAME, VARIANTS))
     except (KernelsUnavailable, OSError) as exc:
         return str(exc)
+
+
+def unavailable() -> str | None:
+    """Why the kernels cannot run here (building them if needed), or None."""
+    loaded = _load()
+    return loaded if isinstance(loaded, str) else None
 
 
 def quant_kernels() -> QuantKernels:
