@@ -17,7 +17,8 @@ float parts keeps them dense. Where this cannot serve (a GPU, bfloat16, several 
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import itertools
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,15 @@ class GGUFAdapter(WeightAdapter):
         return GGUFLinearMethod(quant_kernels())
 
 
+class Segment(NamedTuple):
+    """Rows [offset, offset + rows) of a layer's weight: packed blocks of `fmt`, or float32 [rows, cols] (fmt None)."""
+
+    offset: int
+    rows: int
+    fmt: str | None
+    data: torch.Tensor
+
+
 class _Weight:
     """One layer's weight: its parts as loaded (row offset, tensor), then the segments packed from them.
     It lives on the `weight` parameter, so a tied LM head shares it with the embedding."""
@@ -62,8 +72,13 @@ class _Weight:
     def __init__(self, rows: int, cols: int):
         self.rows, self.cols = rows, cols
         self.parts: list[tuple[int, Any]] = []
-        self.segments: list[tuple[int, int, str | None, torch.Tensor]] | None = None  # (offset, rows, format, data)
-        self.mm: Callable | None = None  # the one quantized segment's matmul, when there is only one
+        self.segments: list[Segment] | None = None
+        self.mm: Callable | None = None  # the matmul of a weight that is one quantized segment (the usual case)
+
+
+def _format(tensor: Any) -> str | None:
+    """A part's block format (a GGUFTensor's type), None for a float tensor."""
+    return None if isinstance(tensor, torch.Tensor) else tensor.type_name
 
 
 class GGUFLinearMethod(LinearMethod):
@@ -82,47 +97,41 @@ class GGUFLinearMethod(LinearMethod):
         param.gguf.parts.append((out_offset, tensor))
 
     def process_after_loading(self, layer: nn.Module) -> None:
+        """Pack the parts: consecutive parts of one block format become one segment (q, k and v of one
+        format: one kernel call), float parts a dense one."""
         param = layer.weight
         w: _Weight = param.gguf
         if w.segments is not None:  # a tied LM head: packed with the embedding
             return
         parts = sorted(w.parts, key=lambda p: p[0])
-        covered = sum(t.shape[0] for _, t in parts)
-        if [o for o, _ in parts] != [sum(t.shape[0] for _, t in parts[:i]) for i in range(len(parts))] or covered != w.rows:
+        starts = [sum(t.shape[0] for _, t in parts[:i]) for i in range(len(parts) + 1)]
+        if [o for o, _ in parts] != starts[:-1] or starts[-1] != w.rows:
             raise ValueError(f"{type(layer).__name__} got rows {[(o, t.shape[0]) for o, t in parts]} of its "
                              f"{w.rows}; each must be loaded once")
-        groups: list[list[tuple[int, Any]]] = []  # consecutive parts of one format (float parts: None)
-        for offset, t in parts:
-            fmt = getattr(t, "type_name", None) if not isinstance(t, torch.Tensor) else None
-            if groups and (getattr(groups[-1][0][1], "type_name", None) if not isinstance(groups[-1][0][1], torch.Tensor) else None) == fmt:
-                groups[-1].append((offset, t))
+        w.segments = []
+        for fmt, group in itertools.groupby(parts, key=lambda p: _format(p[1])):
+            group = list(group)
+            rows = sum(t.shape[0] for _, t in group)
+            if fmt is None:
+                data = torch.cat([t.float() for _, t in group]).contiguous()
             else:
-                groups.append([(offset, t)])
-        datas, specs = [], []
-        for group in groups:
-            offset, rows = group[0][0], sum(t.shape[0] for _, t in group)
-            first = group[0][1]
-            if isinstance(first, torch.Tensor):
-                data, fmt = torch.cat([t.float() for _, t in group]).contiguous(), None
-            else:
-                fmt = first.type_name
                 data = self.kernels.pack(fmt, torch.cat([t.blocks() for _, t in group]), rows, w.cols)
-            datas.append(data)
-            specs.append((offset, rows, fmt))
-        # one parameter holds every byte (memory accounting and device moves see it): segments are views
-        sizes = [(d.numel() * d.element_size() + 63) // 64 * 64 for d in datas]
-        flat = torch.empty(sum(sizes), dtype=torch.uint8)
-        w.segments, start = [], 0
-        for (offset, rows, fmt), data, size in zip(specs, datas, sizes):
-            view = flat[start:start + data.numel() * data.element_size()]
-            view = view if fmt is not None else view.view(torch.float32).view(rows, w.cols)
-            view.copy_(data if fmt is not None else data)
-            w.segments.append((offset, rows, fmt, view))
-            start += size
-        param.data = flat
+            w.segments.append(Segment(group[0][0], rows, fmt, data))
         w.parts = []
-        if len(w.segments) == 1 and w.segments[0][2] is not None:
-            w.mm = self.kernels.matmul(w.segments[0][2], w.segments[0][3], w.rows, w.cols)
+        if len(w.segments) == 1:  # the parameter holds the bytes (what memory accounting and moves see)
+            param.data = w.segments[0].data
+            if w.segments[0].fmt is not None:
+                w.mm = self.kernels.matmul(w.segments[0].fmt, w.segments[0].data, w.rows, w.cols)
+        else:  # several: one buffer, the segments views of it
+            sizes = [(seg.data.numel() * seg.data.element_size() + 63) // 64 * 64 for seg in w.segments]
+            flat, start = torch.empty(sum(sizes), dtype=torch.uint8), 0
+            for i, (seg, size) in enumerate(zip(w.segments, sizes)):
+                view = flat[start:start + seg.data.numel() * seg.data.element_size()].view(seg.data.dtype)
+                view = view.view(seg.data.shape)
+                view.copy_(seg.data)
+                w.segments[i] = seg._replace(data=view)
+                start += size
+            param.data = flat
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         w: _Weight = layer.weight.gguf
@@ -140,9 +149,12 @@ class GGUFLinearMethod(LinearMethod):
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         w: _Weight = layer.weight.gguf
-        if len(w.segments) == 1 and w.segments[0][2] is not None:
-            return self.kernels.dequantize(w.segments[0][2], w.segments[0][3], w.rows, w.cols, ids)
-        return F.embedding(ids, self.dequantized(layer))
+        if len(w.segments) == 1:
+            seg = w.segments[0]
+            if seg.fmt is None:
+                return F.embedding(ids, seg.data)
+            return self.kernels.dequantize(seg.fmt, seg.data, w.rows, w.cols, ids)
+        return F.embedding(ids, self.dequantized(layer))  # rows of several formats: rare (no GGUF writer splits one)
 
     def dequantized(self, layer: nn.Module) -> torch.Tensor:
         """The whole weight in float32 [rows, cols] (gguf-py's values for the quantized segments)."""
