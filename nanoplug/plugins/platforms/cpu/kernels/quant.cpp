@@ -661,25 +661,29 @@ void linear_fmt(int isa, int int8_act, const float* x, int64_t x_stride, int64_t
                 int64_t K, const float* bias, float* y) {
   const int64_t panels = (N + PR - 1) / PR, pb = panel_bytes(F, K), nsub = K / SB;
   const int64_t chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK;
-  // the caller's activation blocks, kept between calls (a decode step makes ~120 calls: no malloc each)
-  static thread_local std::vector<int8_t> q;
-  static thread_local std::vector<float> d, s;
-  static thread_local std::vector<int32_t> isum;
+  // the calling thread's activation blocks, kept between calls (a decode step makes ~120 calls: no malloc
+  // each). Thread-local, so the parallel regions below see them only through the pointers taken here.
+  static thread_local std::vector<int8_t> q_buf;
+  static thread_local std::vector<float> d_buf, s_buf;
+  static thread_local std::vector<int32_t> isum_buf;
   QAct a{nullptr, nullptr, nullptr, nullptr, K, nsub};
   if (int8_act) {
-    if (static_cast<int64_t>(q.size()) < M * K) q.resize(M * K);
-    if (static_cast<int64_t>(d.size()) < M * nsub) {
-      d.resize(M * nsub);
-      s.resize(M * nsub);
-      isum.resize(M * nsub);
+    if (static_cast<int64_t>(q_buf.size()) < M * K) q_buf.resize(M * K);
+    if (static_cast<int64_t>(d_buf.size()) < M * nsub) {
+      d_buf.resize(M * nsub);
+      s_buf.resize(M * nsub);
+      isum_buf.resize(M * nsub);
     }
+    int8_t* q = q_buf.data();
+    float *d = d_buf.data(), *s = s_buf.data();
+    int32_t* isum = isum_buf.data();
 #pragma omp parallel for schedule(static) if (M >= 16)
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t m0 = c * ROW_CHUNK, rows = std::min(ROW_CHUNK, M - m0);
-      quantize_rows(isa, x + m0 * x_stride, x_stride, rows, K, q.data() + m0 * K, d.data() + m0 * nsub,
-                    s.data() + m0 * nsub, isum.data() + m0 * nsub);
+      quantize_rows(isa, x + m0 * x_stride, x_stride, rows, K, q + m0 * K, d + m0 * nsub, s + m0 * nsub,
+                    isum + m0 * nsub);
     }
-    a = QAct{q.data(), d.data(), s.data(), isum.data(), K, nsub};
+    a = QAct{q, d, s, isum, K, nsub};
   }
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t c = 0; c < chunks; ++c)
