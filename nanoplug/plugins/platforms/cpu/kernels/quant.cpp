@@ -285,8 +285,10 @@ T_AVX512 inline void factors512(const uint8_t* panel, int64_t b, __m512& a, __m5
 inline int32_t bcast4(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
 
 // R activation rows x one panel (16 output rows), int8 activations
-// Prefetch, spread over a panel's sub-blocks, the next panel (`next`, or nullptr): with several row
-// tiles a panel is read several times over, which the hardware prefetcher does not follow.
+// Prefetch, spread over a panel's sub-blocks, the next panel (`next`, or nullptr) while this one is
+// multiplied: the hardware prefetcher alone leaves the next panel's first lines to wait on DRAM (worst
+// with several rows, where a panel is read once per row tile: 69 -> 170-200 GMAC/s for the Q8_0 head
+// at 8 rows; 30 -> 35 GB/s at one row; benchmarks/cpu_quant_gemm.py).
 inline void prefetch_share(const uint8_t* next, int64_t bytes, int64_t b, int64_t nsub) {
   if (!next) return;
   const int64_t lines = (bytes / 64 + nsub - 1) / nsub;
@@ -570,7 +572,7 @@ void panel_q8(int isa, const uint8_t* panel, const QAct& a, int64_t m0, int64_t 
     for (int64_t r = 0; r < rows;) {
       const int64_t n = std::min<int64_t>(8, rows - r);
       float* yr = y + r * ldy;
-      const uint8_t* pf = r == 0 && rows > 8 ? next : nullptr;  // one row tile: the hardware prefetcher serves
+      const uint8_t* pf = r == 0 ? next : nullptr;  // the first row tile fetches the next panel
       switch (n) {
         case 8: tile_q8_512<F, 8>(panel, a, m0 + r, yr, ldy, valid, bias, pf); break;
         case 7: tile_q8_512<F, 7>(panel, a, m0 + r, yr, ldy, valid, bias, pf); break;
