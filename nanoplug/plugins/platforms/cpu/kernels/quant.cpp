@@ -285,8 +285,10 @@ T_AVX512 inline void factors512(const uint8_t* panel, int64_t b, __m512& a, __m5
 inline int32_t bcast4(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
 
 // R activation rows x one panel (16 output rows), int8 activations
-// Prefetch, spread over a panel's sub-blocks, the next panel (`next`, or nullptr): with several row
-// tiles a panel is read several times over, which the hardware prefetcher does not follow.
+// Prefetch, spread over a panel's sub-blocks, the next panel (`next`, or nullptr) while this one is
+// multiplied: the hardware prefetcher alone leaves the next panel's first lines to wait on DRAM (worst
+// with several rows, where a panel is read once per row tile: 69 -> 170-200 GMAC/s for the Q8_0 head
+// at 8 rows; 30 -> 35 GB/s at one row; benchmarks/cpu_quant_gemm.py).
 inline void prefetch_share(const uint8_t* next, int64_t bytes, int64_t b, int64_t nsub) {
   if (!next) return;
   const int64_t lines = (bytes / 64 + nsub - 1) / nsub;
@@ -570,7 +572,7 @@ void panel_q8(int isa, const uint8_t* panel, const QAct& a, int64_t m0, int64_t 
     for (int64_t r = 0; r < rows;) {
       const int64_t n = std::min<int64_t>(8, rows - r);
       float* yr = y + r * ldy;
-      const uint8_t* pf = r == 0 && rows > 8 ? next : nullptr;  // one row tile: the hardware prefetcher serves
+      const uint8_t* pf = r == 0 ? next : nullptr;  // the first row tile fetches the next panel
       switch (n) {
         case 8: tile_q8_512<F, 8>(panel, a, m0 + r, yr, ldy, valid, bias, pf); break;
         case 7: tile_q8_512<F, 7>(panel, a, m0 + r, yr, ldy, valid, bias, pf); break;
@@ -661,25 +663,29 @@ void linear_fmt(int isa, int int8_act, const float* x, int64_t x_stride, int64_t
                 int64_t K, const float* bias, float* y) {
   const int64_t panels = (N + PR - 1) / PR, pb = panel_bytes(F, K), nsub = K / SB;
   const int64_t chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK;
-  // the caller's activation blocks, kept between calls (a decode step makes ~120 calls: no malloc each)
-  static thread_local std::vector<int8_t> q;
-  static thread_local std::vector<float> d, s;
-  static thread_local std::vector<int32_t> isum;
+  // the calling thread's activation blocks, kept between calls (a decode step makes ~120 calls: no malloc
+  // each). Thread-local, so the parallel regions below see them only through the pointers taken here.
+  static thread_local std::vector<int8_t> q_buf;
+  static thread_local std::vector<float> d_buf, s_buf;
+  static thread_local std::vector<int32_t> isum_buf;
   QAct a{nullptr, nullptr, nullptr, nullptr, K, nsub};
   if (int8_act) {
-    if (static_cast<int64_t>(q.size()) < M * K) q.resize(M * K);
-    if (static_cast<int64_t>(d.size()) < M * nsub) {
-      d.resize(M * nsub);
-      s.resize(M * nsub);
-      isum.resize(M * nsub);
+    if (static_cast<int64_t>(q_buf.size()) < M * K) q_buf.resize(M * K);
+    if (static_cast<int64_t>(d_buf.size()) < M * nsub) {
+      d_buf.resize(M * nsub);
+      s_buf.resize(M * nsub);
+      isum_buf.resize(M * nsub);
     }
+    int8_t* q = q_buf.data();
+    float *d = d_buf.data(), *s = s_buf.data();
+    int32_t* isum = isum_buf.data();
 #pragma omp parallel for schedule(static) if (M >= 16)
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t m0 = c * ROW_CHUNK, rows = std::min(ROW_CHUNK, M - m0);
-      quantize_rows(isa, x + m0 * x_stride, x_stride, rows, K, q.data() + m0 * K, d.data() + m0 * nsub,
-                    s.data() + m0 * nsub, isum.data() + m0 * nsub);
+      quantize_rows(isa, x + m0 * x_stride, x_stride, rows, K, q + m0 * K, d + m0 * nsub, s + m0 * nsub,
+                    isum + m0 * nsub);
     }
-    a = QAct{q.data(), d.data(), s.data(), isum.data(), K, nsub};
+    a = QAct{q, d, s, isum, K, nsub};
   }
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t c = 0; c < chunks; ++c)
