@@ -122,6 +122,10 @@ class EngineConfig(BaseModel):
     parallel: PluginName = "auto"
     tensor_parallel_size: Int = Field(1, ge=1)
     adapters: list[AdapterSpec] = Field(default_factory=list)
+    quantization: PluginName | None = Field(
+        "auto", description="the weight format of a quantized checkpoint (a GGUF file): 'auto' keeps the "
+        "checkpoint's own format where a weight-format plugin serves it here (else dequantizes, saying why), a "
+        "name asks for that plugin, None dequantizes every weight to dtype (the float32 reference)")
     max_model_len: Int = Field(4096, ge=1, description="longest prompt plus answer, in tokens; at most the "
                                "model's max_position_embeddings (NANOPLUG_ALLOW_LONG_MAX_MODEL_LEN=1 allows more); "
                                "when not given, 4096 or the model's limit if lower")

@@ -35,7 +35,7 @@ from nanoplug.core.request_input import token_ids
 from nanoplug.core.runner import PluginClasses, RunnerFactory, WorkerSpec
 from nanoplug.core.scheduler import Scheduled, Scheduler
 from nanoplug.core.sequence import PENDING, Sequence, Status
-from nanoplug.core.startup import Checkpoint, resolve_plugins
+from nanoplug.core.startup import Checkpoint, resolve_plugins, with_weight_format
 from nanoplug.core.tokenizer import load_tokenizer
 
 __all__ = ["EngineCore", "EngineRequest", "EngineStats", "RequestUpdate"]
@@ -51,7 +51,9 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None = None  # the text, when the caller gave text
-    incremental_text: bool = True  # text in every update (streams); False: all of it in the last one
+    # True: an update every step that adds tokens (streams); False: one update when it finishes, with all
+    # of its tokens and text (vLLM's FINAL_ONLY: generate() needs no per-token traffic)
+    incremental_text: bool = True
 
 
 @dataclass
@@ -88,7 +90,7 @@ class EngineCore:
         self.hf_config, self.facts = checkpoint.hf_config, checkpoint.facts
         config.max_model_len = checked_max_model_len(config.max_model_len, "max_model_len" in config.model_fields_set,
                                                      self.hf_config, str(checkpoint_dir(config.model) / "config.json"))
-        self.config = config
+        self.config = config = with_weight_format(self.registry, config, checkpoint)
         # per-request adapters (merge=False), by the name requests give: ids 1..K in config order, 0 = none
         self.request_adapter_ids = {spec.label: i for i, spec in enumerate((s for s in config.adapters if not s.merge), 1)}
         self.choices, target = resolve_plugins(self.registry, config, checkpoint)
@@ -404,11 +406,11 @@ class EngineCore:
                 if logprobs_of is not None and k in logprobs_of:
                     state.logprobs.append(logprobs_of[k])
                 reason = outputs.finish_reason(state, token)
-                if reason is None:
-                    updates.append(outputs.update(state))
-                else:
+                if reason is not None:
                     self.scheduler.finish(seq, reason)
                     updates.append(self._sample_finished(state))
+                elif state.incremental:  # a final-only request hears once, when it finishes
+                    updates.append(outputs.update(state))
         return updates
 
     # ------------------------------------------------------------------------------ the rest

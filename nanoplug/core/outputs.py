@@ -142,7 +142,8 @@ class OutputProcessor:
             cut = detok.find_stop() if p.stop else None
             if cut is not None:
                 detok.text, reason = detok.text[:cut], "stop"
-        if reason is None and (seq.num_completion_tokens >= p.max_tokens or seq.num_known_tokens >= self.max_model_len):
+        known = len(seq.token_ids) - seq.num_pending
+        if reason is None and (known - seq.num_prompt_tokens >= p.max_tokens or known >= self.max_model_len):
             reason = "length"
         if reason is not None and detok is not None and cut is None:
             detok.flush()  # the text ends here: keep even a partial character, as decode() of the ids does
@@ -151,9 +152,9 @@ class OutputProcessor:
     def update(self, state: RequestState) -> RequestUpdate:
         """The tokens and text added since the last update (all of the text at the end, unless incremental)."""
         seq = state.seq
-        ids = seq.completion_token_ids
-        new = ids[state.reported:]
-        state.reported = len(ids)
+        start, end = seq.num_prompt_tokens + state.reported, seq.num_known_tokens
+        new = seq.token_ids[start:end]  # only the new tokens: a step's cost stays flat as outputs grow
+        state.reported = end - seq.num_prompt_tokens
         done = state.final_sent = seq.finish_reason is not None  # this sample has ended
         if state.incremental:
             text = state.detok.take(final=done) if state.detok is not None else ""

@@ -159,7 +159,7 @@ class Scheduler:
         for item in batch:
             seq = item.seq
             seq.num_computed_tokens += item.num_tokens
-            if pending and seq.num_computed_tokens == len(seq):  # it samples: its next token is on the way
+            if pending and seq.num_computed_tokens == len(seq.token_ids):  # it samples: its next token is on the way
                 seq.add_pending()
                 for child in item.forks:  # so do the samples forked from it
                     child.add_pending()
