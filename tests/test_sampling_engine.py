@@ -315,3 +315,39 @@ def test_a_prompt_whose_last_token_comes_in_a_decode_step_still_forks():
         assert steps == [(True, 8, 1), (True, 8, 1), (False, 1, 1)]
         assert finish(core, tokens) == separately(chunked, ids, params)
         assert_idle(chunked)
+
+
+def test_engine_core_updates_of_n_samples_and_their_abort(llm):
+    """Each update extends one sample (index); finished marks the request's end (its last update), a sample's
+    own end its finish_reason; prompt logprobs come once. An abort ends every sample and frees their blocks."""
+    core = llm.engine
+    params = SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=5, ignore_eos=True, logprobs=1, prompt_logprobs=0)
+    request = core.make_request(PROMPTS[1], params)
+    core.add_request(request)
+    updates = []
+    while core.has_unfinished():
+        updates += core.step()
+    assert {u.request_id for u in updates} == {request.request_id}
+    assert [u.finished for u in updates] == [False] * (len(updates) - 1) + [True]
+    for i in range(3):
+        mine = [u for u in updates if u.index == i]
+        assert sum(len(u.token_ids) for u in mine) == 5 and all(len(u.logprobs) == len(u.token_ids) for u in mine)
+        assert [u.finish_reason for u in mine] == [None] * (len(mine) - 1) + ["length"]
+    with_prompt = [u for u in updates if u.prompt_logprobs is not None]
+    assert len(with_prompt) == 1 and with_prompt[0].index == 0
+    assert len(with_prompt[0].prompt_logprobs) == len(prompt_ids()[1])
+    assert request.request_id not in core.requests
+
+    long = params.model_copy(update={"max_tokens": 50})
+    request = core.make_request(PROMPTS[2], long)
+    core.add_request(request)
+    core.step()  # the prompt's prefill, and the fork
+    assert len(core.requests[request.request_id].samples) == 3
+    core.step()
+    core.abort(request.request_id)
+    last = [u for u in core.step() if u.request_id == request.request_id]
+    assert sorted(u.index for u in last) == [0, 1, 2]
+    assert all(u.finish_reason == "abort" and u.finished for u in last)
+    while core.has_unfinished():
+        core.step()
+    assert_idle(llm)
