@@ -124,12 +124,16 @@ class LLM:
             self._callers += 1
             for r in requests:
                 self._box_of[r.request_id] = box
+        last: list[RequestUpdate] | None = None
         try:
             for r in requests:
                 self.engine.add_request(r)
             while pending:
                 updates = self._next(box)
                 pending.difference_update(u.request_id for u in updates if u.finished)
+                if not pending:  # the caller is out before it hears the end: a stream whose reader stops
+                    last = updates  # at its last delta must not keep others' aborted requests from settling
+                    break
                 yield updates
             self._settle(quiet=False)
         except BaseException:  # GeneratorExit included: the caller stopped reading
@@ -142,6 +146,8 @@ class LLM:
                 self._callers -= 1
                 for r in requests:
                     self._box_of.pop(r.request_id, None)
+        if last is not None:
+            yield last
 
     def _next(self, box: list[RequestUpdate]) -> list[RequestUpdate]:
         """The updates in `box`, running a step for every caller when no one else is."""
