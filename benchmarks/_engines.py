@@ -25,9 +25,9 @@ def parse_args(parser) -> "argparse.Namespace":
     parser.add_argument("--attention", default="cpu", help="nanoplug's attention backend (cpu: the C++ decode kernel)")
     parser.add_argument("--kv-cache", default="torch")
     parser.add_argument("--no-weight-packing", action="store_true",
-                        help="nanoplug with F.linear on the unpacked weights (cpu={"weight_packing": False})")
+                        help="nanoplug with F.linear on the unpacked weights (cpu={'weight_packing': False})")
     parser.add_argument("--no-cpu-kernels", action="store_true",
-                        help="nanoplug's RMSNorm, SiLU-and-mul and RoPE in eager torch ops (cpu={"kernels": False})")
+                        help="nanoplug's RMSNorm, SiLU-and-mul and RoPE in eager torch ops (cpu={'kernels': False})")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
     if args.threads:

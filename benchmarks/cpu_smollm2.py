@@ -69,7 +69,7 @@ def main() -> None:
     if args.model is None:
         from nanoplug.default_model import default_model_path
 
-        args.model = str(default_model_path())
+        args.model = str(default_model_path(float32=True))
     from transformers import AutoTokenizer
 
     import transformers

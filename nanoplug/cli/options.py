@@ -27,6 +27,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt plus answer, in tokens (default: 4096, or the model's limit if lower)")
+    parser.add_argument("--float32", action="store_true",
+                        help="dequantize a quantized checkpoint (the default model's GGUF, a .gguf file) to float32 "
+                             "weights instead of computing with its blocks: the reference, slower and 5x the memory")
 
 
 def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -83,7 +86,7 @@ def model_path(args: argparse.Namespace) -> str:
     from nanoplug.default_model import DefaultModelError, default_model_path
 
     try:
-        path = default_model_path(progress=True)
+        path = default_model_path(progress=True, float32=getattr(args, "float32", False))
     except DefaultModelError as exc:
         raise ModelLoadError(str(exc)) from exc
     log.info("default model: %s", path)
@@ -104,6 +107,8 @@ def build_llm(args: argparse.Namespace):
         options["max_model_len"] = args.max_model_len
     if args.seed is not None:
         options["seed"] = args.seed
+    if getattr(args, "float32", False):
+        options["quantization"] = None
     if getattr(args, "lora", None):  # `generate --lora DIR`: PEFT LoRA folders merged at load
         options["adapters"] = list(args.lora)
     try:
@@ -113,7 +118,10 @@ def build_llm(args: argparse.Namespace):
     if getattr(args, "verbose", False):
         # the registry logs why for each "auto" choice; this line sums up every kind, named or auto
         chosen = " ".join(f"{kind}={llm.choices[kind].name}"
-                          for kind in ("model", "attention", "prefill_attention", "kv_cache", "parallel"))
+                          for kind in ("model", "attention", "prefill_attention", "kv_cache", "parallel", "platform"))
         dtype = str(llm.dtype).replace("torch.", "")
-        print(f"nanoplug: {llm.config.model} on {llm.device} ({dtype}); plugins: {chosen}", file=sys.stderr)
+        formats = [spec.kind for spec in llm.config.adapters if spec.name == f"weights:{spec.kind}"]
+        weights = f"{formats[0]} blocks" if formats else dtype
+        print(f"nanoplug: {llm.config.model} on {llm.device} ({dtype}); plugins: {chosen}; weights: {weights}",
+              file=sys.stderr)
     return llm

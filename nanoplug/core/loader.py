@@ -7,6 +7,12 @@ whose shape differs from what the config builds each stop the load with a ModelL
 the file and the fix, before a wrong weight can give wrong tokens. Like vLLM's loaders, every weight
 loader checks the shape of what it copies; a tensor the model has no place for is named (an error
 where it means the weights are of another architecture or config, a warning otherwise).
+
+The weights are the folder's safetensors, or one GGUF file (a folder made by `gguf_file.checkpoint_folder`
+or the default model's). A GGUF tensor in a block format that a chosen adapter lists in its
+`gguf_formats` reaches the layers as it is in the file (a `GGUFTensor`: its blocks, for that adapter's
+linear method to keep); every other tensor is dequantized by gguf-py to float32 first, so the dense
+path loads any GGUF file.
 """
 from __future__ import annotations
 
@@ -147,8 +153,16 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(folder: Path) -> Iterator[tuple[Path, str, torch.Tensor]]:
-    """(file, name, tensor) of every tensor; a file safetensors cannot read is a ModelLoadError naming it."""
+def iter_checkpoint(folder: Path, gguf_formats: frozenset[str] = frozenset()) -> Iterator[tuple[Path, str, Any]]:
+    """(file, name, tensor) of every tensor; a file safetensors cannot read is a ModelLoadError naming it.
+    A GGUF folder's tensors of a type in `gguf_formats` come as GGUFTensors (their blocks), others dequantized."""
+    from nanoplug.gguf_file import GGUFFile, gguf_in
+
+    gguf = gguf_in(folder)
+    if gguf is not None:
+        for t in GGUFFile(gguf).tensors():
+            yield gguf, t.name, t if t.type_name in gguf_formats else t.dequantize()
+        return
     for file in safetensors_files(folder):
         try:
             handle = safe_open(str(file), framework="pt")
@@ -219,7 +233,8 @@ def load_weights(model: torch.nn.Module, folder: str | Path, adapters: Iterable[
     loaded: dict[str, set[Any]] = {}  # parameter -> shards loaded (None: the whole tensor)
     no_place: list[str] = []  # tensors of modules the model builds, but has no parameter for
     unused: list[str] = []  # tensors of modules the model does not have at all
-    for file, name, tensor in iter_checkpoint(folder):
+    kept = frozenset().union(*(getattr(a, "gguf_formats", ()) for a in adapters))  # GGUF blocks a format keeps
+    for file, name, tensor in iter_checkpoint(folder, kept):
         for adapter in adapters:
             tensor = adapter.transform(name, tensor)
         target, shard = name, None

@@ -19,6 +19,16 @@ def looks_like_hub_id(model: str) -> bool:
             and not Path(model).expanduser().exists() and all(model.split("/")))
 
 
+def gguf_folder(path: Path) -> Path:
+    """The checkpoint folder of a GGUF file (its config and tokenizer built once, kept in the cache)."""
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file {str(path)!r} does not exist")
+    from nanoplug.api.cache import cache_root
+    from nanoplug.gguf_file import checkpoint_folder
+
+    return checkpoint_folder(path, cache_root() / "gguf")
+
+
 def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -30,11 +40,14 @@ def _local_alternative(model: str) -> str:
 
 
 def resolve_model_path(model: str | os.PathLike) -> str:
-    """A local checkpoint folder for `model` (a folder path, or an id like "Qwen/Qwen3-0.6B")."""
+    """A local checkpoint folder for `model` (a folder path, a GGUF file, or an id like "Qwen/Qwen3-0.6B")."""
+    path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf":
+        return str(gguf_folder(path))
     if isinstance(model, os.PathLike):  # a pathlib.Path names a folder, never a hub id
-        return str(Path(model).expanduser())
+        return str(path)
     if not looks_like_hub_id(model):
-        return str(Path(model).expanduser())
+        return str(path)
     try:
         from huggingface_hub import snapshot_download
     except ImportError as exc:

@@ -5,6 +5,7 @@ Each decision is logged as asked, chosen and why (`Choices.describe`).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,10 +13,11 @@ import torch
 
 from nanoplug.api import ModelFacts, Target
 from nanoplug.api.errors import ModelLoadError
-from nanoplug.core.config import EngineConfig
+from nanoplug.core.config import AdapterSpec, EngineConfig
 from nanoplug.core.loader import load_hf_config
 from nanoplug.core.registry import Registry, Resolution
 
+log = logging.getLogger("nanoplug")
 KINDS_SHOWN = ("model", "attention", "prefill_attention", "kv_cache", "parallel", "platform")
 
 
@@ -26,6 +28,20 @@ class Checkpoint:
     path: str
     hf_config: Any
     facts: ModelFacts
+
+    @property
+    def quant_method(self) -> str | None:
+        """The weight format the checkpoint is stored in: its config's quantization_config.quant_method,
+        or "gguf" for a folder whose weights are a GGUF file; None for plain weights."""
+        qconfig = getattr(self.hf_config, "quantization_config", None) or {}
+        method = qconfig.get("quant_method") if isinstance(qconfig, dict) else getattr(qconfig, "quant_method", None)
+        if method is None:
+            from pathlib import Path
+
+            from nanoplug.gguf_file import QUANT_METHOD, gguf_in
+
+            method = QUANT_METHOD if Path(self.path).is_dir() and gguf_in(Path(self.path)) else None
+        return method
 
     @classmethod
     def load(cls, path: str, registry: Registry) -> "Checkpoint":
@@ -85,6 +101,34 @@ def platform_and_dtype(registry: Registry, config: EngineConfig, hf_config: Any 
                                        tensor_parallel_size=config.tensor_parallel_size))
     dtype = asked_dtype or platform.cls.default_dtype(saved_dtype(hf_config) if hf_config is not None else None)
     return platform, device, dtype
+
+
+def with_weight_format(registry: Registry, config: EngineConfig, checkpoint: Checkpoint) -> EngineConfig:
+    """The config with the checkpoint's weight format as its first adapter, when one is to be kept.
+
+    A quantized checkpoint names its format (`quantization_config.quant_method`, e.g. "gguf"); the
+    adapter plugin of that name keeps its weights in it. `quantization="auto"` uses it when it can serve
+    this engine (and no merged LoRA must change the weights), else the loader dequantizes them to the
+    dtype and the reason is logged; a plugin name insists (an error says why it cannot serve); None
+    always dequantizes."""
+    method = checkpoint.quant_method
+    if config.quantization is None or (method is None and config.quantization == "auto"):
+        return config
+    name = method if config.quantization == "auto" else config.quantization
+    if config.quantization == "auto":
+        platform, device, dtype = platform_and_dtype(registry, config, checkpoint.hf_config)
+        target = Target(device=device, dtype=dtype, model=checkpoint.facts, block_size=config.kv_block_size,
+                        tensor_parallel_size=config.tensor_parallel_size)
+        reasons = registry.reasons("adapter", name, target) if name in registry.names("adapter") else \
+            [f"no adapter plugin is named {name!r}"]
+        if any(spec.merge for spec in config.adapters):
+            reasons.append("a merged adapter changes the weights, which needs them dequantized")
+        if reasons:
+            log.info("weights of %s: dequantized to %s, not kept as %s (%s)", checkpoint.path,
+                     str(dtype).removeprefix("torch."), name, "; ".join(reasons))
+            return config
+    spec = {"kind": name, "path": checkpoint.path, "name": f"weights:{name}"}
+    return config.model_copy(update={"adapters": [AdapterSpec(**spec), *config.adapters]})
 
 
 def resolve_plugins(registry: Registry, config: EngineConfig, checkpoint: Checkpoint) -> tuple[Choices, Target]:

@@ -64,17 +64,20 @@ def cache_dir() -> pathlib.Path:
     return cache_root() / "cpu_kernels"
 
 
-def library_path() -> pathlib.Path:
-    """The built library, compiling it first when this machine has none yet."""
+def library_path(source: pathlib.Path = SOURCE, name: str = LIBRARY_NAME,
+                 variants: tuple[list[str], ...] = FLAG_VARIANTS) -> pathlib.Path:
+    """The built library, compiling it first when this machine has none yet (`source` into `name`,
+    with the first of the flag `variants` that compiles: quant_build.py builds its library here too)."""
     compiler = find_compiler()
     if compiler is None:
         raise KernelsUnavailable("no C++ compiler found: install g++ or clang++ (or set $CXX), "
                                  "or pass cpu={'kernels': False} and attention='sdpa' to run without the C++ kernels")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, _compiler_version(compiler).encode(), " ".join(BASE_FLAGS).encode(),
+    code = source.read_bytes()
+    key = hashlib.sha256(b"\0".join([code, _compiler_version(compiler).encode(), " ".join(BASE_FLAGS).encode(),
+                                     repr(variants).encode(),
                                      platform.machine().encode(), _cpu_signature().encode()])).hexdigest()[:16]
     folder = cache_dir() / key
-    target = folder / LIBRARY_NAME
+    target = folder / name
     if target.exists():
         return target
     try:
@@ -83,10 +86,10 @@ def library_path() -> pathlib.Path:
         raise KernelsUnavailable(f"cannot create {folder}: {exc}; set NANOPLUG_CACHE to a writable folder") from exc
     log.info("compiling nanoplug's CPU kernels for this machine (once, a few seconds) into %s", folder)
     errors = []
-    for variant in FLAG_VARIANTS:
+    for variant in variants:
         fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
         os.close(fd)
-        cmd = [compiler, *BASE_FLAGS, *variant, str(SOURCE), "-o", tmp]
+        cmd = [compiler, *BASE_FLAGS, *variant, str(source), "-o", tmp]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
         except (OSError, subprocess.SubprocessError) as exc:

@@ -1,0 +1,792 @@
+// nanoplug's CPU kernels for GGUF-quantized weights (Q4_0, Q4_1, Q8_0, Q4_K), kept quantized in memory.
+//
+// Layout. A weight [N, K] is repacked once at load into panels of 16 output rows. Inside a panel each
+// 32-weight sub-block holds the 16 rows' scales (the file's float16 bits, or Q4_K's 6-bit scales and
+// their float16 super-block factors) and their quants transposed in 4-byte groups:
+// qs[g][row][4 bytes], g = 0..3 for the 4-bit formats (a byte's low nibble is weight k = 4g+j, its
+// high nibble k = 16+4g+j, as in the file's own byte), g = 0..7 for Q8_0 (stored as w ^ 0x80, an
+// unsigned byte). One 64-byte load then holds 4 consecutive weights of each of 16 rows: a VNNI
+// vpdpbusd against 4 activation bytes broadcast gives the 16 rows' partial dot products in its 16
+// lanes, with no horizontal sum. The bytes per weight stay the file's (Q4_K: 148 bytes per 256 instead
+// of 144), so a decode step streams the quantized weights, not float32 copies.
+//
+// Activations are used in float32 (each sub-block dequantized in registers) or quantized on the fly to
+// int8 per 32 values as llama.cpp's Q8_1 does (scale amax/127, round to nearest even, the block sum kept
+// for the formats with an offset or minimum).
+//
+// Dispatch. Built without -march flags; the AVX-512 (VNNI) and AVX2 paths are compiled for their
+// targets with function attributes and chosen at run time from what the CPU reports, and a portable
+// C++ path serves everywhere else. Every entry point takes the path to use, so tests can run each one.
+// Dequantization is exact: it equals gguf-py's (float32 d*q+m etc.; the products are exact in
+// float32, so the order of operations cannot change a bit).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define NP_X86 1
+#include <immintrin.h>
+#define T_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+#define T_AVX2 __attribute__((target("avx2,fma,f16c")))
+#endif
+
+namespace {
+
+enum Format : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12 };
+enum Isa : int { PORTABLE = 0, AVX2 = 1, AVX512 = 2 };
+constexpr int64_t PR = 16;  // rows per panel
+constexpr int64_t SB = 32;  // weights per sub-block
+
+bool known(int fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0 || fmt == Q4_K; }
+int64_t file_block(int fmt) { return fmt == Q4_K ? 256 : 32; }
+int64_t file_type_size(int fmt) {
+  switch (fmt) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q8_0: return 34;
+    default: return 144;
+  }
+}
+int64_t qs_bytes(int fmt) { return fmt == Q8_0 ? 512 : 256; }  // per sub-block per panel
+// A panel is a run of units, each its sub-blocks' scales (a 64-byte header; Q4_K: its super-block's
+// 320) followed by their quants, so one panel is read front to back as a single stream.
+int64_t unit_subs(int fmt) { return fmt == Q4_1 ? 1 : fmt == Q4_K ? 8 : 2; }
+int64_t unit_header(int fmt) { return fmt == Q4_K ? 320 : 64; }
+int64_t unit_bytes(int fmt) { return unit_header(fmt) + unit_subs(fmt) * qs_bytes(fmt); }
+int64_t panel_bytes(int fmt, int64_t K) { return (K / SB + unit_subs(fmt) - 1) / unit_subs(fmt) * unit_bytes(fmt); }
+// sub-block b's header (Q4_0/Q8_0: d[16] of its pair at +32 * (b % 2); Q4_1: d[16], m[16]; Q4_K: d[16],
+// dmin[16], sc[8][16], m[8][16] of its super-block) and its quants
+inline const uint8_t* sub_header(int fmt, const uint8_t* panel, int64_t b) {
+  return panel + b / unit_subs(fmt) * unit_bytes(fmt);
+}
+inline const uint8_t* sub_qs(int fmt, const uint8_t* panel, int64_t b) {
+  return sub_header(fmt, panel, b) + unit_header(fmt) + b % unit_subs(fmt) * qs_bytes(fmt);
+}
+
+float half_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      uint32_t m = man;
+      do { ++e; m <<= 1; } while (!(m & 0x400u));
+      bits = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (m & 0x3ffu) << 13;
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | man << 13;
+  } else {
+    bits = sign | (exp + 127 - 15) << 23 | man << 13;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline uint16_t rd16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+
+// Q4_K's 6-bit scale and minimum of sub-block j from its 12 packed bytes (ggml's get_scale_min_k4)
+inline void k4_scale_min(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// ---- repacking and exact dequantization ----
+
+// Row n of the file's blocks -> its slot in panel layout (the panel is zeroed beforehand for padding rows).
+void pack_row(int fmt, const uint8_t* src, int64_t K, uint8_t* panel, int lane) {
+  for (int64_t b = 0; b < K / SB; ++b) {
+    uint8_t* hdr = const_cast<uint8_t*>(sub_header(fmt, panel, b));
+    uint8_t bytes[32];  // this row's 16 (4-bit) or 32 (Q8_0) quant bytes of sub-block b, file order
+    if (fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0) {
+      const uint8_t* blk = src + b * file_type_size(fmt);
+      std::memcpy(hdr + (fmt == Q4_1 ? 0 : b % 2 * 32) + lane * 2, blk, 2);
+      if (fmt == Q4_1) std::memcpy(hdr + 32 + lane * 2, blk + 2, 2);
+      const uint8_t* q = blk + (fmt == Q4_1 ? 4 : 2);
+      if (fmt == Q8_0)
+        for (int i = 0; i < 32; ++i) bytes[i] = q[i] ^ 0x80;
+      else
+        std::memcpy(bytes, q, 16);
+    } else {  // Q4_K: sub-block b is sub-block j of super-block b / 8
+      const int j = static_cast<int>(b % 8);
+      const uint8_t* blk = src + b / 8 * 144;
+      if (j == 0) {
+        std::memcpy(hdr + lane * 2, blk, 2);
+        std::memcpy(hdr + 32 + lane * 2, blk + 2, 2);
+      }
+      k4_scale_min(j, blk + 4, hdr + 64 + j * 16 + lane, hdr + 192 + j * 16 + lane);
+      const uint8_t* q = blk + 16 + (j / 2) * 32;
+      const int shift = (j % 2) * 4;
+      for (int i = 0; i < 16; ++i)
+        bytes[i] = static_cast<uint8_t>(((q[i] >> shift) & 0xF) | (((q[i + 16] >> shift) & 0xF) << 4));
+    }
+    uint8_t* dst = const_cast<uint8_t*>(sub_qs(fmt, panel, b));
+    const int groups = fmt == Q8_0 ? 8 : 4;
+    for (int g = 0; g < groups; ++g) std::memcpy(dst + (g * PR + lane) * 4, bytes + g * 4, 4);
+  }
+}
+
+// The 32 quants of sub-block b of lane `lane` (4-bit: 0..15; Q8_0: the signed value) as ints.
+inline void lane_quants(int fmt, const uint8_t* qs_b, int lane, int32_t* q) {
+  if (fmt == Q8_0) {
+    for (int k = 0; k < 32; ++k) q[k] = static_cast<int8_t>(qs_b[((k / 4) * PR + lane) * 4 + k % 4] ^ 0x80);
+  } else {
+    for (int j = 0; j < 16; ++j) {
+      const uint8_t v = qs_b[((j / 4) * PR + lane) * 4 + j % 4];
+      q[j] = v & 0xF;
+      q[j + 16] = v >> 4;
+    }
+  }
+}
+
+// Sub-block b of lane `lane`: its float factors, as gguf-py computes them: w = a * q + c
+// (Q4_0: q - 8 folded into c = -8a would not be exact, so Q4_0 reports a and subtracts 8 from q).
+inline void lane_factors(int fmt, const uint8_t* panel, int64_t b, int lane, float* a, float* c) {
+  const uint8_t* hdr = sub_header(fmt, panel, b);
+  switch (fmt) {
+    case Q4_0:
+    case Q8_0:
+      *a = half_to_float(rd16(hdr + b % 2 * 32 + lane * 2));
+      *c = 0.f;
+      return;
+    case Q4_1:
+      *a = half_to_float(rd16(hdr + lane * 2));
+      *c = half_to_float(rd16(hdr + 32 + lane * 2));
+      return;
+    default: {
+      const int j = static_cast<int>(b % 8);
+      *a = half_to_float(rd16(hdr + lane * 2)) * static_cast<float>(hdr[64 + j * 16 + lane]);
+      *c = -(half_to_float(rd16(hdr + 32 + lane * 2)) * static_cast<float>(hdr[192 + j * 16 + lane]));
+    }
+  }
+}
+
+void dequant_row(int fmt, const uint8_t* panel, int64_t K, int lane, float* out) {
+  int32_t q[32];
+  for (int64_t b = 0; b < K / SB; ++b) {
+    float a, c;
+    lane_factors(fmt, panel, b, lane, &a, &c);
+    lane_quants(fmt, sub_qs(fmt, panel, b), lane, q);
+    float* o = out + b * SB;
+    switch (fmt) {
+      case Q4_0: for (int k = 0; k < 32; ++k) o[k] = a * static_cast<float>(q[k] - 8); break;
+      case Q8_0: for (int k = 0; k < 32; ++k) o[k] = static_cast<float>(q[k]) * a; break;
+      case Q4_1: for (int k = 0; k < 32; ++k) o[k] = a * static_cast<float>(q[k]) + c; break;
+      default: for (int k = 0; k < 32; ++k) o[k] = a * static_cast<float>(q[k]) + c;  // d*sc*q - dmin*m
+    }
+  }
+}
+
+// ---- activations quantized to int8 (llama.cpp's Q8_1 blocks, float32 scales) ----
+
+struct QAct {
+  const int8_t* q;       // [M][K]
+  const float* d;        // [M][nsub] scale
+  const float* s;        // [M][nsub] d * sum(q)
+  const int32_t* isum;   // [M][nsub] sum(q)
+  int64_t K, nsub;
+};
+
+void quantize_rows_portable(const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* q, float* d, float* s,
+                            int32_t* isum) {
+  const int64_t nsub = K / SB;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nsub; ++b) {
+      const float* xb = x + m * x_stride + b * SB;
+      float amax = 0.f;
+      for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(xb[k]));
+      const float db = amax / 127.f;
+      const float id = db != 0.f ? 1.f / db : 0.f;
+      int32_t sum = 0;
+      for (int k = 0; k < 32; ++k) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(xb[k] * id));
+        q[m * K + b * SB + k] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      d[m * nsub + b] = db;
+      isum[m * nsub + b] = sum;
+      s[m * nsub + b] = db * static_cast<float>(sum);
+    }
+}
+
+// ---- portable path: the same math in plain loops ----
+
+void panel_q8_portable(int fmt, const uint8_t* panel, const QAct& a, int64_t m0, int64_t rows, float* y, int64_t ldy,
+                       int64_t valid, const float* bias) {
+  float acc[PR * 64] = {};
+  int32_t q[32];
+  for (int lane = 0; lane < valid; ++lane)
+    for (int64_t b = 0; b < a.nsub; ++b) {
+      float wa, wc;
+      lane_factors(fmt, panel, b, lane, &wa, &wc);
+      lane_quants(fmt, sub_qs(fmt, panel, b), lane, q);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t m = m0 + r;
+        const int8_t* xq = a.q + m * a.K + b * SB;
+        int32_t sum = 0;
+        for (int k = 0; k < 32; ++k) sum += q[k] * xq[k];
+        if (fmt == Q4_0) sum -= 8 * a.isum[m * a.nsub + b];
+        const float dx = a.d[m * a.nsub + b];
+        acc[r * PR + lane] += static_cast<float>(sum) * (wa * dx);
+        if (fmt == Q4_1 || fmt == Q4_K) acc[r * PR + lane] += wc * a.s[m * a.nsub + b];
+      }
+    }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int lane = 0; lane < valid; ++lane) y[r * ldy + lane] = acc[r * PR + lane] + (bias ? bias[lane] : 0.f);
+}
+
+void panel_f32_portable(int fmt, const uint8_t* panel, int64_t K, const float* x, int64_t x_stride, int64_t rows,
+                        float* y, int64_t ldy, int64_t valid, const float* bias) {
+  std::vector<float> w(K);
+  for (int lane = 0; lane < valid; ++lane) {
+    dequant_row(fmt, panel, K, lane, w.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = x + r * x_stride;
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc += w[k] * xr[k];
+      y[r * ldy + lane] = acc + (bias ? bias[lane] : 0.f);
+    }
+  }
+}
+
+#ifdef NP_X86
+// ---- AVX-512 with VNNI ----
+
+// The 16 rows' float factors of sub-block b: w = a*q + c (Q4_0/Q8_0: c unused, their offsets are
+// subtracted from the integer sums)
+template <int F>
+T_AVX512 inline void factors512(const uint8_t* panel, int64_t b, __m512& a, __m512& c) {
+  const uint8_t* hdr = sub_header(F, panel, b);
+  if (F == Q4_0 || F == Q8_0) {
+    a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hdr + b % 2 * 32)));
+    c = _mm512_setzero_ps();
+  } else if (F == Q4_1) {
+    a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hdr)));
+    c = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hdr + 32)));
+  } else {
+    const int j = static_cast<int>(b % 8);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hdr)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hdr + 32)));
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hdr + 64 + j * 16))));
+    const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hdr + 192 + j * 16))));
+    a = _mm512_mul_ps(d, sc);
+    c = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, mn));
+  }
+}
+
+inline int32_t bcast4(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
+
+// R activation rows x one panel (16 output rows), int8 activations
+// Prefetch, spread over a panel's sub-blocks, the next panel (`next`, or nullptr) while this one is
+// multiplied: the hardware prefetcher alone leaves the next panel's first lines to wait on DRAM (worst
+// with several rows, where a panel is read once per row tile: 69 -> 170-200 GMAC/s for the Q8_0 head
+// at 8 rows; 30 -> 35 GB/s at one row; benchmarks/cpu_quant_gemm.py).
+inline void prefetch_share(const uint8_t* next, int64_t bytes, int64_t b, int64_t nsub) {
+  if (!next) return;
+  const int64_t lines = (bytes / 64 + nsub - 1) / nsub;
+  for (int64_t l = b * lines; l < (b + 1) * lines && l * 64 < bytes; ++l) __builtin_prefetch(next + l * 64);
+}
+
+template <int F, int R>
+T_AVX512 void tile_q8_512(const uint8_t* panel, const QAct& a, int64_t m0, float* y, int64_t ldy, int64_t valid,
+                          const float* bias, const uint8_t* next) {
+  const int64_t pb = panel_bytes(F, a.K);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < a.nsub; ++b) {
+    __m512 fa, fc;
+    factors512<F>(panel, b, fa, fc);
+    prefetch_share(next, pb, b, a.nsub);
+    __m512i w[8];
+    const uint8_t* qb = sub_qs(F, panel, b);
+    if (F == Q8_0) {
+      for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(qb + g * 64);
+    } else {
+      for (int g = 0; g < 4; ++g) {
+        const __m512i v = _mm512_loadu_si512(qb + g * 64);
+        w[g] = _mm512_and_si512(v, low);
+        w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const int8_t* xb = a.q + m * a.K + b * SB;
+      // w[i] holds weights k = 4i..4i+3 of each row (both formats' layouts give that order). One row or
+      // two: four independent chains, as a dot product's latency, not its throughput, would bound
+      // them; more rows give the core independent work already.
+      constexpr int C = R <= 2 ? 4 : 1;
+      __m512i ch[C];
+      for (int c = 0; c < C; ++c) ch[c] = _mm512_setzero_si512();
+      for (int i = 0; i < 8; ++i) ch[i % C] = _mm512_dpbusd_epi32(ch[i % C], w[i], _mm512_set1_epi32(bcast4(xb + 4 * i)));
+      __m512i s = ch[0];
+      for (int c = 1; c < C; ++c) s = _mm512_add_epi32(s, ch[c]);
+      const int64_t i = m * a.nsub + b;
+      if (F == Q4_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * a.isum[i]));
+      if (F == Q8_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * a.isum[i]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(fa, _mm512_set1_ps(a.d[i])), acc[r]);
+      if (F == Q4_1 || F == Q4_K) acc[r] = _mm512_fmadd_ps(fc, _mm512_set1_ps(a.s[i]), acc[r]);
+    }
+  }
+  const __mmask16 mask = valid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy, mask, _mm512_add_ps(acc[r], bv));
+}
+
+// R activation rows x one panel, float32 activations: each sub-block dequantized in registers
+template <int F, int R>
+T_AVX512 void tile_f32_512(const uint8_t* panel, int64_t K, const float* x, int64_t x_stride, float* y, int64_t ldy,
+                           int64_t valid, const float* bias) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i byte = _mm512_set1_epi32(0xFF);
+  for (int64_t b = 0; b < K / SB; ++b) {
+    __m512 fa, fc;
+    factors512<F>(panel, b, fa, fc);
+    const uint8_t* qb = sub_qs(F, panel, b);
+    const float* xb = x + b * SB;
+    constexpr int G = F == Q8_0 ? 8 : 4;
+    for (int g = 0; g < G; ++g) {
+      const __m512i v = _mm512_loadu_si512(qb + g * 64);
+      for (int j = 0; j < 4; ++j) {
+        const __m512i u = _mm512_and_si512(_mm512_srli_epi32(v, 8 * j), byte);
+        if (F == Q8_0) {
+          const __m512 wk = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(u, _mm512_set1_epi32(128))), fa);
+          for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(wk, _mm512_set1_ps(xb[r * x_stride + 4 * g + j]), acc[r]);
+        } else {
+          const __m512i lo = _mm512_and_si512(u, _mm512_set1_epi32(0xF));
+          const __m512i hi = _mm512_srli_epi32(u, 4);
+          __m512 wl, wh;
+          if (F == Q4_0) {
+            wl = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lo, _mm512_set1_epi32(8))), fa);
+            wh = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi, _mm512_set1_epi32(8))), fa);
+          } else {
+            wl = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), fa, fc);
+            wh = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), fa, fc);
+          }
+          for (int r = 0; r < R; ++r) {
+            acc[r] = _mm512_fmadd_ps(wl, _mm512_set1_ps(xb[r * x_stride + 4 * g + j]), acc[r]);
+            acc[r] = _mm512_fmadd_ps(wh, _mm512_set1_ps(xb[r * x_stride + 16 + 4 * g + j]), acc[r]);
+          }
+        }
+      }
+    }
+  }
+  const __mmask16 mask = valid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy, mask, _mm512_add_ps(acc[r], bv));
+}
+
+T_AVX512 void quantize_rows_512(const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* q, float* d, float* s,
+                                int32_t* isum) {
+  const int64_t nsub = K / SB;
+  const __m512 signless = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nsub; ++b) {
+      const float* xb = x + m * x_stride + b * SB;
+      const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(x0, signless), _mm512_and_ps(x1, signless)));
+      const float db = amax / 127.f;
+      const float id = db != 0.f ? 1.f / db : 0.f;
+      const __m512 iv = _mm512_set1_ps(id);
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, iv));  // round to nearest even
+      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, iv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * K + b * SB), _mm512_cvtsepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * K + b * SB + 16), _mm512_cvtsepi32_epi8(q1));
+      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      d[m * nsub + b] = db;
+      isum[m * nsub + b] = sum;
+      s[m * nsub + b] = db * static_cast<float>(sum);
+    }
+}
+
+// ---- AVX2 (no VNNI: maddubs + madd) ----
+
+template <int F>
+T_AVX2 inline void factors256(const uint8_t* panel, int64_t b, int h, __m256& a, __m256& c) {
+  const uint8_t* hdr = sub_header(F, panel, b);
+  if (F == Q4_0 || F == Q8_0) {
+    a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hdr + b % 2 * 32 + h * 16)));
+    c = _mm256_setzero_ps();
+  } else if (F == Q4_1) {
+    a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hdr + h * 16)));
+    c = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hdr + 32 + h * 16)));
+  } else {
+    const int j = static_cast<int>(b % 8);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hdr + h * 16)));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hdr + 32 + h * 16)));
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(hdr + 64 + j * 16 + h * 8))));
+    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(hdr + 192 + j * 16 + h * 8))));
+    a = _mm256_mul_ps(d, sc);
+    c = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, mn));
+  }
+}
+
+// sum of 4 u8*s8 products per int32 lane (no saturation for the operands used: |products pair| < 2^15)
+T_AVX2 inline __m256i dot4(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+// R rows x one half (8 output rows, h = 0/1) of a panel, int8 activations
+template <int F, int R>
+T_AVX2 void half_q8_256(const uint8_t* panel, const QAct& a, int64_t m0, int h, float* y, int64_t ldy, int64_t valid,
+                        const float* bias) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < a.nsub; ++b) {
+    __m256 fa, fc;
+    factors256<F>(panel, b, h, fa, fc);
+    const uint8_t* qb = sub_qs(F, panel, b) + h * 32;
+    __m256i w[8];
+    if (F == Q8_0) {
+      for (int g = 0; g < 8; ++g)  // back to signed weights: |w| as unsigned, the sign moved onto x
+        w[g] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + g * 64)), _mm256_set1_epi8(static_cast<char>(0x80)));
+    } else {
+      for (int g = 0; g < 4; ++g) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + g * 64));
+        w[g] = _mm256_and_si256(v, low);
+        w[g + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const int8_t* xb = a.q + m * a.K + b * SB;
+      __m256i s = _mm256_setzero_si256();
+      if (F == Q8_0) {
+        for (int g = 0; g < 8; ++g) {
+          const __m256i xv = _mm256_set1_epi32(bcast4(xb + 4 * g));
+          s = _mm256_add_epi32(s, dot4(_mm256_sign_epi8(w[g], w[g]), _mm256_sign_epi8(xv, w[g])));
+        }
+      } else {
+        for (int g = 0; g < 4; ++g) s = _mm256_add_epi32(s, dot4(w[g], _mm256_set1_epi32(bcast4(xb + 4 * g))));
+        for (int g = 0; g < 4; ++g) s = _mm256_add_epi32(s, dot4(w[g + 4], _mm256_set1_epi32(bcast4(xb + 16 + 4 * g))));
+      }
+      const int64_t i = m * a.nsub + b;
+      if (F == Q4_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * a.isum[i]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(fa, _mm256_set1_ps(a.d[i])), acc[r]);
+      if (F == Q4_1 || F == Q4_K) acc[r] = _mm256_fmadd_ps(fc, _mm256_set1_ps(a.s[i]), acc[r]);
+    }
+  }
+  const int64_t n = std::min<int64_t>(8, valid - h * 8);
+  for (int r = 0; r < R; ++r) {
+    float out[8];
+    _mm256_storeu_ps(out, acc[r]);
+    for (int64_t l = 0; l < n; ++l) y[r * ldy + h * 8 + l] = out[l] + (bias ? bias[h * 8 + l] : 0.f);
+  }
+}
+
+template <int F, int R>
+T_AVX2 void half_f32_256(const uint8_t* panel, int64_t K, const float* x, int64_t x_stride, int h, float* y,
+                         int64_t ldy, int64_t valid, const float* bias) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i byte = _mm256_set1_epi32(0xFF);
+  for (int64_t b = 0; b < K / SB; ++b) {
+    __m256 fa, fc;
+    factors256<F>(panel, b, h, fa, fc);
+    const uint8_t* qb = sub_qs(F, panel, b) + h * 32;
+    const float* xb = x + b * SB;
+    constexpr int G = F == Q8_0 ? 8 : 4;
+    for (int g = 0; g < G; ++g) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + g * 64));
+      for (int j = 0; j < 4; ++j) {
+        const __m256i u = _mm256_and_si256(_mm256_srli_epi32(v, 8 * j), byte);
+        if (F == Q8_0) {
+          const __m256 wk = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(u, _mm256_set1_epi32(128))), fa);
+          for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(wk, _mm256_set1_ps(xb[r * x_stride + 4 * g + j]), acc[r]);
+        } else {
+          const __m256i lo = _mm256_and_si256(u, _mm256_set1_epi32(0xF));
+          const __m256i hi = _mm256_srli_epi32(u, 4);
+          __m256 wl, wh;
+          if (F == Q4_0) {
+            wl = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(lo, _mm256_set1_epi32(8))), fa);
+            wh = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(hi, _mm256_set1_epi32(8))), fa);
+          } else {
+            wl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), fa, fc);
+            wh = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), fa, fc);
+          }
+          for (int r = 0; r < R; ++r) {
+            acc[r] = _mm256_fmadd_ps(wl, _mm256_set1_ps(xb[r * x_stride + 4 * g + j]), acc[r]);
+            acc[r] = _mm256_fmadd_ps(wh, _mm256_set1_ps(xb[r * x_stride + 16 + 4 * g + j]), acc[r]);
+          }
+        }
+      }
+    }
+  }
+  const int64_t n = std::min<int64_t>(8, valid - h * 8);
+  for (int r = 0; r < R; ++r) {
+    float out[8];
+    _mm256_storeu_ps(out, acc[r]);
+    for (int64_t l = 0; l < n; ++l) y[r * ldy + h * 8 + l] = out[l] + (bias ? bias[h * 8 + l] : 0.f);
+  }
+}
+
+T_AVX2 void quantize_rows_256(const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* q, float* d, float* s,
+                              int32_t* isum) {
+  const int64_t nsub = K / SB;
+  const __m256 signless = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nsub; ++b) {
+      const float* xb = x + m * x_stride + b * SB;
+      __m256 v[4], mx = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+        mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], signless));
+      }
+      float lanes[8];
+      _mm256_storeu_ps(lanes, mx);
+      float amax = 0.f;
+      for (float l : lanes) amax = std::max(amax, l);
+      const float db = amax / 127.f;
+      const float id = db != 0.f ? 1.f / db : 0.f;
+      int32_t out[32], sum = 0;
+      for (int i = 0; i < 4; ++i)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 8 * i), _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id))));
+      for (int k = 0; k < 32; ++k) {
+        q[m * K + b * SB + k] = static_cast<int8_t>(out[k]);
+        sum += out[k];
+      }
+      d[m * nsub + b] = db;
+      isum[m * nsub + b] = sum;
+      s[m * nsub + b] = db * static_cast<float>(sum);
+    }
+}
+#endif  // NP_X86
+
+// ---- drivers: rows tiled, panels split over threads ----
+
+template <int F>
+void panel_q8(int isa, const uint8_t* panel, const QAct& a, int64_t m0, int64_t rows, float* y, int64_t ldy,
+              int64_t valid, const float* bias, const uint8_t* next) {
+#ifdef NP_X86
+  if (isa == AVX512) {
+    for (int64_t r = 0; r < rows;) {
+      const int64_t n = std::min<int64_t>(8, rows - r);
+      float* yr = y + r * ldy;
+      const uint8_t* pf = r == 0 ? next : nullptr;  // the first row tile fetches the next panel
+      switch (n) {
+        case 8: tile_q8_512<F, 8>(panel, a, m0 + r, yr, ldy, valid, bias, pf); break;
+        case 7: tile_q8_512<F, 7>(panel, a, m0 + r, yr, ldy, valid, bias, pf); break;
+        case 6: tile_q8_512<F, 6>(panel, a, m0 + r, yr, ldy, valid, bias, pf); break;
+        case 5: tile_q8_512<F, 5>(panel, a, m0 + r, yr, ldy, valid, bias, pf); break;
+        case 4: tile_q8_512<F, 4>(panel, a, m0 + r, yr, ldy, valid, bias, pf); break;
+        case 3: tile_q8_512<F, 3>(panel, a, m0 + r, yr, ldy, valid, bias, pf); break;
+        case 2: tile_q8_512<F, 2>(panel, a, m0 + r, yr, ldy, valid, bias, pf); break;
+        default: tile_q8_512<F, 1>(panel, a, m0 + r, yr, ldy, valid, bias, pf);
+      }
+      r += n;
+    }
+    return;
+  }
+  if (isa == AVX2) {
+    for (int h = 0; h < 2 && h * 8 < valid; ++h)
+      for (int64_t r = 0; r < rows;) {
+        const int64_t n = std::min<int64_t>(4, rows - r);
+        float* yr = y + r * ldy;
+        switch (n) {
+          case 4: half_q8_256<F, 4>(panel, a, m0 + r, h, yr, ldy, valid, bias); break;
+          case 3: half_q8_256<F, 3>(panel, a, m0 + r, h, yr, ldy, valid, bias); break;
+          case 2: half_q8_256<F, 2>(panel, a, m0 + r, h, yr, ldy, valid, bias); break;
+          default: half_q8_256<F, 1>(panel, a, m0 + r, h, yr, ldy, valid, bias);
+        }
+        r += n;
+      }
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < rows; r += 64)
+    panel_q8_portable(F, panel, a, m0 + r, std::min<int64_t>(64, rows - r), y + r * ldy, ldy, valid, bias);
+}
+
+template <int F>
+void panel_f32(int isa, const uint8_t* panel, int64_t K, const float* x, int64_t x_stride, int64_t rows, float* y,
+               int64_t ldy, int64_t valid, const float* bias) {
+#ifdef NP_X86
+  if (isa == AVX512) {
+    for (int64_t r = 0; r < rows;) {
+      const int64_t n = std::min<int64_t>(4, rows - r);
+      const float* xr = x + r * x_stride;
+      float* yr = y + r * ldy;
+      switch (n) {
+        case 4: tile_f32_512<F, 4>(panel, K, xr, x_stride, yr, ldy, valid, bias); break;
+        case 3: tile_f32_512<F, 3>(panel, K, xr, x_stride, yr, ldy, valid, bias); break;
+        case 2: tile_f32_512<F, 2>(panel, K, xr, x_stride, yr, ldy, valid, bias); break;
+        default: tile_f32_512<F, 1>(panel, K, xr, x_stride, yr, ldy, valid, bias);
+      }
+      r += n;
+    }
+    return;
+  }
+  if (isa == AVX2) {
+    for (int h = 0; h < 2 && h * 8 < valid; ++h)
+      for (int64_t r = 0; r < rows;) {
+        const int64_t n = std::min<int64_t>(4, rows - r);
+        const float* xr = x + r * x_stride;
+        float* yr = y + r * ldy;
+        switch (n) {
+          case 4: half_f32_256<F, 4>(panel, K, xr, x_stride, h, yr, ldy, valid, bias); break;
+          case 3: half_f32_256<F, 3>(panel, K, xr, x_stride, h, yr, ldy, valid, bias); break;
+          case 2: half_f32_256<F, 2>(panel, K, xr, x_stride, h, yr, ldy, valid, bias); break;
+          default: half_f32_256<F, 1>(panel, K, xr, x_stride, h, yr, ldy, valid, bias);
+        }
+        r += n;
+      }
+    return;
+  }
+#endif
+  panel_f32_portable(F, panel, K, x, x_stride, rows, y, ldy, valid, bias);
+}
+
+void quantize_rows(int isa, const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* q, float* d, float* s,
+                   int32_t* isum) {
+#ifdef NP_X86
+  if (isa == AVX512) return quantize_rows_512(x, x_stride, M, K, q, d, s, isum);
+  if (isa == AVX2) return quantize_rows_256(x, x_stride, M, K, q, d, s, isum);
+#endif
+  quantize_rows_portable(x, x_stride, M, K, q, d, s, isum);
+}
+
+// Row tiles above this many rows per task: large inputs split over rows as well as panels.
+constexpr int64_t ROW_CHUNK = 64;
+
+template <int F>
+void linear_fmt(int isa, int int8_act, const float* x, int64_t x_stride, int64_t M, const uint8_t* packed, int64_t N,
+                int64_t K, const float* bias, float* y) {
+  const int64_t panels = (N + PR - 1) / PR, pb = panel_bytes(F, K), nsub = K / SB;
+  const int64_t chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK;
+  // the calling thread's activation blocks, kept between calls (a decode step makes ~120 calls: no malloc
+  // each). Thread-local, so the parallel regions below see them only through the pointers taken here.
+  static thread_local std::vector<int8_t> q_buf;
+  static thread_local std::vector<float> d_buf, s_buf;
+  static thread_local std::vector<int32_t> isum_buf;
+  QAct a{nullptr, nullptr, nullptr, nullptr, K, nsub};
+  if (int8_act) {
+    if (static_cast<int64_t>(q_buf.size()) < M * K) q_buf.resize(M * K);
+    if (static_cast<int64_t>(d_buf.size()) < M * nsub) {
+      d_buf.resize(M * nsub);
+      s_buf.resize(M * nsub);
+      isum_buf.resize(M * nsub);
+    }
+    int8_t* q = q_buf.data();
+    float *d = d_buf.data(), *s = s_buf.data();
+    int32_t* isum = isum_buf.data();
+#pragma omp parallel for schedule(static) if (M >= 16)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t m0 = c * ROW_CHUNK, rows = std::min(ROW_CHUNK, M - m0);
+      quantize_rows(isa, x + m0 * x_stride, x_stride, rows, K, q + m0 * K, d + m0 * nsub, s + m0 * nsub,
+                    isum + m0 * nsub);
+    }
+    a = QAct{q, d, s, isum, K, nsub};
+  }
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int64_t p = 0; p < panels; ++p) {
+      const int64_t m0 = c * ROW_CHUNK, rows = std::min(ROW_CHUNK, M - m0);
+      const int64_t valid = std::min(PR, N - p * PR);
+      const uint8_t* panel = packed + p * pb;
+      const float* bp = bias ? bias + p * PR : nullptr;
+      float* yp = y + m0 * N + p * PR;
+      const uint8_t* next = p + 1 < panels ? panel + pb : nullptr;
+      if (int8_act)
+        panel_q8<F>(isa, panel, a, m0, rows, yp, N, valid, bp, next);
+      else
+        panel_f32<F>(isa, panel, K, x + m0 * x_stride, x_stride, rows, yp, N, valid, bp);
+    }
+}
+
+bool isa_supported(int isa) {
+  if (isa == PORTABLE) return true;
+#ifdef NP_X86
+  __builtin_cpu_init();
+  if (isa == AVX2)
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (isa == AVX512)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+#endif
+  return false;
+}
+
+}  // namespace
+
+extern "C" {
+
+int np_q_abi_version() { return 1; }
+
+// 1 when this CPU can run path `isa` (0 portable, 1 AVX2, 2 AVX-512 VNNI)
+int np_q_isa_supported(int isa) { return isa_supported(isa) ? 1 : 0; }
+
+// Bytes of the packed form of a [N, K] weight of format `fmt` (a GGML type id), or -1 when the format
+// is not served or K is not a whole number of its blocks.
+int64_t np_q_packed_size(int fmt, int64_t N, int64_t K) {
+  if (!known(fmt) || K <= 0 || N <= 0 || K % file_block(fmt)) return -1;
+  return (N + PR - 1) / PR * panel_bytes(fmt, K);
+}
+
+// Repack the file's blocks raw [N][K / block * type_size] into `out` (np_q_packed_size bytes).
+int np_q_pack(int fmt, const uint8_t* raw, int64_t N, int64_t K, uint8_t* out) {
+  const int64_t size = np_q_packed_size(fmt, N, K);
+  if (size < 0) return -1;
+  const int64_t panels = (N + PR - 1) / PR, pb = panel_bytes(fmt, K), row = K / file_block(fmt) * file_type_size(fmt);
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    std::memset(out + p * pb, 0, pb);
+    for (int64_t lane = 0; lane < PR && p * PR + lane < N; ++lane)
+      pack_row(fmt, raw + (p * PR + lane) * row, K, out + p * pb, static_cast<int>(lane));
+  }
+  return 0;
+}
+
+// out[i] = row rows[i] of the weight, dequantized exactly (rows == nullptr: all N rows in order).
+// Returns 0, or -1 for an unknown format / a row out of range (nothing written past the check).
+int np_q_dequant_rows(int fmt, const uint8_t* packed, int64_t N, int64_t K, const int64_t* rows, int64_t n, float* out) {
+  if (np_q_packed_size(fmt, N, K) < 0) return -1;
+  if (rows)
+    for (int64_t i = 0; i < n; ++i)
+      if (rows[i] < 0 || rows[i] >= N) return -1;
+  const int64_t pb = panel_bytes(fmt, K);
+#pragma omp parallel for schedule(static) if (n * K >= 65536)
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = rows ? rows[i] : i;
+    dequant_row(fmt, packed + (r / PR) * pb, K, static_cast<int>(r % PR), out + i * K);
+  }
+  return 0;
+}
+
+// Quantize rows of x [M, K] to int8 blocks of 32 (as the int8 path does): q [M, K], d, s (= d * sum),
+// isum [M, K / 32]. Returns 0, or -1 when K is not a multiple of 32 or the path is not supported.
+int np_q_quantize_act(int isa, const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* q, float* d, float* s,
+                      int32_t* isum) {
+  if (K % SB || !isa_supported(isa)) return -1;
+  quantize_rows(isa, x, x_stride, M, K, q, d, s, isum);
+  return 0;
+}
+
+// y [M, N] (dense) = x [M, K] (rows at x_stride floats) @ W^T (+ bias), W packed by np_q_pack.
+// int8_act: quantize x to int8 blocks first (VNNI dot products) or use it in float32.
+// Returns 0; -1 unknown format or shape; -2 path not supported by this CPU.
+int np_q_linear(int isa, int int8_act, int fmt, const float* x, int64_t x_stride, int64_t M, const uint8_t* packed,
+                int64_t N, int64_t K, const float* bias, float* y) {
+  if (np_q_packed_size(fmt, N, K) < 0 || M < 0) return -1;
+  if (!isa_supported(isa)) return -2;
+  if (M == 0) return 0;
+  switch (fmt) {
+    case Q4_0: linear_fmt<Q4_0>(isa, int8_act, x, x_stride, M, packed, N, K, bias, y); break;
+    case Q4_1: linear_fmt<Q4_1>(isa, int8_act, x, x_stride, M, packed, N, K, bias, y); break;
+    case Q8_0: linear_fmt<Q8_0>(isa, int8_act, x, x_stride, M, packed, N, K, bias, y); break;
+    default: linear_fmt<Q4_K>(isa, int8_act, x, x_stride, M, packed, N, K, bias, y);
+  }
+  return 0;
+}
+
+}  // extern "C"
