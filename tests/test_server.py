@@ -222,25 +222,30 @@ def test_unsupported_fields_are_refused_only_off_their_default(client, llm):
     assert chat_defaults.usage.completion_tokens == 2
     for field, value in (("presence_penalty", 0.5), ("frequency_penalty", -0.5), ("repetition_penalty", 1.2),
                          ("logit_bias", {"11": 5}), ("logprobs", 2)):
-        if field in EngineSamplingParams.model_fields:
-            continue  # the engine honours it: the sampling tests cover the values, not this refusal
+        if field in EngineSamplingParams.model_fields:  # the engine honours it: served (its values: test_sampling*)
+            got = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=2, extra_body={field: value})
+            assert got.usage.completion_tokens == 2
+            continue
         with pytest.raises(openai.BadRequestError) as exc:
             client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=2, extra_body={field: value})
         err = _error(exc)
         assert err["param"] == field and err["code"] == "unsupported_parameter" and "leave it out" in err["message"]
 
 
+def test_logit_bias_and_penalties_reach_the_engine(client, llm):
+    model = checkpoint("qwen3")
+    biased = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=3, temperature=0,
+                                       logit_bias={"11": 100})
+    assert biased.choices[0].text == llm.tokenizer.decode([11] * 3)
+    want = greedy(llm, PROMPTS[1], 8, repetition_penalty=1.5, presence_penalty=0.5).text
+    got = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=8, temperature=0,
+                                    presence_penalty=0.5, extra_body={"repetition_penalty": 1.5})
+    assert got.choices[0].text == want
+
+
 def test_logprobs_are_the_engines_own(client, llm):
     """The chosen token's logprob and the top alternatives, as the engine computes them for `generate`."""
     model = checkpoint("qwen3")
-    if "logprobs" not in EngineSamplingParams.model_fields:  # until issue 14 item 2 lands: a clear 400
-        with pytest.raises(openai.BadRequestError) as exc:
-            client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=4, logprobs=2)
-        assert _error(exc)["param"] == "logprobs"
-        with pytest.raises(openai.BadRequestError) as exc:
-            client.chat.completions.create(model=model, messages=CHAT, max_tokens=4, logprobs=True, top_logprobs=2)
-        assert _error(exc)["param"] == "logprobs"
-        return
     text = llm.tokenizer.decode
     (want,) = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=6, logprobs=3), use_tqdm=False)
     got = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=3).choices[0]
