@@ -10,14 +10,16 @@ from typing import Any
 
 from nanoplug.api.hookspecs import PLUGIN_API_VERSION, hookimpl
 
-__all__ = ["LLM", "AdapterSpec", "EngineConfig", "SamplingParams", "RequestOutput", "StreamDelta", "Registry",
-           "hookimpl", "PLUGIN_API_VERSION"]
+__all__ = ["LLM", "AdapterSpec", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "StreamDelta",
+           "TokenLogprobs", "Registry", "hookimpl", "PLUGIN_API_VERSION"]
 __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "nanoplug.core.llm",
     "RequestOutput": "nanoplug.core.outputs",
+    "CompletionOutput": "nanoplug.core.outputs",
     "StreamDelta": "nanoplug.core.outputs",
+    "TokenLogprobs": "nanoplug.core.logprobs",
     "AdapterSpec": "nanoplug.core.config",
     "EngineConfig": "nanoplug.core.config",
     "SamplingParams": "nanoplug.core.config",

@@ -15,7 +15,7 @@ PINNED = [
     "Plugin", "AttentionBackend", "KVCacheStore", "ProcessGroup", "ParallelStrategy", "WeightAdapter",
     "AdapterOptions", "RequestAdapters", "ModelArchitecture", "Platform", "StepGraphs", "Target", "ModelFacts",
     "StepBatch", "SamplingBatch", "StepResult", "StepInputs", "StepLimits", "AttentionMetadata", "AttentionSpec",
-    "KVCacheSpec", "KVLayer", "to_device",
+    "KVCacheSpec", "KVLayer", "to_device", "LogitsProcessingBatch", "SlotInit", "LogprobsTensors",
     "Worker", "WorkerMethod",
     "LinearMethod", "DenseLinearMethod", "check_shape", "copy_weight", "Layers", "LinearBase", "VocabParallelEmbedding",
     "ParallelLMHead", "RMSNorm", "rms_norm", "add_rms_norm", "RotaryEmbedding", "apply_rope", "rope_inv_freq",

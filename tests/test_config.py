@@ -86,6 +86,18 @@ def test_adapter_spec_rules():
     ("stop_token_ids.0", [-3], "greater than or equal to 0"),
     ("seed", "abc", "valid integer"),
     ("temprature", 0.5, "Extra inputs are not permitted"),
+    ("n", 0, "greater than or equal to 1"),
+    ("n", 129, "less than or equal to 128"),
+    ("logprobs", -1, "greater than or equal to 0"),
+    ("logprobs", 21, "less than or equal to 20"),
+    ("prompt_logprobs", 21, "less than or equal to 20"),
+    ("presence_penalty", 2.5, "less than or equal to 2"),
+    ("frequency_penalty", -2.01, "greater than or equal to -2"),
+    ("repetition_penalty", 0, "greater than 0"),
+    ("repetition_penalty", float("inf"), "finite number"),
+    ("logit_bias.7", {7: 100.5}, "less than or equal to 100"),
+    ("logit_bias.-3.[key]", {"-3": 1.0}, "greater than or equal to 0"),
+    ("logit_bias.a.[key]", {"a": 1.0}, "valid integer"),
 ])
 def test_sampling_params_reject_wrong_values_naming_field_and_rule(field, value, rule):
     assert_rejected(SamplingParams, field, rule, **{field.split(".")[0]: value})
@@ -94,6 +106,12 @@ def test_sampling_params_reject_wrong_values_naming_field_and_rule(field, value,
 def test_sampling_params_defaults_and_conversions():
     assert SamplingParams(temperature=0).greedy and not SamplingParams().greedy
     assert SamplingParams(stop="END").stop == ["END"]
+    p = SamplingParams()
+    assert (p.n, p.logprobs, p.prompt_logprobs, p.logit_bias) == (1, None, None, {})
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    edges = SamplingParams(n=128, logprobs=20, prompt_logprobs=0, presence_penalty=-2, frequency_penalty=2,
+                           logit_bias={0: -100, "5": 100})
+    assert edges.logit_bias == {0: -100.0, 5: 100.0}
     with pytest.raises(ValidationError, match="frozen"):
         SamplingParams().max_tokens = 3
 

@@ -100,7 +100,19 @@ class EagerReplays(StepGraphs):
 
 
 class GraphsOnCpu(CpuPlatform):
+    """Starts as the cuda platform does (the cache sized after a profiling step, a warm-up, then graphs),
+    so the runner's start-up order is exercised on the CPU too."""
+
     description = "test-only: decode replayed on static buffers, as CUDA graphs are"
+
+    def num_kv_blocks(self, block_bytes, profile, release):
+        profile()  # the largest step, on a temporary cache
+        release()
+        return 64
+
+    def warm_up(self, run, limits, num_blocks):
+        self.warmed = [run(StepBatch(True, [0] * 3, [0], [3], [[0]], [0], SamplingBatch.greedy(1))),
+                       run(StepBatch(False, [0], [3], [1], [[0]], [0], SamplingBatch.greedy(1)))]
 
     def capture_graphs(self, forward, ctx, limits, scratch_block):
         self.graphs = EagerReplays(forward, ctx, limits, scratch_block)
@@ -129,15 +141,17 @@ def registry():
 
 @pytest.mark.parametrize("attention,overlap", [("manual", False), ("sdpa", False), ("sdpa", True)])
 def test_replays_on_padded_buffers_give_the_eager_engines_outputs(registry, attention, overlap):
-    options = dict(kv_block_size=16, kv_cache="torch", num_kv_blocks=64, max_model_len=256, device="cpu",
-                   dtype="float32", max_num_seqs=8, overlap_steps=overlap)
-    eager = LLM(checkpoint(), registry=registry, attention=attention, **options)
+    options = dict(kv_block_size=16, kv_cache="torch", max_model_len=256, device="cpu", dtype="float32",
+                   max_num_seqs=8, max_num_batched_tokens=512, overlap_steps=overlap)
+    eager = LLM(checkpoint(), registry=registry, attention=attention, num_kv_blocks=64, **options)
     graphs = LLM(checkpoint(), registry=registry, attention=f"{attention}_graphs", platform="cpu_graphs", **options)
+    platform = graphs.engine.worker.platform
+    assert graphs.engine.num_kv_blocks == 64 and [len(r.tokens) for r in platform.warmed] == [1, 1]
     params = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True, output_logits=True) for i in range(7)]
     prompts = (PROMPTS * 2)[:7]  # 7 sequences finishing one after another: decode batches of 7 down to 1
     for a, b in zip(eager.generate(prompts, params, use_tqdm=False), graphs.generate(prompts, params, use_tqdm=False)):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logits, b.logits, strict=True):
             torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
-    replayed = graphs.engine.worker.platform.graphs.replayed
+    replayed = platform.graphs.replayed
     assert {size for size, _ in replayed} >= {8, 4, 2, 1} and any(size > n for size, n in replayed)  # padded replays

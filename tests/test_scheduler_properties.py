@@ -200,10 +200,7 @@ class Driver:
                 self._count(batch, is_prefill)
                 sampled = [item.seq for item in batch if item.samples]
                 tokens = self.device.run(batch)
-                self.scheduler.advance(batch)
-                if self.overlap:
-                    for seq in sampled:
-                        seq.add_pending()
+                self.scheduler.advance(batch, pending=self.overlap)  # overlapped: placeholders for the tokens on their way
                 launched = (batch, sampled, tokens)
         if not self.overlap:
             assert launched is not None, "the scheduler found nothing to run although requests wait"
@@ -226,11 +223,9 @@ class Driver:
             if seq.status is Status.FINISHED:
                 self.stats["ran ahead of its end"] += 1
                 continue
-            seq.resolve_pending(token)
+            self.scheduler.append_token(seq, token)
             got.append((seq, token))
-        for item in batch:
-            if item.seq.status is Status.RUNNING:
-                self.blocks.commit(item.seq)
+        self.scheduler.commit(batch)
         for seq, token in got:
             reason = None
             if token == EOS and not seq.params.ignore_eos:
@@ -238,8 +233,7 @@ class Driver:
             elif seq.num_completion_tokens >= seq.params.max_tokens or seq.num_known_tokens >= self.max_model_len:
                 reason = "length"
             if reason is not None:
-                seq.finish_reason = reason
-                self.scheduler.finish(seq)
+                self.scheduler.finish(seq, reason)
 
     def _count(self, batch: list[Scheduled], is_prefill: bool) -> None:
         """Check the step's limits; count what the examples reach."""
@@ -279,7 +273,7 @@ def run_scenario(sc: Scenario) -> Counter:
     """Run every request to its end; check blocks at every step and tokens at the end. Returns what happened."""
     driver = Driver(sc)
     seqs = [Sequence(list(r.prompt), SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos),
-                     index=i, adapter_id=r.adapter) for i, r in enumerate(sc.requests)]
+                     request_id=str(i), adapter_id=r.adapter) for i, r in enumerate(sc.requests)]
     aborted: set[int] = set()
     last_event = max(r.arrive + (r.abort_after or 0) for r in sc.requests)
     t = 0

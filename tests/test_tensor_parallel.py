@@ -94,6 +94,26 @@ def test_qwen3_tp2_matches_one_process_and_transformers(ckpt, tp_qwen3):
     _assert_matches_transformers(ckpt["qwen3"], rounds[0])
 
 
+def test_sampling_features_under_tp2_match_one_process(ckpt, tp_qwen3):
+    """logprobs, chunked prompt logprobs (every rank computes the gathered logits), n (the forked block is
+    copied on every rank) and penalties with a bias (rank 0's token counts) give one process's results."""
+    from nanoplug import SamplingParams
+
+    params = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=1,
+                            frequency_penalty=0.7, repetition_penalty=1.2, logit_bias={11: 3.0})
+    single = LLM(ckpt["qwen3"], parallel="single", **helpers.ENGINE_OPTIONS)
+    want = single.generate(helpers.PROMPTS, params, use_tqdm=False)
+    got = tp_qwen3.generate(helpers.PROMPTS, params, use_tqdm=False)
+    for a, b in zip(want, got):
+        assert len(a.outputs) == len(b.outputs) == 2
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+        for x, y in zip(a.outputs, b.outputs):
+            assert [lp.top[0][0] for lp in x.logprobs] == [lp.top[0][0] for lp in y.logprobs]
+            assert [lp.logprob for lp in x.logprobs] == pytest.approx([lp.logprob for lp in y.logprobs], abs=1e-4)
+        assert [lp.logprob for lp in a.prompt_logprobs[1:]] == \
+               pytest.approx([lp.logprob for lp in b.prompt_logprobs[1:]], abs=1e-4)
+
+
 def test_llama_tp2_matches_one_process_and_transformers(ckpt):
     single = LLM(ckpt["llama"], parallel="single", **helpers.ENGINE_OPTIONS)
     reference = helpers.generate_twice(single)

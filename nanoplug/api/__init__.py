@@ -16,8 +16,9 @@ from nanoplug.api.layers import (FusedOps, Layers, LinearBase, PagedAttention, P
                                  RotaryEmbedding, SiluAndMul, StepContext, VocabParallelEmbedding, add_rms_norm,
                                  apply_rope, install_fused_ops, rms_norm, rope_inv_freq, silu_and_mul)
 from nanoplug.api.linear import DenseLinearMethod, LinearMethod, check_shape, copy_weight
-from nanoplug.api.step import (AttentionMetadata, AttentionSpec, KVCacheSpec, KVLayer, SamplingBatch, StepBatch,
-                               StepInputs, StepLimits, StepResult, to_device)
+from nanoplug.api.step import (AttentionMetadata, AttentionSpec, KVCacheSpec, KVLayer, LogitsProcessingBatch,
+                               LogprobsTensors, SamplingBatch, SlotInit, StepBatch, StepInputs, StepLimits, StepResult,
+                               to_device)
 from nanoplug.api.target import ModelFacts, Target
 from nanoplug.api.worker import Worker, WorkerMethod
 
@@ -29,7 +30,7 @@ __all__ = [
     "AdapterOptions", "RequestAdapters", "ModelArchitecture", "Platform", "StepGraphs", "Target", "ModelFacts",
     # one step as data
     "StepBatch", "SamplingBatch", "StepResult", "StepInputs", "StepLimits", "AttentionMetadata", "AttentionSpec",
-    "KVCacheSpec", "KVLayer", "to_device",
+    "KVCacheSpec", "KVLayer", "to_device", "LogitsProcessingBatch", "SlotInit", "LogprobsTensors",
     # the worker protocol
     "Worker", "WorkerMethod",
     # the linear-method seam and the layer library

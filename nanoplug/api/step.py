@@ -1,5 +1,7 @@
-"""One step as data: what the engine hands a worker (`StepBatch`), the inputs it plans from it on the
-host (`StepInputs`), and the metadata every attention backend and KV store reads (`AttentionMetadata`,
+"""One step as data: what the engine hands a worker (`StepBatch`, with its `SamplingBatch` and, when a
+request asks for them, penalties and bias in `LogitsProcessingBatch`), what rank 0 gives back
+(`StepResult`, logprobs in `LogprobsTensors`), the inputs a worker plans from it on the host
+(`StepInputs`), and the metadata every attention backend and KV store reads (`AttentionMetadata`,
 `AttentionSpec`, `KVCacheSpec`, `KVLayer`).
 
 Padding is defined once, here: the KV cache has one scratch block past the blocks the engine hands
@@ -16,6 +18,33 @@ import torch
 
 
 @dataclass
+class SlotInit:
+    """Fill a token-count slot before this step: its sequence's prompt tokens and output tokens so far."""
+
+    slot: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
+class LogitsProcessingBatch:
+    """One step's penalties and logit biases, for the sample rows that have any (see core/logits_processors.py).
+
+    Penalized rows are listed in `rows`, each with its token-count slot and its three penalties;
+    `inits` fill new slots first. The bias is flat (row, token id, value) triples over all biased rows."""
+
+    rows: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    presence: list[float] = field(default_factory=list)
+    frequency: list[float] = field(default_factory=list)
+    repetition: list[float] = field(default_factory=list)
+    inits: list[SlotInit] = field(default_factory=list)
+    bias_rows: list[int] = field(default_factory=list)
+    bias_token_ids: list[int] = field(default_factory=list)
+    bias_values: list[float] = field(default_factory=list)
+
+
+@dataclass
 class SamplingBatch:
     """Per-row sampling settings as plain lists (picklable, so they cross process boundaries)."""
 
@@ -25,6 +54,9 @@ class SamplingBatch:
     min_ps: list[float]
     seeds: list[int | None]
     positions: list[int]  # index of the token being sampled, for seeded noise
+    processing: LogitsProcessingBatch | None = None  # penalties and bias; None when no row has any
+    logprob_rows: list[int] = field(default_factory=list)  # rows that want the logprobs of their token
+    num_top_logprobs: list[int] = field(default_factory=list)  # for each of them, how many alternatives
 
     @property
     def all_greedy(self) -> bool:
@@ -54,6 +86,14 @@ class StepBatch:
     # is row from_previous_rows[k] of the previous step's sampled tokens, taken on the device
     from_previous_at: list[int] = field(default_factory=list)
     from_previous_rows: list[int] = field(default_factory=list)
+    # (from, to) KV blocks copied after this step's forward: a prompt's partly filled last block, for the
+    # other samples of an n > 1 request (core/blocks.py, fork). sample_rows then repeats that sequence's row
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # prompt logprobs: the input positions whose logits score the next prompt token, that token, and the
+    # most alternatives any of them asked for
+    prompt_logprob_at: list[int] = field(default_factory=list)
+    prompt_logprob_ids: list[int] = field(default_factory=list)
+    prompt_logprob_top: int = 0
 
 
 @dataclass(frozen=True)
@@ -67,11 +107,41 @@ class StepLimits:
 
 
 @dataclass
+class LogprobsTensors:
+    """Log-probabilities of R chosen tokens: each one's, its rank, and the K most likely tokens of its row.
+
+    Computed on the device (core/logprobs.py); `pack` makes one tensor of them to copy to the host."""
+
+    logprobs: torch.Tensor  # [R] float32: the chosen token's
+    ranks: torch.Tensor  # [R] int64: tokens at least as likely as it (1: the most likely)
+    top_ids: torch.Tensor  # [R, K] int64, K the most any row asked for
+    top_logprobs: torch.Tensor  # [R, K] float32
+
+    def pack(self) -> torch.Tensor:
+        """All four as one flat float64 tensor (token ids and ranks are exact in float64)."""
+        return torch.cat([self.logprobs.double(), self.ranks.double(), self.top_ids.double().flatten(),
+                          self.top_logprobs.double().flatten()])
+
+    @classmethod
+    def unpack(cls, flat: torch.Tensor, rows: int, k: int) -> "LogprobsTensors":
+        """The inverse of `pack` for `rows` rows of `k` alternatives each."""
+        lps, ranks, ids, tops = flat.split([rows, rows, rows * k, rows * k])
+        return cls(lps.float(), ranks.long(), ids.long().view(rows, k), tops.float().view(rows, k))
+
+    @classmethod
+    def cat(cls, parts: list["LogprobsTensors"]) -> "LogprobsTensors":
+        return cls(*(torch.cat(ts) for ts in zip(*((p.logprobs, p.ranks, p.top_ids, p.top_logprobs) for p in parts))))
+
+
+@dataclass
 class StepResult:
-    """What rank 0 gives back for one step: the sampled token of each sample row, and the logits rows asked for."""
+    """What rank 0 gives back for one step: the sampled token of each sample row, the logits rows asked
+    for, and logprobs (host tensors) when the step's requests ask for them."""
 
     tokens: list[int]
     logits: list[torch.Tensor] = field(default_factory=list)
+    logprobs: LogprobsTensors | None = None  # of sampling.logprob_rows' tokens
+    prompt_logprobs: LogprobsTensors | None = None  # of the prompt tokens at prompt_logprob_at
 
 
 @dataclass

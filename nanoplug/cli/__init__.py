@@ -12,6 +12,7 @@ COMMANDS = {
     "plugins": "nanoplug.cli.plugins",
     "compare": "nanoplug.cli.compare",
     "bench": "nanoplug.cli.bench",
+    "serve": "nanoplug.cli.serve",
 }
 
 

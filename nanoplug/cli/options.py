@@ -118,7 +118,7 @@ def build_llm(args: argparse.Namespace):
     if getattr(args, "verbose", False):
         # the registry logs why for each "auto" choice; this line sums up every kind, named or auto
         chosen = " ".join(f"{kind}={llm.choices[kind].name}"
-                          for kind in ("model", "attention", "prefill_attention", "kv_cache", "parallel"))
+                          for kind in ("model", "attention", "prefill_attention", "kv_cache", "parallel", "platform"))
         dtype = str(llm.dtype).replace("torch.", "")
         formats = [spec.kind for spec in llm.config.adapters if spec.name == f"weights:{spec.kind}"]
         weights = f"{formats[0]} blocks" if formats else dtype

@@ -38,6 +38,7 @@ class BlockManager:
         # a block's memory is cleared the first time it is handed out (see take_new_blocks)
         self.never_used = bytearray(b"\x01") * num_blocks
         self.new_blocks: list[int] = []
+        self.copies: list[tuple[int, int]] = []  # (from, to): KV blocks to copy after the next step's forward
 
     @property
     def num_free_blocks(self) -> int:
@@ -53,7 +54,7 @@ class BlockManager:
         The block holding the last token is never reused: its logits must be computed, so at least
         one token of every prompt runs through the model (right on 100% hits).
         """
-        if not self.prefix_caching:
+        if not self.prefix_caching or self._owes_prompt_logprobs(seq):
             return []
         hits, prev, bs = [], chain_root(seq), self.block_size
         for i in range((len(seq) - 1) // bs):
@@ -65,6 +66,11 @@ class BlockManager:
             hits.append(block)
             prev = h
         return hits
+
+    @staticmethod
+    def _owes_prompt_logprobs(seq: Sequence) -> bool:
+        """Prompt logprobs need the logits of every prompt position: such a prompt is computed, not reused (vLLM's rule)."""
+        return seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens
 
     def can_allocate(self, seq: Sequence) -> bool:
         hits = self._prefix_hits(seq)
@@ -107,6 +113,33 @@ class BlockManager:
         once, when first used, costs nothing per step and commits no memory the run never touches."""
         new, self.new_blocks = self.new_blocks, []
         return new
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """Block copies that forks asked for since the last call (they go with the step being built)."""
+        copies, self.copies = self.copies, []
+        return copies
+
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """Give another sample of `parent`'s prompt the prompt's blocks, before the step that computes the
+        prompt's last token: the full blocks are shared (one more reference each); the block holding the
+        last token, when not full, is copied into a new block after that step, since each sample writes
+        its own tokens there. False (nothing changed) when no block is free for the copy."""
+        bs, n = self.block_size, parent.num_prompt_tokens
+        full = n // bs
+        partial = n % bs != 0
+        if partial and not self.free_ids:
+            return False
+        assert not child.block_table and len(parent.block_table) == self.blocks_needed(n)
+        child.block_table = parent.block_table[:full]
+        for b in child.block_table:
+            self.ref_counts[b] += 1
+        if partial:
+            copy = self._take_free()
+            self.copies.append((parent.block_table[full], copy))
+            child.block_table.append(copy)
+        child.block_hashes = parent.block_hashes[:full]
+        child.num_cached_tokens = parent.num_cached_tokens
+        return True
 
     def free(self, seq: Sequence) -> None:
         for b in reversed(seq.block_table):

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import operator
 import os
+import re
 import warnings
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -17,6 +19,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, fiel
 
 PluginName = Annotated[str, Field(min_length=1, pattern=r"^\S+$")]
 """A plugin name, or "auto": non-empty, no spaces."""
+
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+MAX_N = 128  # OpenAI's limit on samples per prompt
 
 
 def _integer_scalar(value: Any) -> Any:
@@ -35,6 +40,18 @@ Float = Annotated[float, Strict()]
 """A float or an int; never a bool or a string."""
 Bool = Annotated[bool, Strict()]
 """True or False; never 1, "yes" or "false"."""
+
+
+def _token_id_key(value: Any) -> Any:
+    """A JSON object's keys are strings, so OpenAI clients send logit_bias as {"50256": -100}: a key
+    that is an integer written in decimal becomes that int; anything else is left for the strict check."""
+    if isinstance(value, str) and re.fullmatch(r"-?[0-9]+", value.strip()):
+        return int(value)
+    return _integer_scalar(value)
+
+
+TokenIdKey = Annotated[int, BeforeValidator(_token_id_key), Strict(), Field(ge=0)]
+"""A token id as a mapping key: an int, or its decimal string (JSON); never a bool or a float."""
 
 
 class AdapterSpec(BaseModel):
@@ -212,6 +229,19 @@ class SamplingParams(BaseModel):
     seed: Int | None = None
     adapter: str | None = Field(None, description="name of a per-request adapter loaded at start-up")
     output_logits: Bool = Field(False, description="return the raw logits row of every generated token")
+    n: Int = Field(1, ge=1, le=MAX_N, description="samples of the prompt; they share its prefill and prompt KV blocks")
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="per generated token: its log-probability "
+                                 "and this many most likely alternatives (0: only its own); None: none")
+    prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="the same for each prompt token "
+                                        "after the first (its prefill then skips the prefix cache)")
+    presence_penalty: Float = Field(0.0, ge=-2, le=2, description="OpenAI's: subtracted once from every token "
+                                    "already generated")
+    frequency_penalty: Float = Field(0.0, ge=-2, le=2, description="OpenAI's: subtracted per time a token was "
+                                     "already generated")
+    repetition_penalty: Float = Field(1.0, gt=0, description="transformers': tokens of the prompt or output have "
+                                      "positive logits divided, negative ones multiplied by it; 1 leaves them")
+    logit_bias: dict[TokenIdKey, Annotated[Float, Field(ge=-100, le=100)]] = Field(
+        default_factory=dict, description="token id -> value added to its logit before sampling (OpenAI's)")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -228,3 +258,28 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> "SamplingParams":
+        """A copy, its derived flags (the cached properties below) worked out again from its own fields."""
+        copy = super().model_copy(update=update, deep=deep)
+        for name in _DERIVED:
+            copy.__dict__.pop(name, None)
+        return copy
+
+    @cached_property
+    def penalized(self) -> bool:
+        """Whether sampling needs this request's token counts (any penalty away from its neutral value)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @cached_property
+    def processes_logits(self) -> bool:
+        """Whether the logits change before sampling (penalties or a bias): False keeps the plain sampler path."""
+        return self.penalized or bool(self.logit_bias)
+
+    @cached_property
+    def needs_sampler_extras(self) -> bool:
+        """Whether sampling does anything beyond the plain draw for this request (one check per row per step)."""
+        return self.processes_logits or self.logprobs is not None
+
+
+_DERIVED = [name for name, value in vars(SamplingParams).items() if isinstance(value, cached_property)]

@@ -19,13 +19,15 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from nanoplug.api import SamplingBatch, StepBatch, StepResult
+from nanoplug.api import LogitsProcessingBatch, LogprobsTensors, SamplingBatch, SlotInit, StepBatch, StepResult
 from nanoplug.core.blocks import BlockManager
 from nanoplug.core.chat_template import chat_token_ids
 from nanoplug.core.config import EngineConfig, SamplingParams
 from nanoplug.core.context_length import checked_max_model_len
 from nanoplug.core.errors import EngineClosedError, RequestError
 from nanoplug.core.loader import checkpoint_dir
+from nanoplug.core.logits_processors import add_sample_row, check_token_ids
+from nanoplug.core.logprobs import token_logprobs
 from nanoplug.core.model_source import resolve_model_path
 from nanoplug.core.outputs import OutputProcessor, RequestState, RequestUpdate
 from nanoplug.core.registry import Registry, default_registry
@@ -49,7 +51,9 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None = None  # the text, when the caller gave text
-    incremental_text: bool = True  # text in every update (streams); False: all of it in the last one
+    # True: an update every step that adds tokens (streams); False: one update when it finishes, with all
+    # of its tokens and text (vLLM's FINAL_ONLY: generate() needs no per-token traffic)
+    incremental_text: bool = True
 
 
 @dataclass
@@ -69,6 +73,8 @@ class _Launched:
 
     batch: list[Scheduled]
     step: StepBatch
+    sampled: list[Sequence]  # the sequence of each sample row (n > 1: a fork puts several on one query row)
+    prompt_scored: list[tuple[Sequence, int, int]]  # (sequence, first position, count) of the prompt logprobs
     row_of: dict[int, int]  # seq_id -> row of the step's sampled tokens
 
 
@@ -189,6 +195,7 @@ class EngineCore:
         if params.stop and self.tokenizer is None:
             raise RequestError(f"prompt {index} has stop strings, but this LLM has no tokenizer "
                                "(skip_tokenizer_init=True) to read text; use stop_token_ids")
+        check_token_ids(params, vocab, f"prompt {index}")
         if params.adapter is not None and params.adapter not in self.request_adapter_ids:
             loaded = ", ".join(map(repr, self.request_adapter_ids)) or "none"
             raise RequestError(
@@ -230,8 +237,8 @@ class EngineCore:
             state = self.requests.get(value)
             if state is None:
                 continue  # finished already, or never added: nothing to drop
-            self.scheduler.abort(state.seq)
-            updates.append(self._finished(state))
+            self.scheduler.abort(state.seq)  # every sample of it
+            updates += [self._sample_finished(s) for s in state.samples if not s.final_sent]
         return updates
 
     def _add(self, request: EngineRequest) -> None:
@@ -242,21 +249,41 @@ class EngineCore:
         self.prompt_tokens_total += len(seq)
         self.scheduler.add(seq)
 
-    def _finished(self, state: RequestState) -> RequestUpdate:
-        del self.requests[state.request_id]
-        with self._inbox_lock:
-            self._ids.discard(state.request_id)
-        return self.outputs.update(state)
+    def _sample_finished(self, state: RequestState) -> RequestUpdate:
+        """The last update of a sample (of the request, when it was the last of its samples to end)."""
+        update = self.outputs.update(state)
+        if update.finished:
+            self.requests.pop(state.request_id, None)  # (an abort finishes several samples at once)
+            with self._inbox_lock:
+                self._ids.discard(state.request_id)
+        return update
+
+    def _start_forked(self) -> None:
+        """Output state for the samples the scheduler just forked (n > 1), in sample order."""
+        for seq in self.scheduler.take_forked():
+            first = self.requests[seq.request_id]
+            first.samples.append(self.outputs.start(seq.request_id, seq, first.incremental))
 
     # ---------------------------------------------------------------------------- stepping
-    def _build_step(self, batch: list[Scheduled], is_prefill: bool) -> StepBatch:
+    def _build_step(self, batch: list[Scheduled], is_prefill: bool) -> _Launched:
+        """The step's data, with the sequence of each sample row and the prompt positions it scores."""
         input_ids, starts, q_lens, tables, rows, logits_rows = [], [], [], [], [], []
         temps, top_ks, top_ps, min_ps, seeds, positions, adapter_ids = [], [], [], [], [], [], []
-        prev_at, prev_rows = [], []
+        prev_at, prev_rows, sampled, prompt_scored = [], [], [], []
+        processing, logprob_rows, num_top = None, [], []
+        plp_at, plp_ids, plp_top = [], [], 0
         row_of = self.in_flight.row_of if self.in_flight is not None else {}
         for i, item in enumerate(batch):
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed_tokens
+            if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+                first = max(start, len(seq.prompt_logprobs) - 1)  # position j scores prompt token j + 1
+                last = min(start + n, seq.num_prompt_tokens - 1)
+                if first < last:
+                    plp_at.extend(range(len(input_ids) + first - start, len(input_ids) + last - start))
+                    plp_ids.extend(seq.token_ids[first + 1:last + 1])
+                    plp_top = max(plp_top, seq.params.prompt_logprobs)
+                    prompt_scored.append((seq, first, last - first))
             if n == 1:  # decode: no slice
                 token = seq.token_ids[start]
                 if token == PENDING:  # sampled by the step still on the device: read it there
@@ -270,20 +297,46 @@ class EngineCore:
             tables.append(seq.block_table)
             adapter_ids.append(seq.adapter_id)
             if item.samples:
-                p = seq.params
-                if p.output_logits:
-                    logits_rows.append(len(rows))
-                rows.append(i)
-                temps.append(p.temperature)
-                top_ks.append(p.top_k)
-                top_ps.append(p.top_p)
-                min_ps.append(p.min_p)
-                seeds.append(p.seed)
-                positions.append(len(seq))
-        sampling = SamplingBatch(temps, top_ks, top_ps, min_ps, seeds, positions)
-        return StepBatch(is_prefill, input_ids, starts, q_lens, tables, rows, sampling, logits_rows, adapter_ids,
-                         new_blocks=self.scheduler.blocks.take_new_blocks(),
-                         from_previous_at=prev_at, from_previous_rows=prev_rows)
+                for s in (seq, *item.forks) if item.forks else (seq,):  # n > 1: every sample draws from row i
+                    p = s.params
+                    if p.output_logits:
+                        logits_rows.append(len(rows))
+                    if p.needs_sampler_extras:
+                        processing = self._sampler_extras(s, len(rows), processing, logprob_rows, num_top)
+                    rows.append(i)
+                    sampled.append(s)
+                    temps.append(p.temperature)
+                    top_ks.append(p.top_k)
+                    top_ps.append(p.top_p)
+                    min_ps.append(p.min_p)
+                    seeds.append(p.seed)
+                    positions.append(len(s))
+        sampling = SamplingBatch(temps, top_ks, top_ps, min_ps, seeds, positions, processing, logprob_rows, num_top)
+        blocks = self.scheduler.blocks
+        step = StepBatch(is_prefill, input_ids, starts, q_lens, tables, rows, sampling, logits_rows, adapter_ids,
+                         new_blocks=blocks.take_new_blocks(), from_previous_at=prev_at, from_previous_rows=prev_rows,
+                         block_copies=blocks.take_copies(), prompt_logprob_at=plp_at, prompt_logprob_ids=plp_ids,
+                         prompt_logprob_top=plp_top)
+        return _Launched(batch, step, sampled, prompt_scored, {})
+
+    def _sampler_extras(self, seq: Sequence, row: int, processing: LogitsProcessingBatch | None,
+                        logprob_rows: list[int], num_top: list[int]) -> LogitsProcessingBatch | None:
+        """Sample row `row` (of `seq`) has penalties, a bias or logprobs: add them to the step's sampling data.
+
+        A penalized sequence gets its token-count slot, filled from its tokens, the first time it samples."""
+        p = seq.params
+        if p.processes_logits:
+            if processing is None:
+                processing = LogitsProcessingBatch()
+            if p.penalized and seq.penalty_slot is None:
+                seq.penalty_slot = self.scheduler.penalty_slots.take()
+                processing.inits.append(SlotInit(seq.penalty_slot, seq.token_ids[:seq.num_prompt_tokens],
+                                                 seq.completion_token_ids))
+            add_sample_row(processing, row, p, seq.penalty_slot)
+        if p.logprobs is not None:
+            logprob_rows.append(row)
+            num_top.append(p.logprobs)
+        return processing
 
     def step(self) -> list[RequestUpdate]:
         """Run one step: an update for every request that gained tokens or finished (aborted ones too).
@@ -300,18 +353,20 @@ class EngineCore:
             batch, is_prefill = self.scheduler.schedule()
             if not batch:
                 raise RuntimeError(NOTHING_TO_RUN)
-            step = self._build_step(batch, is_prefill)
-            result = self.worker.run(step)
+            self._start_forked()
+            launched = self._build_step(batch, is_prefill)
+            result = self.worker.run(launched.step)
             self.scheduler.advance(batch)
-            return updates + self._apply(_Launched(batch, step, {}), result)
+            return updates + self._apply(launched, result)
         launched = None
         if self.scheduler.has_work():
             batch, is_prefill = self.scheduler.schedule()
             if batch:
-                step = self._build_step(batch, is_prefill)
-                self.worker.launch(step)
+                self._start_forked()
+                launched = self._build_step(batch, is_prefill)
+                self.worker.launch(launched.step)
                 self.scheduler.advance(batch, pending=True)
-                launched = _Launched(batch, step, {batch[row].seq.seq_id: k for k, row in enumerate(step.sample_rows)})
+                launched.row_of = {seq.seq_id: k for k, seq in enumerate(launched.sampled)}
         previous, self.in_flight = self.in_flight, launched
         if previous is None:
             if launched is None and self.scheduler.has_work():
@@ -324,9 +379,15 @@ class EngineCore:
         batch, step = launched.batch, launched.step
         self.last_step = (step.is_prefill, sum(step.query_lens), len(batch))
         logits_of = dict(zip(step.logits_rows, result.logits)) if step.logits_rows else None
+        logprobs_of = None
+        if result.logprobs is not None:
+            rows = step.sampling.logprob_rows
+            logprobs_of = dict(zip(rows, token_logprobs(result.logprobs, [result.tokens[k] for k in rows],
+                                                        step.sampling.num_top_logprobs)))
+        if result.prompt_logprobs is not None:
+            _add_prompt_logprobs(launched.prompt_scored, step, result.prompt_logprobs)
         got = []
-        for k, (row, token) in enumerate(zip(step.sample_rows, result.tokens)):
-            seq = batch[row].seq
+        for k, (seq, token) in enumerate(zip(launched.sampled, result.tokens)):
             if seq.status is Status.FINISHED:
                 continue  # it ended at the step before (or was aborted): this one ran ahead for nothing
             self.scheduler.append_token(seq, token)
@@ -338,14 +399,18 @@ class EngineCore:
         with self._tokenizer_lock:
             for seq, token, k in got:
                 state = requests[seq.request_id]
+                if seq.sample_index:
+                    state = state.samples[seq.sample_index]
                 if logits_of is not None and k in logits_of:
                     state.logits.append(logits_of[k])
+                if logprobs_of is not None and k in logprobs_of:
+                    state.logprobs.append(logprobs_of[k])
                 reason = outputs.finish_reason(state, token)
-                if reason is None:
-                    updates.append(outputs.update(state))
-                else:
+                if reason is not None:
                     self.scheduler.finish(seq, reason)
-                    updates.append(self._finished(state))
+                    updates.append(self._sample_finished(state))
+                elif state.incremental:  # a final-only request hears once, when it finishes
+                    updates.append(outputs.update(state))
         return updates
 
     # ------------------------------------------------------------------------------ the rest
@@ -375,3 +440,17 @@ class EngineCore:
         worker, self.worker = self.worker, None
         if worker is not None:
             worker.shutdown()
+
+
+def _add_prompt_logprobs(scored: list[tuple[Sequence, int, int]], step: StepBatch, tensors: LogprobsTensors) -> None:
+    """Hand each sequence the logprobs of the prompt positions the step scored for it, in order; a position
+    it already has (scored again after a preemption) is not added twice."""
+    everything = token_logprobs(tensors, step.prompt_logprob_ids, [step.prompt_logprob_top] * len(step.prompt_logprob_ids))
+    at = 0
+    for seq, first, count in scored:
+        k = seq.params.prompt_logprobs
+        for j, lp in enumerate(everything[at:at + count], first):
+            if len(seq.prompt_logprobs) == j + 1:
+                lp.top = lp.top[:k]
+                seq.prompt_logprobs.append(lp)
+        at += count

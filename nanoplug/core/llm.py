@@ -16,7 +16,7 @@ from typing import Any, Iterable, Iterator, Sequence as Seq
 from nanoplug.core.config import DEPRECATED_OPTIONS, EngineConfig, SamplingParams
 from nanoplug.core.engine_core import EngineCore, EngineRequest
 from nanoplug.core.model_source import resolve_model_path
-from nanoplug.core.outputs import RequestOutput, RequestUpdate, StreamDelta
+from nanoplug.core.outputs import CompletionOutput, RequestOutput, RequestUpdate, StreamDelta
 from nanoplug.core.registry import Registry
 from nanoplug.core.request_input import params_list, prompt_list
 
@@ -95,13 +95,16 @@ class LLM:
         return [c.output() for c in outputs.values()]
 
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
-        """Yield the text and token ids each step adds to one request, the last delta marked finished."""
+        """Yield the text and token ids each step adds to one request, the last delta marked finished.
+
+        With n > 1 each delta says which sample it extends (`index`), and each sample's last is marked finished."""
         (params,) = params_list(sampling_params, 1)
         request = self.engine.make_request(prompt, params)
         for updates in self._run([request]):
             for u in updates:
-                if u.token_ids or u.finished:
-                    yield StreamDelta(u.text, u.token_ids, u.finished, u.finish_reason)
+                done = u.finish_reason is not None  # this sample's last update
+                if u.token_ids or done:
+                    yield StreamDelta(u.text, u.token_ids, done, u.finish_reason, u.index, u.logprobs)
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
@@ -121,12 +124,16 @@ class LLM:
             self._callers += 1
             for r in requests:
                 self._box_of[r.request_id] = box
+        last: list[RequestUpdate] | None = None
         try:
             for r in requests:
                 self.engine.add_request(r)
             while pending:
                 updates = self._next(box)
                 pending.difference_update(u.request_id for u in updates if u.finished)
+                if not pending:  # the caller is out before it hears the end: a stream whose reader stops
+                    last = updates  # at its last delta must not keep others' aborted requests from settling
+                    break
                 yield updates
             self._settle(quiet=False)
         except BaseException:  # GeneratorExit included: the caller stopped reading
@@ -139,6 +146,8 @@ class LLM:
                 self._callers -= 1
                 for r in requests:
                     self._box_of.pop(r.request_id, None)
+        if last is not None:
+            yield last
 
     def _next(self, box: list[RequestUpdate]) -> list[RequestUpdate]:
         """The updates in `box`, running a step for every caller when no one else is."""
@@ -212,13 +221,38 @@ class LLM:
 
 @dataclass
 class _Collected:
-    """One generate request's updates, gathered into its RequestOutput."""
+    """One generate request's updates, gathered into its RequestOutput (one _Sample per sample)."""
 
     index: int
     request: EngineRequest
+    samples: dict[int, "_Sample"] = field(default_factory=dict)
+    prompt_logprobs: list[Any] | None = None
+
+    def add(self, update: RequestUpdate) -> None:
+        sample = self.samples.get(update.index)
+        if sample is None:
+            sample = self.samples[update.index] = _Sample()
+        sample.add(update)
+        if update.prompt_logprobs is not None:
+            self.prompt_logprobs = update.prompt_logprobs
+
+    def output(self) -> RequestOutput:
+        r = self.request
+        samples = [self.samples[i] for i in sorted(self.samples)]
+        outputs = [CompletionOutput(i, "".join(s.text), s.token_ids, s.last.finish_reason,
+                                    s.logprobs if r.params.logprobs is not None else None, s.logits)
+                   for i, s in zip(sorted(self.samples), samples)]
+        return RequestOutput(index=self.index, prompt=r.prompt, prompt_token_ids=list(r.prompt_token_ids),
+                             outputs=outputs, num_cached_tokens=samples[0].last.num_cached_tokens,
+                             prompt_logprobs=self.prompt_logprobs)
+
+
+@dataclass
+class _Sample:
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     logits: list[Any] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
     last: RequestUpdate | None = None
 
     def add(self, update: RequestUpdate) -> None:
@@ -227,13 +261,9 @@ class _Collected:
             self.text.append(update.text)
         if update.logits:
             self.logits += update.logits
+        if update.logprobs:
+            self.logprobs += update.logprobs
         self.last = update
-
-    def output(self) -> RequestOutput:
-        r, last = self.request, self.last
-        return RequestOutput(index=self.index, prompt=r.prompt, prompt_token_ids=list(r.prompt_token_ids),
-                             text="".join(self.text), token_ids=self.token_ids, finish_reason=last.finish_reason,
-                             num_cached_tokens=last.num_cached_tokens, logits=self.logits)
 
 
 class _Progress:

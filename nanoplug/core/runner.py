@@ -14,9 +14,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from nanoplug.api import (AttentionMetadata, AttentionSpec, KVCacheSpec, KVLayer, Layers, LinearMethod,
+from nanoplug.api import (AttentionMetadata, AttentionSpec, KVCacheSpec, KVLayer, Layers, LinearMethod, LogprobsTensors,
                           ModelFacts, PagedAttention, ProcessGroup, SamplingBatch, StepBatch, StepContext, StepInputs, StepLimits,
                           StepResult, Target, Worker, to_device)
+from nanoplug.core import logprobs
 from nanoplug.core.config import EngineConfig
 from nanoplug.core.inputs import plan_inputs
 from nanoplug.core.loader import load_weights
@@ -58,6 +59,8 @@ class RunnerFactory:
 
 
 class ModelRunner(Worker):
+    graphs: Any = None  # the platform's captured decode graphs; None (eager) until captured after warm-up
+
     def __init__(self, spec: WorkerSpec, group: ProcessGroup):
         config, plugins, facts = spec.config, spec.plugins, spec.facts
         self.config, self.group, self.facts = config, group, facts
@@ -191,6 +194,7 @@ class ModelRunner(Worker):
         if step.new_blocks:  # never-written memory may hold NaN that padded reads would spread
             self.kv_cache.index_fill_(2, to_device(step.new_blocks, torch.int64, self.device), 0)
         size = None if step.is_prefill or self.graphs is None else self.graphs.size_for(num_seqs)
+        prompt_lps = None
         if self.request_adapters is not None:
             ids = np.asarray(step.adapter_ids or [0] * num_seqs, dtype=np.int64)
             self.request_adapters.set_step(torch.from_numpy(np.repeat(ids, step.query_lens)))
@@ -210,13 +214,39 @@ class ModelRunner(Worker):
             if step.sample_rows:
                 last = inputs.cu_seqlens_q[1:][step.sample_rows].astype(np.int64) - 1
                 logits = self.model.compute_logits(hidden[to_device(last, torch.int64, self.device)])
-        if self.group.rank != 0 or not step.sample_rows:
+            if step.prompt_logprob_at:
+                prompt_lps = self._prompt_logprobs(hidden, step)
+        if step.block_copies:  # after the forward that wrote the blocks copied
+            src, dst = zip(*step.block_copies)
+            self.kv_cache.index_copy_(2, to_device(dst, torch.int64, self.device),
+                                      self.kv_cache.index_select(2, to_device(src, torch.int64, self.device)))
+        if self.group.rank != 0 or not (step.sample_rows or step.prompt_logprob_at):
             self.pending.append(None)
             return
-        tokens = self.sampler(logits, step.sampling)
-        self.last_tokens = tokens  # the next step may read its inputs from here
-        rows = logits[step.logits_rows].float() if step.logits_rows else None  # before a replay overwrites them
-        self.pending.append(self.platform.to_host(tokens, rows))
+        if step.sample_rows:
+            tokens = self.sampler(logits, step.sampling)
+            self.last_tokens = tokens  # the next step may read its inputs from here
+        else:  # a prompt chunk that only scores prompt tokens
+            tokens = torch.empty(0, dtype=torch.int64, device=self.device)
+        # both read the logits before a replay overwrites them
+        rows = logits[step.logits_rows].float() if step.logits_rows else None
+        lps = self.sampler.logprobs(logits, tokens, step.sampling) if step.sampling.logprob_rows else None
+        extra = [t.pack() for t in (lps, prompt_lps) if t is not None]
+        extra = self.platform.to_host(torch.cat(extra), None) if extra else None
+        self.pending.append((self.platform.to_host(tokens, rows), extra, step))
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, step: StepBatch) -> LogprobsTensors | None:
+        """Logprobs of the prompt tokens this step scores, a few hundred positions at a time (every rank
+        computes the logits, since the LM head may gather them; rank 0 keeps the logprobs)."""
+        at = to_device(step.prompt_logprob_at, torch.int64, self.device)
+        ids = to_device(step.prompt_logprob_ids, torch.int64, self.device)
+        parts = []
+        for i in range(0, len(step.prompt_logprob_at), logprobs.ROWS_PER_PASS):
+            part = slice(i, i + logprobs.ROWS_PER_PASS)
+            logits = self.model.compute_logits(hidden.index_select(0, at[part]))
+            if self.group.rank == 0:
+                parts.append(logprobs.compute(logits, ids[part], step.prompt_logprob_top))
+        return LogprobsTensors.cat(parts) if parts else None
 
     def _to_device(self, is_prefill: bool, inputs: StepInputs):
         dev = self.device
@@ -245,12 +275,31 @@ class ModelRunner(Worker):
             return None
         if entry is None:
             return StepResult([], [])
-        tokens, rows, handle = entry
+        (tokens, rows, handle), extra, step = entry
         self.platform.wait(handle)
-        return StepResult(tokens.tolist(), list(rows) if rows is not None else [])
+        result = StepResult(tokens.tolist(), list(rows) if rows is not None else [])
+        if extra is not None:
+            flat, _, extra_handle = extra
+            self.platform.wait(extra_handle)
+            result.logprobs, result.prompt_logprobs = _unpack_logprobs(flat, step)
+        return result
 
     def num_kv_blocks(self) -> int:
         return self.num_blocks
 
     def shutdown(self) -> None:
         """Nothing to stop in this process; the engine drops its reference."""
+
+
+def _unpack_logprobs(flat: torch.Tensor, step: StepBatch) -> tuple[LogprobsTensors | None, LogprobsTensors | None]:
+    """The step's sampled-token and prompt logprobs from the one host tensor `launch` packed them into."""
+    out = []
+    for rows, k in ((len(step.sampling.logprob_rows), max(step.sampling.num_top_logprobs, default=0)),
+                    (len(step.prompt_logprob_at), step.prompt_logprob_top)):
+        if not rows:
+            out.append(None)
+            continue
+        size = 2 * rows * (1 + k)
+        out.append(LogprobsTensors.unpack(flat[:size], rows, k))
+        flat = flat[size:]
+    return out[0], out[1]

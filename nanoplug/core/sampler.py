@@ -3,12 +3,17 @@
 Greedy at temperature 0; otherwise temperature, top-k, top-p and min-p filter the distribution and
 one exponential-race draw picks the token. A request with a seed draws its noise from a generator
 seeded by (seed, its token position), so it gets the same tokens whatever else is in the batch.
+
+Penalties and logit bias (core/logits_processors.py) change the logits first, and logprobs
+(core/logprobs.py) are read from the raw logits; a batch with neither takes the plain path.
 """
 from __future__ import annotations
 
 import torch
 
-from nanoplug.api import SamplingBatch, to_device  # noqa: F401  (SamplingBatch: the step's sampling settings)
+from nanoplug.api import LogprobsTensors, SamplingBatch, to_device  # noqa: F401  (SamplingBatch: the step's settings)
+from nanoplug.core import logprobs as logprobs_math
+from nanoplug.core.logits_processors import LogitsProcessors
 
 
 def _seeded_noise(seed: int, position: int, vocab: int, device: torch.device) -> torch.Tensor:
@@ -28,9 +33,25 @@ class Sampler:
         self.greedy = greedy or _argmax
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.processors = LogitsProcessors(device)
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The next token of every row. `logits` itself is never changed."""
+        if batch.processing is None:
+            return self._sample(logits, batch)
+        tokens = self._sample(self.processors.apply(logits, batch.processing), batch)
+        self.processors.record(tokens, batch.processing)
+        return tokens
+
+    @torch.no_grad()
+    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> LogprobsTensors:
+        """Raw logprobs of the sampled `tokens` of the rows in `batch.logprob_rows` (call only when there are any)."""
+        rows = to_device(batch.logprob_rows, torch.int64, logits.device)
+        return logprobs_math.compute(logits.index_select(0, rows), tokens.index_select(0, rows),
+                                     max(batch.num_top_logprobs))
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.all_greedy:
             return self.greedy(logits)
         dev = logits.device

@@ -7,15 +7,18 @@ later recomputed from its tokens, so no request is lost, duplicated or changed.
 
 The scheduler is the one writer of a sequence's progress: how many of its tokens are computed
 (`advance`), the tokens it gains (`append_token`, placeholders for tokens still on the device
-included), and its status (admission, preemption, `finish`, `abort`).
+included), and its status (admission, preemption, `finish`, `abort`). It also forks the other
+samples of a request with n > 1 (`_fork`) and hands out the sampler's token-count slots to
+penalized sequences (`penalty_slots`, given back at `finish`).
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanoplug.core.blocks import BlockManager
 from nanoplug.core.config import EngineConfig
+from nanoplug.core.logits_processors import PenaltySlots
 from nanoplug.core.sequence import Sequence, Status
 
 
@@ -23,6 +26,7 @@ from nanoplug.core.sequence import Sequence, Status
 class Scheduled:
     seq: Sequence
     num_tokens: int  # tokens computed for it this step
+    forks: list[Sequence] = field(default_factory=list)  # other samples of its prompt, drawn from its last token's logits
 
     @property
     def samples(self) -> bool:
@@ -39,6 +43,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.penalty_slots = PenaltySlots()  # the sampler's token-count rows, held by penalized sequences
+        self.forked: list[Sequence] = []  # samples forked since the last take_forked()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -49,9 +55,38 @@ class Scheduler:
     def schedule(self) -> tuple[list[Scheduled], bool]:
         """The next step's batch and whether it is a prefill step."""
         batch = self._schedule_prefill()
-        if batch:
-            return batch, True
-        return self._schedule_decode(), False
+        is_prefill = bool(batch)
+        if not is_prefill:  # (a prompt's last token may come in a decode step, after chunks that left one)
+            batch = self._schedule_decode()
+        for item in batch:
+            if item.seq.forks_left and item.samples:
+                self._fork(item)
+        return batch, is_prefill
+
+    def _fork(self, item: Scheduled) -> None:
+        """The step computes the last prompt token of a request with n > 1: its other samples share the
+        prompt's blocks and draw their first tokens from the same logits. A sample that finds no room
+        (KV blocks, max_num_seqs) waits as a plain prompt instead: it reuses the cached prompt blocks
+        and, with a seed, draws the same tokens."""
+        parent, n = item.seq, item.seq.params.n
+        later = []
+        for i in range(n - parent.forks_left, n):
+            child = parent.fork(i)
+            self.forked.append(child)
+            if len(self.running) < self.max_num_seqs and self.blocks.fork(parent, child):
+                child.num_computed_tokens = parent.num_prompt_tokens  # computed by the parent's step
+                child.status = Status.RUNNING
+                self.running.append(child)
+                item.forks.append(child)
+            else:
+                later.append(child)
+        self.waiting.extendleft(reversed(later))
+        parent.forks_left = 0
+
+    def take_forked(self) -> list[Sequence]:
+        """The samples forked since the last call (their outputs need state of their own)."""
+        forked, self.forked = self.forked, []
+        return forked
 
     def _schedule_prefill(self) -> list[Scheduled]:
         batch: list[Scheduled] = []
@@ -124,8 +159,10 @@ class Scheduler:
         for item in batch:
             seq = item.seq
             seq.num_computed_tokens += item.num_tokens
-            if pending and seq.num_computed_tokens == len(seq):  # it samples: its next token is on the way
+            if pending and seq.num_computed_tokens == len(seq.token_ids):  # it samples: its next token is on the way
                 seq.add_pending()
+                for child in item.forks:  # so do the samples forked from it
+                    child.add_pending()
 
     def append_token(self, seq: Sequence, token: int) -> None:
         """A sampled token arrived: it fills the oldest placeholder, or is appended."""
@@ -148,9 +185,15 @@ class Scheduler:
         seq.drop_pending()
         if reason is not None:
             seq.finish_reason = reason
+        if seq.penalty_slot is not None:
+            self.penalty_slots.give_back(seq.penalty_slot)
+            seq.penalty_slot = None
 
     def abort(self, seq: Sequence) -> None:
-        """Drop a request wherever it is (its caller went away), giving back its blocks."""
-        if seq.status is not Status.FINISHED:
-            self.finish(seq)
-        seq.finish_reason = seq.finish_reason or "abort"
+        """Drop a request wherever it is (its caller went away), giving back its blocks; the first sample of
+        a request with n > 1 takes every other sample with it."""
+        seq.forks_left = 0
+        for s in seq.samples or [seq]:
+            if s.status is not Status.FINISHED:
+                self.finish(s)
+            s.finish_reason = s.finish_reason or "abort"

@@ -38,9 +38,41 @@ class Sequence:
     finish_reason: str | None = None
     adapter_id: int = 0
     num_pending: int = 0  # trailing PENDING placeholders in token_ids
+    # n > 1: every sample is a Sequence; the request's first one (root None) forks the others when the
+    # last token of its prompt is scheduled, and lists them all in `samples`, itself first
+    root: "Sequence | None" = None
+    sample_index: int = 0
+    forks_left: int = 0  # samples still to fork from this one
+    samples: list["Sequence"] = field(default_factory=list)
+    penalty_slot: int | None = None  # its row of the sampler's token counts (penalized requests)
+    # prompt logprobs, when asked: [None, then those of prompt tokens 1.. as steps score them]. Kept here
+    # (not only in the output) because a prompt that still owes some skips the prefix cache
+    prompt_logprobs: list[Any] | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
+        if self.root is None:
+            self.samples = [self]
+            self.forks_left = self.params.n - 1
+            if self.params.prompt_logprobs is not None:
+                self.prompt_logprobs = [None]
+
+    def fork(self, sample_index: int) -> "Sequence":
+        """Sample `sample_index` of this request: the prompt alone (no blocks yet), its seed moved on by the
+        index as vLLM does, so each sample is reproducible and they differ."""
+        params = self.params
+        if params.seed is not None:
+            params = params.model_copy(update={"seed": params.seed + sample_index})
+        child = Sequence(self.token_ids[:self.num_prompt_tokens], params, request_id=self.request_id, root=self,
+                         sample_index=sample_index, num_prompt_tokens=self.num_prompt_tokens,
+                         adapter_id=self.adapter_id)
+        self.samples.append(child)
+        return child
+
+    @property
+    def request_finished(self) -> bool:
+        """Every sample of the request this one starts has finished (call on the first sample)."""
+        return all(s.status is Status.FINISHED for s in self.samples)
 
     def __len__(self) -> int:
         return len(self.token_ids)

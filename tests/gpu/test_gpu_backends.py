@@ -72,6 +72,7 @@ def test_triton_store_cuda_matches_torch(model, reference):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_store_kernel_exact(dtype):
     from nanoplug.plugins.cache.torch import TorchStore
+    from nanoplug.api import KVLayer
     from nanoplug.plugins.cache.triton import TritonStore
 
     torch.manual_seed(0)
@@ -85,7 +86,8 @@ def test_triton_store_kernel_exact(dtype):
     vc = torch.randn_like(kc)
     rk, rv = kc.clone(), vc.clone()
     keep = slots >= 0
-    TorchStore().store(k[keep], v[keep], rk, rv, slots[keep])
-    TritonStore().store(k, v, kc, vc, slots)
+    layer = KVLayer(0)
+    TorchStore().store(k[keep], v[keep], rk, rv, slots[keep], layer)
+    TritonStore().store(k, v, kc, vc, slots, layer)
     torch.cuda.synchronize()
     assert torch.equal(kc, rk) and torch.equal(vc, rv)

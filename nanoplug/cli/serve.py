@@ -1,0 +1,91 @@
+"""`nanoplug serve`: an OpenAI-compatible HTTP server (the embedded default model unless --model)."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from nanoplug.cli.options import OptionError, _first_problem, add_engine_options, model_path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve the model over the OpenAI HTTP API, with a chat page at /",
+                       description="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions, "
+                       "/v1/models), with /health, Prometheus /metrics and a chat page at /.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one and prints it)")
+    p.add_argument("--api-key", default=os.environ.get("NANOPLUG_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $NANOPLUG_API_KEY, else none)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model as given)")
+    p.add_argument("--max-waiting", type=int, default=1024,
+                   help="requests queued beyond --max-num-seqs before new ones get 503 + Retry-After (default: 1024)")
+    p.add_argument("--single-process", action="store_true",
+                   help="step the engine core in a thread of the server's process (default: a process of its own)")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_engine_options(p)
+    p.add_argument("--max-num-seqs", type=int, default=256, help="requests in one batch at most (default: 256)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384, help="tokens in one step at most")
+    p.add_argument("--kv-block-size", type=int, default=256, help="tokens per KV block (default: 256)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="fixed number of KV blocks (default: sized from memory)")
+    p.add_argument("--cpu-kv-cache-gb", type=float, default=None, help="KV-cache memory on CPU (default: 4)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="share of GPU memory the engine may use (default: 0.9)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no torch.compile")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+def engine_config(args: argparse.Namespace):
+    from pydantic import ValidationError
+
+    from nanoplug.core.config import EngineConfig
+    from nanoplug.core.model_source import resolve_model_path
+
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise OptionError(f"--device {args.device}: torch sees no CUDA GPU here; use --device cpu (or auto)")
+    options = dict(attention=args.attention, kv_cache=args.kv_cache, device=args.device, dtype=args.dtype,
+                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens, kv_block_size=args.kv_block_size,
+                   num_kv_blocks=args.num_kv_blocks, tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
+    if args.tensor_parallel_size > 1:
+        options["parallel"] = "tensor"
+    options = {k: v for k, v in options.items() if v is not None}  # unset: the engine's own default
+    cpu = {"kv_cache_gb": args.cpu_kv_cache_gb} if args.cpu_kv_cache_gb is not None else {}
+    cuda = {k: v for k, v in (("memory_utilization", args.gpu_memory_utilization),
+                              ("enforce_eager", args.enforce_eager or None)) if v is not None}
+    if cpu:
+        options["cpu"] = cpu
+    if cuda:
+        options["cuda"] = cuda
+    try:
+        return EngineConfig(model=resolve_model_path(model_path(args)), **options)
+    except ValidationError as exc:
+        raise OptionError(_first_problem(exc)) from exc
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import fastapi, msgspec, prometheus_client, sse_starlette, uvicorn  # noqa: F401,E401
+    except ImportError as exc:
+        raise OptionError(f"nanoplug serve needs {exc.name}: pip install 'nanoplug[serve]'") from exc
+    from nanoplug.default_model import DEFAULT_MODEL_NAME
+    from nanoplug.server.app import ServerSettings
+    from nanoplug.server.runner import serve
+
+    if args.max_waiting < 0:
+        raise OptionError("--max-waiting must be 0 or more")
+    if not 0 <= args.port <= 65535:
+        raise OptionError(f"--port {args.port}: ports lie in 0..65535 (0: any free one)")
+    config = engine_config(args)
+    name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+    settings = ServerSettings(model_name=name, api_key=args.api_key or None, max_waiting=args.max_waiting)
+    if args.single_process:
+        from nanoplug.server.engine_loop import EngineLoop as Engine
+    else:
+        from nanoplug.server.engine_process import EngineProcess as Engine
+    engine = Engine(config)
+    serve(engine, settings, host=args.host, port=args.port, access_log=args.access_log,
+          log_level="info" if args.verbose else "warning")
+    return 0

@@ -1,0 +1,12 @@
+"""`nanoplug serve`: the OpenAI-compatible HTTP server on FastAPI + uvicorn.
+
+app.py       the app: routes, API key, the bounded queue (503), /health, /metrics, the chat page
+api.py       /v1/completions and /v1/chat/completions: JSON bodies and SSE streams
+protocol.py  the request bodies (pydantic)     sampling.py  request -> SamplingParams, or a 400
+prepare.py   chat template, tokenizing and context checks, beside the event loop
+streams.py   one request's updates, coalesced per read     render.py    response bodies and chunks
+engine_process.py  the engine core in a process of its own (the default), msgpack over a socket pair
+engine_loop.py  the engine core stepping in a thread of this process (--single-process)
+stepper.py   the thread that steps an engine core, in either layout
+metrics.py   Prometheus metrics    runner.py  uvicorn on our own socket, clean shutdown on signals
+"""

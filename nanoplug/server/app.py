@@ -1,0 +1,148 @@
+"""The FastAPI app: routes, the API key, admission (a bounded queue), metrics and the chat page.
+
+`build_app(engine, settings)` takes an engine that is already loaded (so a bad model fails before a
+port is bound); the app's lifespan starts its stepping and stops it. Handlers never block the event
+loop: tokenizing runs beside it, the engine steps in its own thread (or process), and results come
+back as `RequestStream`s.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+from nanoplug.server import api
+from nanoplug.server.errors import APIError, install_handlers
+from nanoplug.server.metrics import Metrics, StatusCounter
+from nanoplug.server.streams import Streams
+
+log = logging.getLogger("nanoplug.server")
+
+
+@dataclass
+class ServerSettings:
+    model_name: str  # what /v1/models lists and requests must name
+    api_key: str | None = None
+    max_waiting: int = 1024  # requests queued beyond the engine's max_num_seqs before 503
+    retry_after_s: int = 1
+    shutdown_grace_s: float = 5.0  # how long streams get to send their final error event on shutdown
+
+
+class ServerState:
+    """What the handlers share: the engine, its open streams, the metrics, and admission."""
+
+    def __init__(self, engine: Any, streams: Streams, metrics: Metrics, settings: ServerSettings):
+        self.engine, self.streams, self.metrics, self.settings = engine, streams, metrics, settings
+        self.closing = False
+        self.reserved = 0  # slots promised to handlers still tokenizing
+        self.capacity = engine.max_num_seqs + settings.max_waiting
+        self.started = time.time()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.on_ready = lambda: None
+
+    def admit(self, count: int) -> "_Reservation":
+        """Room for `count` more engine requests, or a 503 with Retry-After (the queue is bounded)."""
+        if self.closing:
+            raise APIError(503, "the server is shutting down; retry against another instance", type="server_error",
+                           code="shutting_down")
+        held = len(self.streams) + self.reserved
+        if held + count > self.capacity:
+            raise APIError(503, f"the server is at capacity ({held} requests running or queued, limit {self.capacity}); "
+                           f"retry after {self.settings.retry_after_s} s", type="server_error", code="queue_full",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+        return _Reservation(self, count)
+
+    def begin_shutdown(self) -> None:
+        """SIGINT/SIGTERM: refuse new work, end every open request with an error event, free its blocks."""
+        if self.closing:
+            return
+        self.closing = True
+        open_ids = list(self.streams.open)
+        log.warning("shutting down: %d open request(s) end with an error", len(open_ids))
+        for request_id in open_ids:
+            self.engine.abort(request_id)
+        self.streams.fail_all(APIError(503, "the server is shutting down; the request was stopped",
+                                       type="server_error", code="shutting_down"))
+
+
+class _Reservation:
+    def __init__(self, state: ServerState, count: int):
+        self.state, self.count = state, count
+        state.reserved += count
+
+    def __enter__(self) -> "_Reservation":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.state.reserved -= self.count
+
+
+def check_api_key(request: Request, key: str | None) -> None:
+    if key is None:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    ok = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+    if not ok:
+        raise APIError(401, "a valid API key is required: send the header 'Authorization: Bearer <key>' with the key "
+                       "the server was started with (--api-key)", type="invalid_request_error", code="invalid_api_key")
+
+
+def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
+    streams = engine.streams
+    metrics = Metrics(lambda: engine.stats, lambda: len(streams))
+    streams.on_tokens, streams.on_finish = metrics.on_tokens, metrics.on_finish
+    state = ServerState(engine, streams, metrics, settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.loop = asyncio.get_running_loop()
+        engine.start(state.loop)
+        state.on_ready()
+        try:
+            yield
+        finally:
+            state.begin_shutdown()
+            await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+
+    app = FastAPI(title="nanoplug", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.nanoplug = state
+    install_handlers(app)
+    app.add_middleware(StatusCounter, metrics=lambda: metrics)
+
+    @app.get("/health")
+    async def health():
+        if engine.failure is not None:
+            return JSONResponse({"status": "error", "error": engine.failure}, status_code=503)
+        if state.closing:  # load balancers stop sending here
+            return JSONResponse({"status": "shutting_down"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def authenticated(request: Request) -> None:
+        check_api_key(request, settings.api_key)
+
+    @app.get("/v1/models", dependencies=[Depends(authenticated)])
+    async def models():
+        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": int(state.started),
+                                            "owned_by": "nanoplug", "max_model_len": engine.max_model_len}]}
+
+    page = resources.files("nanoplug.server").joinpath("static/chat.html").read_text(encoding="utf-8")
+
+    @app.get("/", response_class=HTMLResponse)
+    async def chat_page():
+        return HTMLResponse(page)
+
+    api.add_routes(app, state, Depends(authenticated))
+    return app

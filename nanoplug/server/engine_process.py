@@ -1,0 +1,370 @@
+"""The engine core in a process of its own (the default of `nanoplug serve`), talking msgpack over a
+socket pair: the layout vLLM chose so that the HTTP front end's work never takes the scheduler's GIL.
+
+Why two processes, measured (benchmarks/RESULTS.md, "One process or two"): the front end costs
+50-90 us of CPU per streamed token (parsing, SSE framing, uvicorn's writes), and in one process that
+time is taken from the engine's interpreter. On 2 CPU cores with a tiny model at 64 concurrent
+streams the split cut the front end's CPU per token from 73-88 to 48-52 us and lowered the median
+time to first token in every alternated pair, at equal throughput; on a GPU, where a decode step of
+256 sequences takes ~8 ms of which the host needs ~1.5, 256 events per step of front-end work would
+otherwise compete for the same GIL as the step's launch, so there the split is what keeps the
+server near the offline throughput. `--single-process` (engine_loop.py) keeps the other layout.
+
+Wire format: frames of a 4-byte big-endian length and a msgspec msgpack body, decoded into the typed
+structs below and nothing else: never pickle, whose decoding runs code chosen by whoever writes to
+the socket (the bug class behind vLLM's and SGLang's ZMQ advisories). The socket is an unnamed
+`socketpair` inherited by the child, so nothing else on the machine can reach it. Sampling
+parameters travel as plain dicts and are validated again by SamplingParams on the engine side.
+
+The front end (`EngineProcess`) has the same surface as `EngineLoop`: submit, abort, stats, streams.
+The child (`main`) runs the same `Stepper` and `prepare_all` as the in-process layout.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from itertools import count
+from typing import Any, Union
+
+import msgspec
+
+from nanoplug.core.config import EngineConfig, SamplingParams
+from nanoplug.core.errors import ModelLoadError, RequestError
+from nanoplug.server.errors import APIError
+from nanoplug.server.prepare import PromptChoices, prepare_all
+from nanoplug.server.render import token_texts
+from nanoplug.server.streams import RequestStream, Streams
+
+log = logging.getLogger("nanoplug.server")
+_HEADER = struct.Struct(">I")
+MAX_FRAME = 256 << 20
+
+
+# --------------------------------------------------------------------------------- the messages
+class Stats(msgspec.Struct, array_like=True):
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generated_tokens_total: int
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """The engine's TokenLogprobs on the wire (same attribute names, so render.py reads either)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+class Update(msgspec.Struct, array_like=True):
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: Union[str, None]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    logprobs: Union[list[TokenLogprobs], None] = None
+
+
+class Start(msgspec.Struct, tag="start", array_like=True):
+    config: dict[str, Any]
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    max_model_len: int
+    max_num_seqs: int
+    stats: Stats
+
+
+class Prompt(msgspec.Struct, array_like=True):
+    """One of: text, token ids, chat messages."""
+
+    text: Union[str, None] = None
+    token_ids: Union[list[int], None] = None
+    messages: Union[list[dict[str, str]], None] = None
+
+    @classmethod
+    def of(cls, prompt: Any) -> "Prompt":
+        if isinstance(prompt, str):
+            return cls(text=prompt)
+        if prompt and isinstance(prompt[0], dict):
+            return cls(messages=prompt)
+        return cls(token_ids=prompt)
+
+    def value(self) -> Any:
+        return self.text if self.text is not None else self.messages if self.messages is not None else self.token_ids
+
+
+class Add(msgspec.Struct, tag="add", array_like=True):
+    token: int
+    items: list[tuple[Prompt, list[tuple[str, dict[str, Any]]]]]
+    fill_context: bool
+
+
+class Accepted(msgspec.Struct, tag="accepted", array_like=True):
+    token: int
+
+
+class Rejected(msgspec.Struct, tag="rejected", array_like=True):
+    token: int
+    message: str
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True):
+    request_id: str
+
+
+class Stepped(msgspec.Struct, tag="stepped", array_like=True):
+    updates: list[Update]
+    stats: Stats
+
+
+class Failed(msgspec.Struct, tag="failed", array_like=True):
+    message: str
+
+
+Message = Union[Start, Ready, Add, Accepted, Rejected, Abort, Stepped, Failed]
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def frame(message: Any) -> bytes:
+    body = _encoder.encode(message)
+    return _HEADER.pack(len(body)) + body
+
+
+def _stats(s: Any) -> Stats:
+    return Stats(s.num_running, s.num_waiting, s.kv_blocks_used, s.kv_blocks_total, s.num_preemptions,
+                 s.prompt_tokens_total, s.generated_tokens_total)
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
+    chunks, got = [], 0
+    while got < n:
+        chunk = sock.recv(n - got)
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def recv_message(sock: socket.socket) -> Any | None:
+    """One message from a blocking socket; None at end of stream."""
+    header = _recv_exactly(sock, _HEADER.size)
+    if header is None:
+        return None
+    (size,) = _HEADER.unpack(header)
+    if size > MAX_FRAME:
+        raise ValueError(f"a frame of {size} bytes is over the limit of {MAX_FRAME}")
+    body = _recv_exactly(sock, size)
+    return None if body is None else _decoder.decode(body)
+
+
+# ------------------------------------------------------------------------------ the front end
+class EngineProcess:
+    """Starts the engine process and waits until its model is loaded (a load error is raised here)."""
+
+    def __init__(self, config: EngineConfig, startup_timeout: float = 1800):
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.proc = subprocess.Popen([sys.executable, "-m", "nanoplug.server.engine_process", str(child.fileno())],
+                                     pass_fds=[child.fileno()])
+        child.close()
+        self._sock = parent
+        self.streams = Streams()
+        self.failure: str | None = None
+        self._pending: dict[int, asyncio.Future] = {}
+        self._tokens = count()
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task | None = None
+        self._closing = False
+        parent.sendall(frame(Start(config.model_dump(mode="json", exclude_unset=True))))
+        parent.settimeout(startup_timeout)
+        first = recv_message(parent)
+        parent.settimeout(None)
+        if isinstance(first, Failed):
+            self.stop()
+            raise ModelLoadError(first.message)
+        if not isinstance(first, Ready):
+            self.stop()
+            raise RuntimeError(f"the engine process exited during start-up (exit code {self.proc.poll()})")
+        self.max_model_len, self.max_num_seqs, self.stats = first.max_model_len, first.max_num_seqs, first.stats
+        self.token_text = token_texts(_tokenizer(config.model))  # logprobs' token strings are written here
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._started = asyncio.Event()
+        self._reader_task = loop.create_task(self._serve())
+
+    async def _serve(self) -> None:
+        reader, self._writer = await asyncio.open_unix_connection(sock=self._sock)
+        self._started.set()
+        try:
+            while True:
+                size = _HEADER.unpack(await reader.readexactly(_HEADER.size))[0]
+                message = _decoder.decode(await reader.readexactly(size))
+                if isinstance(message, Stepped):
+                    self.stats = message.stats
+                    if message.updates:
+                        self.streams.deliver(message.updates)
+                elif isinstance(message, (Accepted, Rejected)):
+                    future = self._pending.pop(message.token, None)
+                    if future is not None and not future.done():
+                        future.set_result(message)
+                elif isinstance(message, Failed):
+                    self._fail(message.message)
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            if not self._closing:
+                self._fail(f"the engine process went away (exit code {self.proc.poll()}; {type(exc).__name__})")
+
+    def _fail(self, reason: str) -> None:
+        self.failure = reason
+        log.error("engine process failed: %s", reason)
+        error = APIError(500, f"the engine failed: {reason}", type="server_error", code="engine_error")
+        self.streams.fail_all(error)
+        for future in self._pending.values():
+            if not future.done():
+                future.set_result(Rejected(-1, reason))
+
+    def _send(self, message: Any) -> None:
+        self._writer.write(frame(message))  # buffered, in order, never blocks the loop
+
+    async def submit(self, items: list[PromptChoices], fill_context: bool = False) -> list[RequestStream]:
+        if self.failure is not None:
+            raise APIError(503, f"the engine stopped after an error: {self.failure}; restart the server",
+                           type="server_error", code="engine_dead")
+        await self._started.wait()
+        ready = asyncio.Event()
+        streams = [self.streams.register(rid, ready) for _, choices in items for rid, _ in choices]
+        token = next(self._tokens)
+        future = self._pending[token] = asyncio.get_running_loop().create_future()
+        wire = [(Prompt.of(prompt), [(rid, params.model_dump(mode="json")) for rid, params in choices]) for prompt, choices in items]
+        self._send(Add(token, wire, fill_context))
+        try:
+            answer = await future
+        except asyncio.CancelledError:  # the client left before the engine accepted: take the requests back
+            self._pending.pop(token, None)
+            for stream in streams:
+                self.abort(stream.request_id)
+            raise
+        if isinstance(answer, Rejected):
+            for stream in streams:
+                self.streams.forget(stream.request_id)
+            if self.failure is not None:
+                raise APIError(503, f"the engine stopped after an error: {self.failure}", type="server_error",
+                               code="engine_dead")
+            raise RequestError(answer.message)
+        return streams
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self.streams.open and self._writer is not None:
+            self._send(Abort(request_id))
+
+    def stop(self) -> None:
+        """Ask the engine process to exit, and make sure it does (idempotent)."""
+        self._closing = True
+        try:  # end of stream tells the child to stop (thread-safe, unlike writing beside the loop's transport)
+            self._sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._sock.close()
+
+
+def _tokenizer(model: str) -> Any:
+    from nanoplug.core.loader import checkpoint_dir
+    from nanoplug.core.model_source import resolve_model_path
+    from nanoplug.core.tokenizer import load_tokenizer
+
+    return load_tokenizer(checkpoint_dir(resolve_model_path(model)))
+
+
+# -------------------------------------------------------------------------------- the child
+def main(fd: int) -> int:
+    """The engine process: read requests from the socket, step, write updates back."""
+    from nanoplug.core.engine_core import EngineCore
+    from nanoplug.server.stepper import Stepper
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front end decides
+    sock = socket.socket(fileno=fd)
+    send_lock = threading.Lock()
+
+    def send(message: Any) -> None:
+        data = frame(message)
+        with send_lock:
+            sock.sendall(data)
+
+    start = recv_message(sock)
+    if not isinstance(start, Start):
+        return 1
+    try:
+        core = EngineCore(EngineConfig(**start.config))
+    except Exception as exc:
+        send(Failed(f"{type(exc).__name__}: {exc}"))
+        return 1
+    stepper = Stepper(core, lambda updates, stats: send(Stepped([_update(u) for u in updates], _stats(stats))),
+                      lambda reason: send(Failed(reason)))
+    send(Ready(core.config.max_model_len, core.config.max_num_seqs, _stats(core.stats())))
+    stepper.start()
+    prepare = ThreadPoolExecutor(1, thread_name_prefix="nanoplug-prepare")
+
+    def add(message: Add) -> None:
+        try:
+            items = [(prompt.value(), [(rid, SamplingParams(**params)) for rid, params in choices])
+                     for prompt, choices in message.items]
+            requests = prepare_all(core, items, message.fill_context)
+        except (RequestError, ValueError) as exc:
+            send(Rejected(message.token, str(exc)))
+            return
+        for request in requests:
+            core.add_request(request)
+        stepper.wake()
+        send(Accepted(message.token))
+
+    def abort(request_id: str) -> None:
+        core.abort(request_id)
+        stepper.wake()
+
+    try:
+        while True:
+            message = recv_message(sock)
+            if message is None:  # the front end closed its end: stop
+                break
+            if isinstance(message, Add):
+                prepare.submit(add, message)
+            elif isinstance(message, Abort):  # through the same queue, so it never overtakes its request's Add
+                prepare.submit(abort, message.request_id)
+    finally:
+        stepper.stop()
+        prepare.shutdown(wait=False, cancel_futures=True)
+        core.close()
+        sock.close()
+    return 0
+
+
+def _update(u: Any) -> Update:
+    logprobs = None if u.logprobs is None else [
+        TokenLogprobs(e.token_id, e.logprob, e.rank, [(int(i), float(lp)) for i, lp in e.top]) for e in u.logprobs]
+    return Update(u.request_id, list(u.token_ids), u.text, u.finished, u.finish_reason, u.num_prompt_tokens,
+                  u.num_cached_tokens, logprobs)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="nanoplug engine: %(message)s")
+    sys.exit(main(int(sys.argv[1])))
