@@ -1,0 +1,78 @@
+"""Penalties, logit bias, logprobs and n on CUDA: the sampler's extra work never makes the host wait
+for the device (torch's sync debug mode turns any synchronizing call into an error), and the engine
+on CUDA (overlapped steps, with and without graphs) gives the CPU engine's tokens and transformers'
+logprobs on the same float32 checkpoint.
+
+Run on the GPU machine: `pytest -m gpu tests/gpu/test_gpu_sampling.py`."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the shared helpers in tests/
+
+from _checkpoints import PROMPTS, checkpoint, hf_logits, prompt_ids  # noqa: E402
+from nanoplug import LLM, SamplingParams  # noqa: E402
+from nanoplug.api import LogitsProcessingBatch, SamplingBatch, SlotInit  # noqa: E402
+from nanoplug.core.logits_processors import add_sample_row  # noqa: E402
+from nanoplug.core.sampler import Sampler  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+OPTIONS = dict(kv_block_size=16, num_kv_blocks=64, max_model_len=256, dtype="float32")
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3, repetition_penalty=1.5),
+    SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=10, ignore_eos=True, logprobs=1, frequency_penalty=0.8),
+    SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logit_bias={13: 6.0}, presence_penalty=1.0,
+                   prompt_logprobs=2),
+    SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+]
+
+
+@pytest.fixture(scope="module")
+def cpu_outputs():
+    with LLM(checkpoint(), device="cpu", **OPTIONS) as llm:
+        return llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+
+
+def test_penalties_bias_and_logprobs_never_sync_the_host():
+    assert torch.cuda.is_available(), "the gpu tests need a CUDA GPU"
+    dev = torch.device("cuda")
+    sampler = Sampler(dev)
+    logits = torch.randn(4, 1000, device=dev)
+    processing = LogitsProcessingBatch(inits=[SlotInit(0, [1, 2, 3], []), SlotInit(1, [4], [5, 5])])
+    add_sample_row(processing, 0, SamplingParams(repetition_penalty=1.3, logit_bias={7: 2.0}), 0)
+    add_sample_row(processing, 2, SamplingParams(frequency_penalty=0.5), 1)
+    add_sample_row(processing, 3, SamplingParams(logit_bias={9: -100.0}), None)
+    batch = SamplingBatch([0.0, 0.9, 0.7, 0.0], [0, 40, 0, 0], [1.0, 0.9, 1.0, 1.0], [0.0] * 4, [None] * 4, [3] * 4,
+                          processing=processing, logprob_rows=[0, 2, 3], num_top_logprobs=[5, 0, 2])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):  # slots filled, then counted into, step after step
+            tokens = sampler(logits, batch)
+            packed = sampler.logprobs(logits, tokens, batch).pack().to("cpu", non_blocking=True)
+            processing.inits = []
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert packed.numel() == 2 * 3 * (1 + 5)
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_cuda_engine_matches_the_cpu_engine_and_transformers(cpu_outputs, eager):
+    with LLM(checkpoint(), device="cuda", cuda={"enforce_eager": eager}, **OPTIONS) as llm:
+        assert llm.engine.overlap  # CUDA overlaps steps by default: counts and forks with pending tokens
+        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    for ids, cpu, gpu in zip(prompt_ids(), cpu_outputs, outs):
+        assert [o.token_ids for o in gpu.outputs] == [o.token_ids for o in cpu.outputs]
+        for sample in gpu.outputs:
+            if sample.logprobs is None:
+                continue
+            want = torch.log_softmax(hf_logits("qwen3", ids + sample.token_ids).double(), dim=-1)
+            got = torch.tensor([lp.logprob for lp in sample.logprobs], dtype=torch.float64)
+            rows = want[len(ids) - 1:-1].gather(1, torch.tensor(sample.token_ids).view(-1, 1)).squeeze(1)
+            torch.testing.assert_close(got, rows, rtol=0, atol=1e-3)
+    assert outs[2].prompt_logprobs is not None and len(outs[2].prompt_logprobs) == len(prompt_ids()[2])
