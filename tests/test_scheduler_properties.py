@@ -279,7 +279,7 @@ def run_scenario(sc: Scenario) -> Counter:
     """Run every request to its end; check blocks at every step and tokens at the end. Returns what happened."""
     driver = Driver(sc)
     seqs = [Sequence(list(r.prompt), SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos),
-                     index=i, adapter_id=r.adapter) for i, r in enumerate(sc.requests)]
+                     request_id=str(i), adapter_id=r.adapter) for i, r in enumerate(sc.requests)]
     aborted: set[int] = set()
     last_event = max(r.arrive + (r.abort_after or 0) for r in sc.requests)
     t = 0

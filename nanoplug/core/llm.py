@@ -15,6 +15,7 @@ from typing import Any, Iterable, Iterator, Sequence as Seq
 
 from nanoplug.core.config import DEPRECATED_OPTIONS, EngineConfig, SamplingParams
 from nanoplug.core.engine_core import EngineCore, EngineRequest
+from nanoplug.core.loader import checkpoint_dir
 from nanoplug.core.model_source import resolve_model_path
 from nanoplug.core.outputs import RequestOutput, RequestUpdate, StreamDelta
 from nanoplug.core.registry import Registry
@@ -38,7 +39,10 @@ class LLM:
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model is a {type(model).__name__}; give a checkpoint folder (a str or pathlib.Path) "
                             "or a Hugging Face model id")
-        self.engine = EngineCore(EngineConfig(model=resolve_model_path(model), **options), registry)
+        path = resolve_model_path(model)
+        if isinstance(model, os.PathLike):
+            checkpoint_dir(path)  # a Path names a folder: say so if it is not one (never a hub lookup)
+        self.engine = EngineCore(EngineConfig(model=path, **options), registry)
         self._step_lock = threading.Lock()  # its holder runs one step for every caller
         self._cond = threading.Condition()  # guards the mailboxes below; notified after each step
         self._box_of: dict[str, list[RequestUpdate]] = {}  # request id -> its caller's mailbox
@@ -114,7 +118,10 @@ class LLM:
     # ------------------------------------------------------------------- stepping together
     def _run(self, requests: list[EngineRequest]) -> Iterator[list[RequestUpdate]]:
         """Add `requests` and yield their updates as steps produce them, until each has finished. If the
-        caller stops early (an error, Ctrl-C, a stream closed), its unfinished requests are aborted."""
+        caller stops early (an error, Ctrl-C, a stream closed), its unfinished requests are aborted.
+
+        The caller leaves (settling the engine if it is the last) before the final updates are yielded:
+        a caller that reads the last delta of a stream and never asks for more is gone all the same."""
         box: list[RequestUpdate] = []
         pending = {r.request_id for r in requests}
         with self._cond:
@@ -124,11 +131,13 @@ class LLM:
         try:
             for r in requests:
                 self.engine.add_request(r)
-            while pending:
+            while True:
                 updates = self._next(box)
                 pending.difference_update(u.request_id for u in updates if u.finished)
+                if not pending:
+                    self._settle(quiet=False)
+                    break
                 yield updates
-            self._settle(quiet=False)
         except BaseException:  # GeneratorExit included: the caller stopped reading
             for request_id in pending:
                 self.engine.abort(request_id)
@@ -139,6 +148,7 @@ class LLM:
                 self._callers -= 1
                 for r in requests:
                     self._box_of.pop(r.request_id, None)
+        yield updates
 
     def _next(self, box: list[RequestUpdate]) -> list[RequestUpdate]:
         """The updates in `box`, running a step for every caller when no one else is."""
