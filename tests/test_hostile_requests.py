@@ -147,7 +147,7 @@ def test_a_closed_llm_says_so_for_every_call():
     engine.close()
     engine.close()  # twice is fine
     for call in (lambda: engine.generate(PROMPTS[0], use_tqdm=False), lambda: next(engine.stream(PROMPTS[0])),
-                 lambda: engine.chat([{"role": "user", "content": "Hi"}]), engine.step):
+                 lambda: engine.chat([{"role": "user", "content": "Hi"}]), engine.engine.step):
         with pytest.raises(EngineClosedError, match=r"this LLM was closed; create a new one"):
             call()
 

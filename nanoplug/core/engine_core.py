@@ -84,6 +84,7 @@ class EngineCore:
     worker = None  # set once the worker starts; None again after close()
 
     def __init__(self, config: EngineConfig, registry: Registry | None = None):
+        """config.model: a checkpoint folder, or a Hugging Face id (fetched where the network allows)."""
         config = config.model_copy(update={"model": resolve_model_path(config.model)})
         self.registry = registry or default_registry()
         checkpoint = Checkpoint.load(config.model, self.registry)  # config.json read once, here

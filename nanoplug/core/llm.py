@@ -15,6 +15,7 @@ from typing import Any, Iterable, Iterator, Sequence as Seq
 
 from nanoplug.core.config import DEPRECATED_OPTIONS, EngineConfig, SamplingParams
 from nanoplug.core.engine_core import EngineCore, EngineRequest
+from nanoplug.core.loader import checkpoint_dir
 from nanoplug.core.model_source import resolve_model_path
 from nanoplug.core.outputs import CompletionOutput, RequestOutput, RequestUpdate, StreamDelta
 from nanoplug.core.registry import Registry
@@ -38,7 +39,10 @@ class LLM:
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model is a {type(model).__name__}; give a checkpoint folder (a str or pathlib.Path) "
                             "or a Hugging Face model id")
-        self.engine = EngineCore(EngineConfig(model=resolve_model_path(model), **options), registry)
+        path = resolve_model_path(model)
+        if isinstance(model, os.PathLike):
+            checkpoint_dir(path)  # a Path names a folder: say so if it is not one (never a hub lookup)
+        self.engine = EngineCore(EngineConfig(model=path, **options), registry)
         self._step_lock = threading.Lock()  # its holder runs one step for every caller
         self._cond = threading.Condition()  # guards the mailboxes below; notified after each step
         self._box_of: dict[str, list[RequestUpdate]] = {}  # request id -> its caller's mailbox

@@ -54,14 +54,19 @@ class LinearBase(nn.Module):
         """Whether its output is a partial sum that an all-reduce over the group completes."""
         return self.tp_dim == 1 and self.group.world_size > 1
 
-    def _split(self, tensor: torch.Tensor, rows: int, what: str = "") -> torch.Tensor:
+    def _split(self, tensor: torch.Tensor, rows: int, what: str = "", split_dim_only: bool = False) -> torch.Tensor:
         """This rank's part of a full tensor of `rows` output rows (a weight [rows, input], or a bias [rows]),
-        checked whole first: column parallel splits the rows, row parallel the input columns of a weight."""
+        checked whole first: column parallel splits the rows, row parallel the input columns of a weight.
+        `split_dim_only`: check only the dimension that is split (a low-rank factor's other one is its rank)."""
         ws, is_bias = self.group.world_size, tensor.dim() == 1
         if is_bias:
             expected = [rows * ws if self.tp_dim == 0 else rows]
         else:
             expected = [rows * ws if self.tp_dim == 0 else rows, self.input_size * (ws if self.tp_dim == 1 else 1)]
+        if split_dim_only:
+            dim = 1 if self.tp_dim == 1 and not is_bias else 0
+            expected = [expected[dim] if d == dim else n for d, n in enumerate(tensor.shape)] if tensor.dim() > dim \
+                else expected
         if ws > 1 and self.tp_dim is not None and not (is_bias and self.tp_dim == 1):
             what = ", ".join(filter(None, [what, f"split over {ws} ranks along dim {self.tp_dim}"]))
         check_shape(tensor, expected, what)
@@ -71,10 +76,14 @@ class LinearBase(nn.Module):
             return tensor.narrow(0, self.group.rank * rows, rows)
         return tensor.narrow(1, self.group.rank * self.input_size, self.input_size)
 
-    def local_part(self, tensor: torch.Tensor, shard_id: Any = None) -> tuple[int, int, torch.Tensor]:
+    def local_part(self, tensor: torch.Tensor, shard_id: Any = None,
+                   split_dim_only: bool = False) -> tuple[int, int, torch.Tensor]:
         """This rank's part of a full checkpoint tensor of this layer (or of its part `shard_id`), its
-        shape checked first: the output rows it fills (offset, count) and the narrowed tensor."""
-        return 0, self.output_size, self._split(tensor, self.output_size)
+        shape checked first: the output rows it fills (offset, count) and the narrowed tensor.
+        `split_dim_only`: the tensor is sharded like the weight but only the split dimension is the
+        weight's (a LoRA factor: B [rows, rank] of a column-parallel layer, A [rank, input] of a row-parallel one)."""
+        part = self._split(tensor, self.output_size, split_dim_only=split_dim_only)
+        return 0, part.shape[0], part
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Any = None) -> None:
         offset, size, part = self.local_part(tensor, shard_id)
@@ -103,7 +112,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(group, in_features, divide(out_features, group.world_size, "output features"), bias, 0,
                          linear_method)
 
-    def _fused_whole(self, tensor: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    def _fused_whole(self, tensor: torch.Tensor, split_dim_only: bool = False) -> tuple[int, int, torch.Tensor]:
         """A tensor already fused in the checkpoint (qkv_proj, gate_up_proj): whole on one rank only,
         since each rank's slice must take rows from every part."""
         if self.group.world_size > 1:
@@ -112,7 +121,7 @@ class ColumnParallelLinear(LinearBase):
                 "(each rank needs rows of every part); save the checkpoint with its parts unfused (q/k/v_proj, "
                 "gate/up_proj) or run it on one device"
             )
-        return LinearBase.local_part(self, tensor)
+        return LinearBase.local_part(self, tensor, split_dim_only=split_dim_only)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -124,12 +133,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(group, in_features, sum(output_sizes), bias, linear_method)
 
-    def local_part(self, tensor, shard_id=None):
+    def local_part(self, tensor, shard_id=None, split_dim_only=False):
         if shard_id is None:
-            return self._fused_whole(tensor)
+            return self._fused_whole(tensor, split_dim_only)
         ws = self.group.world_size
         size = self.output_sizes[shard_id] // ws
-        part = self._split(tensor, size, f"part {shard_id} of the {len(self.output_sizes)} fused projections")
+        part = self._split(tensor, size, f"part {shard_id} of the {len(self.output_sizes)} fused projections",
+                           split_dim_only)
         return sum(self.output_sizes[:shard_id]) // ws, size, part
 
 
@@ -143,14 +153,15 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_kv_heads = divide(num_kv_heads, ws, "KV heads")
         super().__init__(group, hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, linear_method)
 
-    def local_part(self, tensor, shard_id=None):
+    def local_part(self, tensor, shard_id=None, split_dim_only=False):
         if shard_id is None:
-            return self._fused_whole(tensor)
+            return self._fused_whole(tensor, split_dim_only)
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
         heads = "num_attention_heads" if shard_id == "q" else "num_key_value_heads"
         ws = self.group.world_size
-        part = self._split(tensor, size, f"{heads} {size * ws // self.head_dim} x head_dim {self.head_dim} rows")
+        part = self._split(tensor, size, f"{heads} {size * ws // self.head_dim} x head_dim {self.head_dim} rows",
+                           split_dim_only)
         return offset, size, part
 
 

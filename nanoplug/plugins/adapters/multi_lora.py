@@ -104,7 +104,7 @@ def _stack(base: LinearBase, parts: dict[tuple[int, Any], tuple[LoraModule, floa
     def shard_like_weight(full: torch.Tensor, local_shape: tuple[int, int], shard: Any) -> torch.Tensor:
         """This rank's part of `full`, placed where the layer's own loader would put the weight's."""
         local = torch.zeros(local_shape)
-        offset, size, part = base.local_part(full, shard)
+        offset, size, part = base.local_part(full, shard, split_dim_only=True)
         local.narrow(0, offset, size).copy_(part)
         return local
 
