@@ -18,8 +18,8 @@ from nanoplug.core.sequence import Sequence, Status
 BS = 4
 
 
-def seq(tokens, max_tokens: int = 4) -> Sequence:
-    return Sequence(list(tokens), SamplingParams(temperature=0, max_tokens=max_tokens))
+def seq(tokens, max_tokens: int = 4, n: int = 1) -> Sequence:
+    return Sequence(list(tokens), SamplingParams(temperature=0, max_tokens=max_tokens, n=n))
 
 
 def prefilled(blocks: BlockManager, tokens) -> Sequence:
@@ -56,6 +56,7 @@ def fake_step(sched: Scheduler, next_token=lambda s: 1000 + len(s)) -> list[tupl
     Returns (sequence, tokens computed, whether it sampled) for each scheduled sequence."""
     batch, is_prefill = sched.schedule()
     plan = [(item.seq, item.num_tokens, item.samples) for item in batch]
+    plan += [(child, 0, True) for item in batch for child in item.forks]  # n > 1: samples forked this step
     sched.advance(batch)
     for s, _, samples in plan:
         if samples:
@@ -90,9 +91,9 @@ def test_prefix_hits_reuse_committed_blocks_but_never_the_last_token_block():
     assert len(a.block_hashes) == 3
 
     same = seq(range(12))  # 100% cached: the block holding the last token is recomputed
-    assert blocks.allocate(same) == 8  # the tokens of its hits, which the scheduler counts as computed
+    hit = blocks.allocate(same)  # the tokens the hits hold: the scheduler counts them as computed
     assert same.block_table[:2] == a.block_table[:2] and same.block_table[2] != a.block_table[2]
-    assert same.num_cached_tokens == 8
+    assert hit == same.num_cached_tokens == 8
     assert [blocks.ref_counts[b] for b in a.block_table] == [2, 2, 1]
 
     longer = seq(list(range(12)) + [99, 98])  # all three full blocks hit
@@ -220,7 +221,7 @@ def test_preempted_sequence_returns_to_the_front_and_starts_over():
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_random_workload_keeps_every_invariant(seed, prefix_caching):
-    """Random prompts (many sharing prefixes), budgets and cache sizes, run to completion."""
+    """Random prompts (many sharing prefixes, some sampled several times), budgets and cache sizes, run to completion."""
     rng = random.Random(seed)
     sched = scheduler(num_blocks=rng.randint(8, 16), budget=rng.randint(3, 20), max_num_seqs=rng.randint(2, 6),
                       prefix_caching=prefix_caching)
@@ -228,8 +229,8 @@ def test_random_workload_keeps_every_invariant(seed, prefix_caching):
     seqs = []
     for i in range(12):
         prompt = shared[: rng.randint(1, 12)] + [rng.randrange(50) for _ in range(rng.randint(0, 6))]
-        seqs.append(seq(prompt or [1], max_tokens=rng.randint(1, 12)))
-    expected = [s.token_ids + [7000 + k for k in range(s.params.max_tokens)] for s in seqs]
+        seqs.append(seq(prompt or [1], max_tokens=rng.randint(1, 12), n=rng.choice([1, 1, 2, 3])))
+    expected = [[s.token_ids + [7000 + k for k in range(s.params.max_tokens)]] * s.params.n for s in seqs]
     pending = list(seqs)
     steps = 0
     while pending or sched.has_work():
@@ -243,7 +244,8 @@ def test_random_workload_keeps_every_invariant(seed, prefix_caching):
             assert s.num_computed_tokens <= len(s.block_table) * BS
         steps += 1
         assert steps < 2000
-    assert [s.token_ids for s in seqs] == expected
+    assert [[x.token_ids for x in s.samples] for s in seqs] == expected
+    assert all(x.status is Status.FINISHED for s in seqs for x in s.samples)
     assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
 
 
@@ -258,3 +260,70 @@ def test_abort_gives_back_blocks_of_running_and_waiting_requests():
     sched.abort(b)
     assert not sched.has_work() and sched.blocks.num_free_blocks == 8
     assert a.finish_reason == b.finish_reason == "abort"
+
+
+# ---------------------------------------------------------------------------------- n > 1
+def test_fork_shares_full_prompt_blocks_and_copies_the_partial_one():
+    blocks = BlockManager(8, BS)
+    parent = seq(range(10), n=3)  # blocks: [0..3] [4..7] [8, 9, _, _]
+    blocks.allocate(parent)
+    kids = [parent.fork(1), parent.fork(2)]
+    assert all(blocks.fork(parent, k) for k in kids)
+    assert [k.block_table[:2] for k in kids] == [parent.block_table[:2]] * 2
+    assert [blocks.ref_counts[b] for b in parent.block_table] == [3, 3, 1]
+    assert blocks.take_copies() == [(parent.block_table[2], kids[0].block_table[2]),
+                                    (parent.block_table[2], kids[1].block_table[2])]
+    assert blocks.take_copies() == []
+    assert all(k.num_cached_tokens == parent.num_cached_tokens and k.params.n == 3 and k.root is parent for k in kids)
+    assert [s.sample_index for s in parent.samples] == [0, 1, 2]
+    check_invariants(blocks, [parent, *kids])
+    whole = seq(range(8), n=2)  # the prompt fills its blocks: nothing to copy, nothing new
+    blocks.allocate(whole)
+    kid = whole.fork(1)
+    assert blocks.fork(whole, kid) and kid.block_table == whole.block_table and blocks.take_copies() == []
+    for s in (parent, *kids, whole, kid):
+        blocks.free(s)
+    assert blocks.num_free_blocks == 8 and set(blocks.ref_counts) == {0}
+
+
+def test_fork_without_a_free_block_changes_nothing():
+    blocks = BlockManager(3, BS)
+    parent = seq(range(10), n=2)
+    blocks.allocate(parent)
+    kid = parent.fork(1)
+    assert not blocks.fork(parent, kid)
+    assert kid.block_table == [] and blocks.ref_counts == [1, 1, 1] and blocks.take_copies() == []
+
+
+def test_forked_seeds_move_on_by_the_sample_index():
+    parent = Sequence([1, 2, 3], SamplingParams(n=3, seed=40))
+    assert [parent.fork(i).params.seed for i in (1, 2)] == [41, 42]
+    assert Sequence([1], SamplingParams(n=2)).fork(1).params.seed is None
+
+
+def test_samples_without_room_wait_as_plain_prompts_and_reuse_the_prompt_blocks():
+    sched = scheduler(num_blocks=8, max_num_seqs=2)
+    root = seq(range(9), max_tokens=2, n=4)
+    sched.add(root)
+    plan = fake_step(sched)  # the prefill: one sample joins the root, two wait
+    assert [(s.sample_index, n) for s, n, _ in plan] == [(0, 9), (1, 0)]
+    assert [s.sample_index for s in sched.waiting] == [2, 3]
+    assert all(s.forks_left == 0 for s in root.samples)
+    while sched.has_work():
+        fake_step(sched)
+        check_invariants(sched.blocks, list(sched.running))
+    assert [s.token_ids for s in root.samples] == [list(range(9)) + [1009, 1010]] * 4
+    assert max(s.num_cached_tokens for s in root.samples[2:]) == 8  # the waiting ones hit the prompt's full blocks
+    assert sched.blocks.num_free_blocks == 8
+
+
+def test_abort_of_the_first_sample_takes_every_sample():
+    sched = scheduler()
+    root = seq(range(6), max_tokens=8, n=3)
+    sched.add(root)
+    fake_step(sched)
+    assert len(sched.running) == 3
+    sched.abort(root)
+    assert not sched.has_work() and root.request_finished
+    assert {s.finish_reason for s in root.samples} == {"abort"}
+    assert sched.blocks.num_free_blocks == 64
