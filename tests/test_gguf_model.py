@@ -56,10 +56,13 @@ def engines(folders):
 
 @pytest.fixture
 def float_activations(engines):
-    method = engines[0].engine.worker.model.lm_head.linear_method
+    worker = engines[0].engine.worker
+    method = worker.model.lm_head.linear_method
+    graphs, worker.graphs = worker.graphs, None  # recorded decode steps keep the path they recorded
     method.int8_activations = False
     yield
     method.int8_activations = True
+    worker.graphs = graphs
 
 
 def greedy(llm, prompt, n=32):

@@ -82,6 +82,8 @@ class CpuOptions(BaseModel):
     weight_packing: Bool | None = Field(None, description="pack linear weights once for a decode-sized float32 GEMM "
                                         "(nanoplug's with the kernels, else MKL's; a second copy of them); None: "
                                         "when it fits in a quarter of the available memory")
+    graphs: Bool = Field(True, description="record a decode step per batch size once and replay it (the CPU's "
+                         "CUDA graphs: no Python per layer); with the kernels only; off: every step eager")
 
 
 class CudaOptions(BaseModel):

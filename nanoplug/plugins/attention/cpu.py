@@ -5,7 +5,7 @@ attends (two `index_select`s and a mask per layer); for a small model that costs
 attention itself. This backend's decode kernel (nanoplug/plugins/platforms/cpu/kernels) walks each sequence's block
 table instead, with the query heads of a KV head sharing each K/V read, split over torch's threads.
 Prefill and mixed steps, where PyTorch's CPU flash kernel does well, go through `sdpa`'s path.
-float32 only; the kernels are compiled once per machine at first use (a C++ compiler is needed).
+float32 steps, over a float32 or float16 (`kv_cache="fp16"`) cache; the kernels are compiled once per machine at first use (a C++ compiler is needed).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from nanoplug.plugins.attention.sdpa import SdpaAttention
 class CpuAttention(SdpaAttention):
     description = "C++ decode kernel on the paged cache (float32 CPU, built once per machine); prefill via sdpa"
     priority = 60
+    supports_cuda_graphs = True  # decode reads the step's tensors only: the cpu platform replays recordings
 
     @classmethod
     def unavailable(cls, target: Target) -> list[str]:
@@ -28,8 +29,9 @@ class CpuAttention(SdpaAttention):
             reasons.append(f"runs on the CPU, not {target.device.type}; use flash, xformers or sdpa there")
         if target.dtype != torch.float32:
             reasons.append(f"float32 only, this run is {str(target.dtype).removeprefix('torch.')}; use sdpa")
-        elif target.cache_dtype != target.dtype:
-            reasons.append(f"reads a float32 cache only, not {str(target.cache_dtype).removeprefix('torch.')}; use sdpa")
+        elif target.cache_dtype not in (torch.float32, torch.float16):
+            reasons.append(f"reads a float32 or float16 cache, not {str(target.cache_dtype).removeprefix('torch.')}; "
+                           "use sdpa")
         facts = target.model
         if facts is not None:
             if facts.head_dim not in cpu_kernels.DECODE_HEAD_DIMS:

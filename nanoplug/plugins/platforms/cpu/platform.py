@@ -4,6 +4,8 @@
 - float32 steps use nanoplug's C++ kernels (`kernels/`, built once per machine): the fused RMSNorm,
   SiLU-and-mul and RoPE go into the model, the sampler takes their greedy argmax, and linear layers
   pack their weights once for a decode-sized GEMM (`packed_linear.py`, the dense linear method here);
+- decode steps are recorded once per batch size and replayed (`graphs.py`, `cpu.graphs`), where the
+  decode attention backend allows it;
 - steps run one after another by default: the host computes the step itself, so there is nothing to
   overlap with.
 """
@@ -13,6 +15,7 @@ import torch
 
 from nanoplug.api import LinearMethod, Platform, Target
 from nanoplug.plugins.platforms.cpu import kernels as cpu_kernels
+from nanoplug.plugins.platforms.cpu.graphs import CaptureError, CpuDecodeGraphs
 from nanoplug.plugins.platforms.cpu.packed_linear import PackedLinearMethod
 
 
@@ -24,6 +27,7 @@ class CpuPlatform(Platform):
     def __init__(self, options, target: Target):
         super().__init__(options, target)
         self.kv_cache_gb = getattr(options, "kv_cache_gb", 4.0)
+        self.graphs = getattr(options, "graphs", True)
         # float32 CPU steps' C++ kernels (None where they are off or do not build here; why is logged)
         self.kernels = cpu_kernels.usable(getattr(options, "kernels", None), target.dtype, target.device)
         self.method = PackedLinearMethod(getattr(options, "weight_packing", None), target.dtype, target.device,
@@ -47,3 +51,15 @@ class CpuPlatform(Platform):
         else:
             cpu_kernels.log.info("cpu_kernels: the model has no layer that takes fused ops; it runs its own "
                                  "RMSNorm, SiLU and RoPE")
+
+    def capture_graphs(self, forward, ctx, limits, scratch_block):
+        if self.kernels is None or not self.graphs:
+            return None
+        graphs = CpuDecodeGraphs(forward, ctx, limits, scratch_block)
+        try:
+            graphs.capture()
+        except CaptureError as exc:
+            cpu_kernels.log.warning("cpu: decode steps run eager (cpu={'graphs': False} says so quietly): %s", exc)
+            return None
+        cpu_kernels.log.info("cpu: decode steps recorded for batch sizes %s", ", ".join(map(str, graphs.graphs)))
+        return graphs

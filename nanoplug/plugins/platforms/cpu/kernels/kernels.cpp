@@ -8,6 +8,9 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -20,6 +23,39 @@ constexpr int64_t PARALLEL_MIN = 32768;  // fewer elements than this: one thread
 
 inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof(v)); return v; }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+// 16 float16 values (IEEE half, as torch.float16 stores them) widened to float32
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0x1f) bits = sign | 0x7f800000u | (man << 13);
+  else if (exp != 0) bits = sign | ((exp + 112) << 23) | (man << 13);
+  else if (man == 0) bits = sign;
+  else {  // subnormal: normalise
+    int e = -1;
+    uint32_t m = man;
+    do { m <<= 1; ++e; } while (!(m & 0x400));
+    bits = sign | ((112 - e) << 23) | ((m & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline vf load(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  vf v;
+  __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  std::memcpy(&v, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+  return v;
+#else
+  vf v;
+  for (int i = 0; i < 16; ++i) v[i] = half_to_float(p[i]);
+  return v;
+#endif
+}
 inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 inline float hsum(vf v) {
   vf8 a, b;
@@ -89,11 +125,11 @@ inline void rope_head(float* x, const float* c, const float* s, int64_t half) {
 
 // fn(t, row) for each of a sequence's L cached tokens in order, row pointing at token t's vector for
 // one KV head: the block table is walked block by block (no division per token)
-template <class Fn>
-inline void for_each_token(const float* cache, const int32_t* table, int64_t L, int64_t block_size,
+template <class T, class Fn>
+inline void for_each_token(const T* cache, const int32_t* table, int64_t L, int64_t block_size,
                            int64_t tok_stride, Fn fn) {
   for (int64_t t0 = 0, blk = 0; t0 < L; t0 += block_size, ++blk) {
-    const float* base = cache + static_cast<int64_t>(table[blk]) * block_size * tok_stride;
+    const T* base = cache + static_cast<int64_t>(table[blk]) * block_size * tok_stride;
     const int64_t n = std::min(block_size, L - t0);
     for (int64_t i = 0; i < n; ++i) fn(t0 + i, base + i * tok_stride);
   }
@@ -101,14 +137,14 @@ inline void for_each_token(const float* cache, const int32_t* table, int64_t L, 
 
 // One sequence's decode query heads that share KV head `kh` (G of them, head size NV * 16) against its
 // L cached tokens: scores, softmax, weighted sum of values. K and V rows are read where they lie.
-template <int NV, int G>
-void decode_group(const float* qb, const float* k_cache, const float* v_cache, const int32_t* table, int64_t L,
+template <int NV, int G, class T>
+void decode_group(const float* qb, const T* k_cache, const T* v_cache, const int32_t* table, int64_t L,
                   int64_t block_size, int64_t tok_stride, int64_t group, float scale, float* scores, float* ob) {
   const int64_t gn = G ? G : group;
   vf qv[16][NV];
   for (int64_t g = 0; g < gn; ++g)
     for (int v = 0; v < NV; ++v) qv[g][v] = load(qb + (g * NV + v) * W) * scale;
-  for_each_token(k_cache, table, L, block_size, tok_stride, [&](int64_t t, const float* row) {
+  for_each_token(k_cache, table, L, block_size, tok_stride, [&](int64_t t, const T* row) {
     vf kv[NV];
     for (int v = 0; v < NV; ++v) kv[v] = load(row + v * W);
     for (int64_t g = 0; g < gn; ++g) {
@@ -135,7 +171,7 @@ void decode_group(const float* qb, const float* k_cache, const float* v_cache, c
   vf acc[16][NV];
   for (int64_t g = 0; g < gn; ++g)
     for (int v = 0; v < NV; ++v) acc[g][v] = vf{};
-  for_each_token(v_cache, table, L, block_size, tok_stride, [&](int64_t t, const float* row) {
+  for_each_token(v_cache, table, L, block_size, tok_stride, [&](int64_t t, const T* row) {
     vf vv[NV];
     for (int v = 0; v < NV; ++v) vv[v] = load(row + v * W);
     for (int64_t g = 0; g < gn; ++g) {
@@ -147,8 +183,8 @@ void decode_group(const float* qb, const float* k_cache, const float* v_cache, c
     for (int v = 0; v < NV; ++v) store(ob + (g * NV + v) * W, acc[g][v] * inv_sum[g]);
 }
 
-template <int NV>
-void decode_all(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
+template <int NV, class T>
+void decode_all(const float* q, int64_t q_stride, const T* k_cache, const T* v_cache,
                 const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens, float* out,
                 int64_t B, int64_t H, int64_t Hkv, int64_t block_size, float scale) {
   const int64_t group = H / Hkv, D = NV * W, tok_stride = Hkv * D;
@@ -167,21 +203,34 @@ void decode_all(const float* q, int64_t q_stride, const float* k_cache, const fl
         if (static_cast<int64_t>(scores.size()) < group * L) scores.resize(group * L);
         const float* qb = q + b * q_stride + kh * group * D;
         const int32_t* table = block_tables + b * table_stride;
-        const float* kc = k_cache + kh * D;
-        const float* vc = v_cache + kh * D;
+        const T* kc = k_cache + kh * D;
+        const T* vc = v_cache + kh * D;
         float* s = scores.data();
         switch (group) {
-          case 1: decode_group<NV, 1>(qb, kc, vc, table, L, block_size, tok_stride, group, scale, s, ob); break;
-          case 2: decode_group<NV, 2>(qb, kc, vc, table, L, block_size, tok_stride, group, scale, s, ob); break;
-          case 3: decode_group<NV, 3>(qb, kc, vc, table, L, block_size, tok_stride, group, scale, s, ob); break;
-          case 4: decode_group<NV, 4>(qb, kc, vc, table, L, block_size, tok_stride, group, scale, s, ob); break;
-          default: decode_group<NV, 0>(qb, kc, vc, table, L, block_size, tok_stride, group, scale, s, ob);
+          case 1: decode_group<NV, 1, T>(qb, kc, vc, table, L, block_size, tok_stride, group, scale, s, ob); break;
+          case 2: decode_group<NV, 2, T>(qb, kc, vc, table, L, block_size, tok_stride, group, scale, s, ob); break;
+          case 3: decode_group<NV, 3, T>(qb, kc, vc, table, L, block_size, tok_stride, group, scale, s, ob); break;
+          case 4: decode_group<NV, 4, T>(qb, kc, vc, table, L, block_size, tok_stride, group, scale, s, ob); break;
+          default: decode_group<NV, 0, T>(qb, kc, vc, table, L, block_size, tok_stride, group, scale, s, ob);
         }
       }
     }
   }
 }
 
+
+template <class T>
+int paged_decode(const float* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* block_tables,
+                 int64_t table_stride, const int32_t* seq_lens, float* out, int64_t B, int64_t H, int64_t Hkv,
+                 int64_t D, int64_t block_size, float scale) {
+  if (Hkv <= 0 || H % Hkv || H / Hkv > 16) return -1;
+  switch (D) {
+    case 64: decode_all<4>(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, B, H, Hkv, block_size, scale); return 0;
+    case 128: decode_all<8>(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, B, H, Hkv, block_size, scale); return 0;
+    case 256: decode_all<16>(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, B, H, Hkv, block_size, scale); return 0;
+    default: return -1;
+  }
+}
 
 // ---- GEMM for decode-sized inputs: y [M, N] = x [M, K] @ W^T (+ bias), M <= 64 ----
 // W is packed once into panels of NR columns, k-major inside ([N/NR][K][NR], zero-padded), so a panel
@@ -234,7 +283,7 @@ void gemm_rows(int64_t rows, const float* x, int64_t x_stride, const float* w, f
 extern "C" {
 
 // The ABI version ops.py checks, so a stale cached build is never called with new arguments.
-int np_abi_version() { return 2; }
+int np_abi_version() { return 3; }
 
 // rows of `dim` floats; row r starts at x + (r / heads) * outer_stride + (r % heads) * dim; out is dense
 void np_rms_norm(const float* x, int64_t heads, int64_t outer_stride, const float* w, float* out,
@@ -365,13 +414,16 @@ int np_linear(const float* x, int64_t x_stride, const float* packed, const float
 int np_paged_decode(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
                     const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens, float* out,
                     int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale) {
-  if (Hkv <= 0 || H % Hkv || H / Hkv > 16) return -1;
-  switch (D) {
-    case 64: decode_all<4>(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, B, H, Hkv, block_size, scale); return 0;
-    case 128: decode_all<8>(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, B, H, Hkv, block_size, scale); return 0;
-    case 256: decode_all<16>(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, B, H, Hkv, block_size, scale); return 0;
-    default: return -1;
-  }
+  return paged_decode(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, B, H, Hkv, D,
+                      block_size, scale);
+}
+
+// The same over a float16 cache (torch.float16 bits), each K/V row widened to float32 as it is read.
+int np_paged_decode_f16(const float* q, int64_t q_stride, const uint16_t* k_cache, const uint16_t* v_cache,
+                        const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens, float* out,
+                        int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale) {
+  return paged_decode(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, B, H, Hkv, D,
+                      block_size, scale);
 }
 
 }  // extern "C"

@@ -7,9 +7,10 @@ import pathlib
 
 import torch
 
+from nanoplug.plugins.platforms.cpu.kernels.record import RecordingLib
 from nanoplug.plugins.platforms.cpu.kernels.build import KernelsUnavailable
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "np_rms_norm": (None, [_P, _I, _I, _P, _P, _I, _I, _F]),
@@ -21,6 +22,7 @@ _SIGNATURES = {
     "np_pack_weight": (None, [_P, _I, _I, _P]),
     "np_linear": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _I, _I]),
     "np_paged_decode": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F]),
+    "np_paged_decode_f16": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F]),
 }
 DECODE_HEAD_DIMS = (64, 128, 256)
 MAX_DECODE_GROUP = 16  # query heads per KV head
@@ -52,7 +54,7 @@ class CpuKernels:
         for name, (restype, argtypes) in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
-        self._lib, self.path = lib, path
+        self._lib, self.path = RecordingLib(lib, list(_SIGNATURES)), path  # calls a graph capture records
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """`F.rms_norm` over the last dim; x may be a [N, H, D] view whose heads are dense (q/k norms)."""
@@ -126,19 +128,23 @@ class CpuKernels:
 
     def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        """One query token per sequence: q [B, H, D] against caches [blocks, block_size, Hkv, D] through
-        int32 block tables [B, max_blocks] and int32 context lengths [B] -> [B, H, D]."""
+        """One query token per sequence: q [B, H, D] against caches [blocks, block_size, Hkv, D] (float32, or
+        float16 widened as read) through int32 block tables [B, max_blocks] and int32 context lengths [B]
+        -> [B, H, D]."""
         num_seqs, heads, dim = q.shape
         q = _with_dense_heads(q)
         if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
             raise ValueError("the CPU decode kernel takes int32 block tables and context lengths")
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("the CPU decode kernel reads dense caches [blocks, block_size, kv_heads, head_dim]")
+        if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (torch.float32, torch.float16):
+            raise ValueError(f"the CPU decode kernel reads float32 or float16 caches, not {k_cache.dtype}")
         block_tables, seq_lens = _dense(block_tables), _dense(seq_lens)
         out = torch.empty(num_seqs, heads, dim, dtype=q.dtype)
-        rc = self._lib.np_paged_decode(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                                       block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
-                                       out.data_ptr(), num_seqs, heads, k_cache.shape[2], dim, k_cache.shape[1], scale)
+        fn = self._lib.np_paged_decode if k_cache.dtype == torch.float32 else self._lib.np_paged_decode_f16
+        rc = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+                out.data_ptr(), num_seqs, heads, k_cache.shape[2], dim, k_cache.shape[1], scale)
         if rc != 0:
             raise ValueError(f"the CPU decode kernel serves head sizes {DECODE_HEAD_DIMS} with at most "
                              f"{MAX_DECODE_GROUP} query heads per KV head, not {heads}/{k_cache.shape[2]} heads of {dim}")

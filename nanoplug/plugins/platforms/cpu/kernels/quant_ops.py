@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from nanoplug.plugins.platforms.cpu.kernels.record import RecordingLib
 from nanoplug.plugins.platforms.cpu.kernels.build import KernelsUnavailable, library_path
 
 ABI_VERSION = 1
@@ -65,7 +66,7 @@ class QuantKernels:
         for name, (restype, argtypes) in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
-        self._lib, self.path = lib, path
+        self._lib, self.path = RecordingLib(lib, list(_SIGNATURES)), path  # calls a graph capture records
         self.isas = [name for i, name in enumerate(ISAS) if lib.np_q_isa_supported(i)]
         self.best = self.isas[-1]
 
