@@ -129,3 +129,77 @@ def test_num_splits_depends_on_host_sizes_only():
     assert triton_decode.num_splits(256, 8, 2048, 132, cfg) == 1  # 2048 programs already fill the GPU
     assert triton_decode.num_splits(1, 8, 4096, 132, cfg) == cfg.max_splits
     assert triton_decode.num_splits(1, 8, 10, 132, cfg) == 1  # one tile: nothing to split
+
+
+# ------------------------------------------------------------------------------ the engine
+ENGINE = dict(kv_block_size=16, max_model_len=256, device="cpu", max_num_batched_tokens=24, cpu={"kv_cache_gb": 0.001})
+
+
+def _generate(attention, kv_cache, dtype="float32"):
+    from _checkpoints import PROMPTS, checkpoint
+    from nanoplug import LLM, SamplingParams
+
+    llm = LLM(checkpoint("qwen3"), attention=attention, kv_cache=kv_cache, dtype=dtype, **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, output_logits=True)
+    prompts = PROMPTS + [PROMPTS[2] + " And then"]  # chunked prefills (24 tokens a step) and a prefix-cache hit
+    return llm, llm.generate(prompts, params, use_tqdm=False)
+
+
+def test_engine_fp8_cache_triton_decode_equals_the_oracle_reading_the_same_cache():
+    """The Triton decode kernel and the quantizing store inside the engine against `manual` over the
+    same float8 cache (its scales applied): equal within float32 rounding, the same greedy tokens."""
+    from _checkpoints import relative_error
+
+    llm, got = _generate("triton", "fp8")
+    assert llm.engine.worker.kv_cache.dtype == FP8
+    _, want = _generate("manual", "fp8")
+    assert got[-1].num_cached_tokens > 0
+    for a, b in zip(want, got):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logits, b.logits):
+            assert relative_error(lb, la) < 1e-5
+
+
+def test_engine_fp8_cache_stays_close_to_the_plain_cache():
+    """Bound: logits within 8% relative error of a float32 cache's (e4m3 keeps 3 mantissa bits, so each
+    K/V value is off by at most 1/16 of itself; measured 1-4% on this random checkpoint). Greedy tokens
+    are compared only up to where the two first differ: this random model has near ties that a 2%
+    change flips, and past that the inputs differ."""
+    from _checkpoints import relative_error
+
+    _, want = _generate("manual", "torch")
+    _, got = _generate("triton", "fp8")
+    compared = 0
+    for a, b in zip(want, got):
+        for i, (la, lb) in enumerate(zip(a.logits, b.logits)):
+            if a.token_ids[:i] != b.token_ids[:i]:
+                break
+            assert relative_error(lb, la) < 0.08
+            compared += 1
+    assert compared >= 15
+
+
+def test_fp8_cache_holds_twice_the_blocks_of_a_16_bit_cache():
+    from _checkpoints import checkpoint
+    from nanoplug import LLM
+
+    def blocks(kv_cache):
+        llm = LLM(checkpoint("qwen3"), attention="sdpa", kv_cache=kv_cache, dtype="bfloat16", **ENGINE)
+        return llm.engine.num_kv_blocks
+
+    assert blocks("fp8") == 2 * blocks("torch")  # sized by kv_cache_gb over bytes per block: 1 byte a value
+
+
+def test_backends_say_whether_they_read_a_float8_cache():
+    from nanoplug.api import ModelFacts, Target
+    from nanoplug.plugins.attention.cpu import CpuAttention
+    from nanoplug.plugins.attention.flash import FlashAttention
+    from nanoplug.plugins.attention.triton import TritonAttention
+
+    facts = ModelFacts("Qwen3ForCausalLM", 2, 4, 2, 16, 64, 100)
+    target = Target(device=torch.device("cpu"), dtype=torch.float32, model=facts, kv_cache_dtype=FP8)
+    assert TritonAttention.unavailable(target) == []  # interpreter on
+    assert any("float8_e4m3fn" in r for r in CpuAttention.unavailable(target))
+    assert FlashAttention.unavailable(target) and "needs CUDA" in FlashAttention.unavailable(target)[0]
+    assert fp8.Fp8Store.unavailable(target) == []
+    assert fp8.Fp8Store.priority < 10  # "auto" never trades accuracy for memory by itself

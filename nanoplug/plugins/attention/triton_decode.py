@@ -10,6 +10,10 @@ The grid depends only on the batch size and the longest context the step may hav
 which is the model's limit for a captured graph), never on device values: a split past its
 sequence's end writes an empty partial and returns. No host syncs, so it runs inside CUDA graphs.
 Tile sizes, warps and stages are fixed (`DecodeConfig`), not autotuned, for the same reason.
+
+On a GPU the dots run in the query's dtype (K/V from float8 convert to it exactly) with float32
+accumulation; Triton's CPU interpreter computes bfloat16 `tl.dot` wrong, so there the dots run in
+float32 (`IEEE`), and the bfloat16 path is tested on the GPU only (tests/gpu/test_gpu_fp8_kv.py).
 """
 from __future__ import annotations
 
@@ -58,6 +62,8 @@ else:
         dim_ok = dims < HEAD_DIM
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
                     mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        if IEEE:
+            q = q.to(tl.float32)
         if SCALED:  # folded into the scores and the output: K and V stay exact in the dot's dtype
             qk_scale = qk_scale * tl.load(k_scale_ptr)
 
@@ -170,7 +176,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out
-    ieee = q.dtype == torch.float32
+    # float32 dots for float32 models, and always in the CPU interpreter (its bfloat16 tl.dot is wrong)
+    ieee = q.dtype == torch.float32 or interpreting()
     _decode_split_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, k_scale if scaled else seq_lens, v_scale if scaled else seq_lens,
         block_tables, seq_lens, out, part_out, part_lse, scale * LOG2E,
@@ -187,3 +194,28 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             HEAD_DIM_P=dim_p, NUM_SPLITS=splits, SPLITS_P=triton.next_power_of_2(splits), num_warps=4,
         )
     return out
+
+
+class TritonDecode:
+    """A backend's decode steps through `paged_decode`: the splits are chosen once per step in `prepare`."""
+
+    def __init__(self, spec, cfg: DecodeConfig = DecodeConfig()):
+        self.spec, self.cfg = spec, cfg
+        cuda = spec.device.type == "cuda"
+        self.num_sms = torch.cuda.get_device_properties(spec.device).multi_processor_count if cuda else 4
+        self.splits = 1
+
+    @staticmethod
+    def serves(meta) -> bool:
+        """Every sequence adds exactly one token at the end of its context (decode, and one-token chunks)."""
+        return meta.max_seqlen_q == 1
+
+    def prepare(self, meta) -> None:
+        # max_seqlen_k is the model's limit in a captured graph, so a graph's grid fits every replay
+        self.meta = meta
+        self.splits = num_splits(meta.num_seqs, self.spec.num_kv_heads, meta.max_seqlen_k, self.num_sms, self.cfg)
+
+    def forward(self, q, k_cache, v_cache, layer) -> torch.Tensor:
+        meta = self.meta
+        return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.spec.scale, self.splits,
+                            layer.k_scale, layer.v_scale, self.cfg)
