@@ -203,3 +203,15 @@ def test_backends_say_whether_they_read_a_float8_cache():
     assert FlashAttention.unavailable(target) and "needs CUDA" in FlashAttention.unavailable(target)[0]
     assert fp8.Fp8Store.unavailable(target) == []
     assert fp8.Fp8Store.priority < 10  # "auto" never trades accuracy for memory by itself
+
+
+def test_sdpa_reads_a_float8_cache_in_decode_and_prefill():
+    """`sdpa` on CPU (its gathered decode path and its padded prefill) over the fp8 cache, against `manual`."""
+    from _checkpoints import relative_error
+
+    _, want = _generate("manual", "fp8")
+    _, got = _generate("sdpa", "fp8")
+    for a, b in zip(want, got):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logits, b.logits):
+            assert relative_error(lb, la) < 1e-5
