@@ -222,6 +222,12 @@ class KVLayer:
     k_scale: torch.Tensor | None = None  # 0-d float32, for quantized caches
     v_scale: torch.Tensor | None = None
 
+    def dequantize(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V read from this layer's cache as `dtype`, scales applied (the plain way to read any cache)."""
+        if self.k_scale is None:
+            return k.to(dtype), v.to(dtype)
+        return (k.float() * self.k_scale).to(dtype), (v.float() * self.v_scale).to(dtype)
+
 
 @dataclass(frozen=True)
 class AttentionSpec:

@@ -23,6 +23,8 @@ from nanoplug.core.inputs import plan_inputs
 from nanoplug.core.loader import load_weights
 from nanoplug.core.sampler import Sampler
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a dtype of each size, to zero any cache
+
 
 @dataclass
 class PluginClasses:
@@ -77,8 +79,8 @@ class ModelRunner(Worker):
                                    facts.num_layers)
         scales = store.scales(self.kv_spec)
         if scales is not None:
-            self.kv_spec = KVCacheSpec(self.kv_spec.dtype, self.block_size, kv_heads, facts.head_dim,
-                                       facts.num_layers, *scales)
+            self.kv_spec = KVCacheSpec(self.kv_spec.dtype, self.block_size, kv_heads, facts.head_dim, facts.num_layers,
+                                       *(s.to(device, torch.float32) for s in scales))  # kernels read them there
         spec_ = AttentionSpec(heads, kv_heads, facts.head_dim, facts.head_dim ** -0.5, self.block_size, dtype, device,
                               self.kv_spec)
         decode = plugins.decode_attention(spec_)
@@ -192,7 +194,8 @@ class ModelRunner(Worker):
         graph inputs' pinned host buffers come in two, used in turn)."""
         num_seqs = len(step.query_lens)
         if step.new_blocks:  # never-written memory may hold NaN that padded reads would spread
-            self.kv_cache.index_fill_(2, to_device(step.new_blocks, torch.int64, self.device), 0)
+            blocks = to_device(step.new_blocks, torch.int64, self.device)
+            self.kv_cache.view(_BITS[self.kv_cache.dtype.itemsize]).index_fill_(2, blocks, 0)  # float8 has no fill
         size = None if step.is_prefill or self.graphs is None else self.graphs.size_for(num_seqs)
         prompt_lps = None
         if self.request_adapters is not None:
@@ -218,8 +221,9 @@ class ModelRunner(Worker):
                 prompt_lps = self._prompt_logprobs(hidden, step)
         if step.block_copies:  # after the forward that wrote the blocks copied
             src, dst = zip(*step.block_copies)
-            self.kv_cache.index_copy_(2, to_device(dst, torch.int64, self.device),
-                                      self.kv_cache.index_select(2, to_device(src, torch.int64, self.device)))
+            bits = self.kv_cache.view(_BITS[self.kv_cache.dtype.itemsize])  # float8 has no index_copy_
+            bits.index_copy_(2, to_device(dst, torch.int64, self.device),
+                             bits.index_select(2, to_device(src, torch.int64, self.device)))
         if self.group.rank != 0 or not (step.sample_rows or step.prompt_logprob_at):
             self.pending.append(None)
             return

@@ -8,6 +8,11 @@ queries for decode). Prefill without cached context attends
 over the new K/V themselves (no page indirection); chunked prefill, prefix-cache hits and decode
 read keys through the block tables. Causal masks align to the bottom right, which is exactly "new
 queries at the end of their context". No host sync, so decode runs inside CUDA graphs.
+
+FlashAttention reads 16-bit caches only (FA4 asserts q, k, v share a 16-bit dtype; it has no fp8 path). A
+float8 cache (`kv_cache="fp8"`) is read by our Triton paged-decode kernel in decode steps
+(triton_decode.py), and by FlashAttention over the referenced pages dequantized in prefill steps with
+cached context (dequantized_pages.py); prefill without cached context attends over the new 16-bit K/V.
 """
 from __future__ import annotations
 
@@ -18,6 +23,9 @@ from typing import Any, Callable
 import torch
 
 from nanoplug.api import AttentionBackend, AttentionMetadata, Target
+from nanoplug.plugins.attention import triton_decode
+from nanoplug.plugins.attention.dequantized_pages import DequantizedPages
+
 INSTALL_HINT = "pip install flash-attn (FlashAttention-2, Ampere or newer) or pip install flash-attn-4 (Hopper/Blackwell)"
 
 
@@ -75,9 +83,13 @@ class FlashAttention(AttentionBackend):
         if not kernels.min_capability <= cap <= kernels.max_capability:
             reasons.append(f"{kernels.name} needs compute capability {kernels.min_capability[0]}.{kernels.min_capability[1]}"
                            f" to {kernels.max_capability[0]}.x, this GPU has {cap[0]}.{cap[1]}; {INSTALL_HINT}")
-        if target.cache_dtype != target.dtype:
-            reasons.append(f"reads a cache of the model's dtype only, not {str(target.cache_dtype).removeprefix('torch.')}; "
-                           "use kv_cache='torch' or 'triton'")
+        if target.cache_dtype == torch.float8_e4m3fn:  # decode by our Triton kernel, prefill over dequantized pages
+            if triton_decode.triton is None:
+                reasons.append(f"a float8 cache is read by a Triton kernel, and triton is not importable "
+                               f"({triton_decode.TRITON_ERROR}); pip install triton")
+        elif target.cache_dtype != target.dtype:
+            reasons.append(f"reads a cache of the model's dtype or float8_e4m3fn only, not "
+                           f"{str(target.cache_dtype).removeprefix('torch.')}; use kv_cache='torch' or 'triton'")
         block = target.block_size
         if block % kernels.block_multiple:
             reasons.append(f"{kernels.name} paged attention needs kv_block_size a multiple of "
@@ -87,13 +99,27 @@ class FlashAttention(AttentionBackend):
     def __init__(self, spec):
         super().__init__(spec)
         self.kernels, _ = load_kernels()
+        # a float8 cache: decode by our Triton kernel; prefill over cached context from dequantized pages
+        self.fp8 = spec.cache_dtype != spec.dtype
+        self.fp8_decode = triton_decode.TritonDecode(spec) if self.fp8 else None
+        self.fp8_pages = DequantizedPages() if self.fp8 else None
+        self.fp8_step = False
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self.meta = meta  # padding in the block tables names the scratch block: every entry is a real page
         self.paged = not meta.is_prefill or meta.has_cached_context
+        self.fp8_step = self.fp8 and self.paged and self.fp8_decode.serves(meta)
+        if self.fp8_step:
+            self.fp8_decode.prepare(meta)
+        elif self.fp8 and self.paged:
+            self.fp8_pages.prepare(meta, self.spec.block_size)
 
     def forward(self, q, k, v, k_cache, v_cache, layer):
         meta, scale = self.meta, self.spec.scale
+        if self.fp8_step:
+            return self.fp8_decode.forward(q, k_cache, v_cache, layer)
+        if self.fp8 and self.paged:
+            k_cache, v_cache, meta = self.fp8_pages.gather(k_cache, v_cache, layer, q.dtype)
         if self.kernels.name == "FA2":
             return self._fa2(q, k, v, k_cache, v_cache, meta, scale)
         if not self.paged:

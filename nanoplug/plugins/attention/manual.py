@@ -28,8 +28,8 @@ class ManualAttention(AttentionBackend):
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
             qi = q[start:start + q_len].float().transpose(0, 1)  # [H, Lq, D]
-            ki = gather_context(k_cache, meta.block_tables[i], seq_len).float()
-            vi = gather_context(v_cache, meta.block_tables[i], seq_len).float()
+            ki, vi = layer.dequantize(gather_context(k_cache, meta.block_tables[i], seq_len),
+                                      gather_context(v_cache, meta.block_tables[i], seq_len), torch.float32)
             ki = ki.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, Lk, D]
             vi = vi.repeat_interleave(group, dim=1).transpose(0, 1)
             scores = (qi @ ki.transpose(1, 2)) * spec.scale

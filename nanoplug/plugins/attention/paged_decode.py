@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanoplug.api import AttentionMetadata, AttentionSpec
+from nanoplug.api import AttentionMetadata, AttentionSpec, KVLayer
 
 
 class PagedDecode:
@@ -36,14 +36,19 @@ class PagedDecode:
         self.mask = mask.view(pad.shape[0], 1, 1, max_k)
         self.max_k = max_k
 
-    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: KVLayer) -> torch.Tensor:
         """q: [B, H, D] (one row per sequence) -> [B, H, D]."""
         num_seqs, kv_heads, dim = q.shape[0], self.spec.num_kv_heads, q.shape[2]
         shape = (num_seqs, self.max_k, kv_heads, dim)
+        if self.cast:  # through an integer view: float8 tensors have no index_select
+            bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[k_cache.dtype.itemsize]
+            k_cache, v_cache = k_cache.view(bits), v_cache.view(bits)
         keys = k_cache.view(-1, kv_heads, dim).index_select(0, self.index).view(shape).transpose(1, 2)
         values = v_cache.view(-1, kv_heads, dim).index_select(0, self.index).view(shape).transpose(1, 2)
         if self.cast:
-            keys, values = keys.to(q.dtype), values.to(q.dtype)
+            keys, values = keys.view(self.spec.cache_dtype), values.view(self.spec.cache_dtype)
+        if self.cast:
+            keys, values = layer.dequantize(keys, values, q.dtype)
         queries = q.reshape(num_seqs, kv_heads, self.group, dim)  # heads of one KV head as its query rows
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=self.spec.scale)
         return out.reshape(num_seqs, self.spec.num_heads, dim)

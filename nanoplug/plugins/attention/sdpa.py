@@ -62,14 +62,19 @@ class SdpaAttention(AttentionBackend):
         if self.fast:
             return self.cuda.forward(q, k, v, k_cache, v_cache, self.meta)
         if self.decoding:
-            return self.paged_decode.forward(q, k_cache, v_cache)
+            return self.paged_decode.forward(q, k_cache, v_cache, layer)
         num_seqs = self.blocks.shape[0]
         qp = q.new_zeros(num_seqs, self.max_q, q.shape[1], q.shape[2])
         qp[self.row, self.col] = q
-        kp = k_cache[self.blocks].flatten(1, 2).transpose(1, 2)  # [B, Hkv, Lk, D]
-        vp = v_cache[self.blocks].flatten(1, 2).transpose(1, 2)
+        if self.cast:  # gathered through an integer view: float8 tensors have few indexing kernels
+            bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[k_cache.dtype.itemsize]
+            kp = k_cache.view(bits)[self.blocks].view(k_cache.dtype).flatten(1, 2).transpose(1, 2)
+            vp = v_cache.view(bits)[self.blocks].view(v_cache.dtype).flatten(1, 2).transpose(1, 2)
+        else:
+            kp = k_cache[self.blocks].flatten(1, 2).transpose(1, 2)  # [B, Hkv, Lk, D]
+            vp = v_cache[self.blocks].flatten(1, 2).transpose(1, 2)
         if self.cast:
-            kp, vp = kp.to(q.dtype), vp.to(q.dtype)
+            kp, vp = layer.dequantize(kp, vp, q.dtype)
         out = F.scaled_dot_product_attention(
             qp.transpose(1, 2), kp, vp, attn_mask=self.mask, scale=self.spec.scale,
             enable_gqa=self.spec.num_heads != self.spec.num_kv_heads,

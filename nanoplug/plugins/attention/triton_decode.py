@@ -1,0 +1,221 @@
+"""Paged decode attention in Triton (flash-decoding), reading the cache as stored: float8 with its
+per-layer scale, or a plain 16/32-bit cache.
+
+One program per (sequence, KV head, split of the context). A program holds every query head of its KV
+head (the GQA group, padded to 16 rows for `tl.dot`), so each K/V tile is read from memory once for
+the whole group: a decode step is bound by reading the cache, and fp8 halves those bytes. The split's
+partial output and log-sum-exp go to float32 buffers, and a second small kernel merges the splits.
+
+The grid depends only on the batch size and the longest context the step may have (`max_seqlen_k`,
+which is the model's limit for a captured graph), never on device values: a split past its
+sequence's end writes an empty partial and returns. No host syncs, so it runs inside CUDA graphs.
+Tile sizes, warps and stages are fixed (`DecodeConfig`), not autotuned, for the same reason.
+
+On a GPU the dots run in the query's dtype (K/V from float8 convert to it exactly) with float32
+accumulation; Triton's CPU interpreter computes bfloat16 `tl.dot` wrong, so there the dots run in
+float32 (`IEEE`), and the bfloat16 path is tested on the GPU only (tests/gpu/test_gpu_fp8_kv.py).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except Exception as exc:  # triton missing or broken: backends report the reason
+    triton = None
+    TRITON_ERROR = f"{type(exc).__name__}: {exc}"
+else:
+    TRITON_ERROR = None
+
+    @triton.jit
+    def _decode_split_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, seq_lens_ptr,
+        out_ptr, part_out_ptr, part_lse_ptr, qk_scale,
+        stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_tb,
+        stride_ob, stride_oh,
+        GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SCALED: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        """Attention of one KV head's query group over one split of its sequence's context.
+
+        `qk_scale` is the softmax scale times log2(e): the softmax runs in base 2. With one split the
+        normalized output goes straight to `out`; else the partial and its log2-sum-exp to the buffers.
+        """
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        seq_len = tl.load(seq_lens_ptr + b)
+        tiles = tl.cdiv(seq_len, BLOCK_N)
+        per_split = tl.cdiv(tiles, NUM_SPLITS) * BLOCK_N
+        start = split * per_split
+        end = tl.minimum(start + per_split, seq_len)
+
+        rows = tl.arange(0, GROUP_P)
+        dims = tl.arange(0, HEAD_DIM_P)
+        heads = kvh * GROUP + rows
+        row_ok = rows < GROUP
+        dim_ok = dims < HEAD_DIM
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                    mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        if IEEE:
+            q = q.to(tl.float32)
+        if SCALED:  # folded into the scores and the output: K and V stay exact in the dot's dtype
+            qk_scale = qk_scale * tl.load(k_scale_ptr)
+
+        m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_P], tl.float32)
+        acc = tl.zeros([GROUP_P, HEAD_DIM_P], tl.float32)
+        offs = tl.arange(0, BLOCK_N)
+        for tile_start in range(start, end, BLOCK_N):  # empty when the split lies past the sequence
+            pos = tile_start + offs
+            live = pos < end
+            page = tl.load(tables_ptr + b * stride_tb + pos // PAGE, mask=live, other=0).to(tl.int64)
+            within = pos % PAGE
+            kv_mask = live[:, None] & dim_ok[None, :]
+            # float8 -> float32 -> the query's dtype is exact (e4m3 values are bfloat16 and float16 values)
+            k = tl.load(k_cache_ptr + page[:, None] * stride_kb + within[:, None] * stride_kt + kvh * stride_kh
+                        + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32).to(q.dtype)
+            v = tl.load(v_cache_ptr + page[:, None] * stride_vb + within[:, None] * stride_vt + kvh * stride_vh
+                        + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32).to(q.dtype)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(live[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # every tile holds a live position: finite
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+            m_i = m_new
+        if SCALED:
+            acc = acc * tl.load(v_scale_ptr)
+
+        out_mask = row_ok[:, None] & dim_ok[None, :]
+        if NUM_SPLITS == 1:
+            out = acc / l_i[:, None]
+            tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            empty = l_i == 0.0  # a split past the sequence's end: weight 0 in the merge, values 0 not garbage
+            out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
+            lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+            row = (b * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split  # [B, H, S] layout
+            tl.store(part_out_ptr + row[:, None] * HEAD_DIM_P + dims[None, :], out, mask=out_mask)
+            tl.store(part_lse_ptr + row, lse, mask=row_ok)
+
+    @triton.jit
+    def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, NUM_HEADS: tl.constexpr,
+                             HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                             SPLITS_P: tl.constexpr):
+        """One (sequence, head): the splits' partial outputs weighted by their share of the softmax."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        splits = tl.arange(0, SPLITS_P)
+        dims = tl.arange(0, HEAD_DIM_P)
+        row = (b * NUM_HEADS + h) * NUM_SPLITS + splits
+        ok = splits < NUM_SPLITS
+        lse = tl.load(part_lse_ptr + row, mask=ok, other=float("-inf"))
+        w = tl.exp2(lse - tl.max(lse, 0))  # the first split always holds the sequence's first token
+        part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM_P + dims[None, :], mask=ok[:, None], other=0.0)
+        out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+        tl.store(out_ptr + b * stride_ob + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+                 mask=dims < HEAD_DIM)
+
+
+LOG2E = 1.4426950408889634
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch settings. The defaults suit an H200 with head_dim 64-128: a 64-token tile is 8 KiB of fp8
+    K per head, 4 warps, 2 pipeline stages; splits until about 4 programs per SM are in flight."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    programs_per_sm: int = 4
+    max_splits: int = 32
+
+
+def num_splits(batch: int, kv_heads: int, max_seqlen_k: int, num_sms: int, cfg: DecodeConfig) -> int:
+    """Splits of each context: enough programs to fill the GPU, never more than there are tiles.
+    Depends on host values only (batch size and the step's longest possible context)."""
+    tiles = max(1, -(-max_seqlen_k // cfg.block_n))
+    want = -(-num_sms * cfg.programs_per_sm // max(1, batch * kv_heads))
+    return max(1, min(want, tiles, cfg.max_splits))
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float, splits: int, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None, cfg: DecodeConfig = DecodeConfig()) -> torch.Tensor:
+    """q: [B, H, D], one query per sequence at the end of its context of `seq_lens[b]` tokens (its own
+    K/V already stored); caches [num_blocks, page, Hkv, D]; block_tables int32 [B, W]. -> [B, H, D]."""
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    batch, heads, dim = q.shape
+    kv_heads, page = k_cache.shape[2], k_cache.shape[1]
+    group = heads // kv_heads
+    dim_p = triton.next_power_of_2(dim)
+    out = torch.empty_like(q)
+    scaled = k_scale is not None
+    if splits > 1:  # allocated per call: inside a captured graph they come from (and stay in) its pool
+        part_out = torch.empty(batch, heads, splits, dim_p, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out
+    # float32 dots for float32 models, and always in the CPU interpreter (its bfloat16 tl.dot is wrong)
+    ieee = q.dtype == torch.float32 or interpreting()
+    _decode_split_kernel[(batch, kv_heads, splits)](
+        q, k_cache, v_cache, k_scale if scaled else seq_lens, v_scale if scaled else seq_lens,
+        block_tables, seq_lens, out, part_out, part_lse, scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, HEAD_DIM_P=dim_p,
+        PAGE=page, BLOCK_N=cfg.block_n, NUM_SPLITS=splits, SCALED=scaled, IEEE=ieee,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(batch, heads)](
+            part_out, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=heads, HEAD_DIM=dim,
+            HEAD_DIM_P=dim_p, NUM_SPLITS=splits, SPLITS_P=triton.next_power_of_2(splits), num_warps=4,
+        )
+    return out
+
+
+class TritonDecode:
+    """A backend's decode steps through `paged_decode`: the splits are chosen once per step in `prepare`."""
+
+    def __init__(self, spec, cfg: DecodeConfig = DecodeConfig()):
+        self.spec, self.cfg = spec, cfg
+        cuda = spec.device.type == "cuda"
+        self.num_sms = torch.cuda.get_device_properties(spec.device).multi_processor_count if cuda else 4
+        self.splits = 1
+
+    @staticmethod
+    def serves(meta) -> bool:
+        """Every sequence adds exactly one token at the end of its context (decode, and one-token chunks)."""
+        return meta.max_seqlen_q == 1
+
+    def prepare(self, meta) -> None:
+        # max_seqlen_k is the model's limit in a captured graph, so a graph's grid fits every replay
+        self.meta = meta
+        self.splits = num_splits(meta.num_seqs, self.spec.num_kv_heads, meta.max_seqlen_k, self.num_sms, self.cfg)
+
+    def forward(self, q, k_cache, v_cache, layer) -> torch.Tensor:
+        meta = self.meta
+        return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.spec.scale, self.splits,
+                            layer.k_scale, layer.v_scale, self.cfg)

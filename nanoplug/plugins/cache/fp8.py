@@ -1,0 +1,115 @@
+"""KV-cache store `fp8`: K and V kept as float8 e4m3 with a float32 scale per layer, half a 2-byte cache.
+
+One Triton launch per layer quantizes K and V of every new token on the fly and writes them at their
+slots (slot -1 skipped), as the `triton` store copies them. The value stored is `x / scale` rounded to
+the nearest e4m3 number (ties to even), saturated at +-448 (e4m3fn has no infinity; an overflow must not
+become NaN). The rounding is done in float32 arithmetic and only an exact e4m3 value is cast: the
+hardware cast rounds the same way, but Triton's CPU interpreter rounds some values wrong, and one path
+everywhere keeps the interpreter tests about the code the GPU runs.
+
+Scales are static, 1.0 per layer (vLLM's default when a checkpoint gives none). e4m3's relative
+precision is the same for every magnitude from 2^-6 to 448, so a scale only matters when K or V leave
+that range; the K/V of the models served here sit well inside it, and a static scale keeps the store
+free of host syncs and of state that differs between the first step and a graph replay. Scales live on
+the device (`scales` gives them per layer; the runner moves them there), so calibrated ones need no
+kernel change.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from nanoplug.api import KVCacheSpec, KVCacheStore, Target
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+try:
+    import triton
+    import triton.language as tl
+except Exception as exc:  # triton missing or broken: the reason reaches the user, never a crash
+    triton = None
+    TRITON_ERROR = f"{type(exc).__name__}: {exc}"
+else:
+    TRITON_ERROR = None
+
+    @triton.jit
+    def quantize_e4m3(x, scale):
+        """float32 x / scale as the nearest e4m3 value (ties to even), saturated, cast exactly."""
+        y = tl.math.div_rn(x, scale)
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        a = tl.abs(y)
+        exp = ((a.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
+        exp = tl.maximum(exp, -6)  # below 2^-6 e4m3 is subnormal: a fixed quantum of 2^-9
+        quantum = ((exp - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits: 2^(exp-3)
+        inverse = ((127 + 3 - exp) << 23).to(tl.float32, bitcast=True)  # powers of two: both products exact
+        rounded = ((a * inverse + 8388608.0) - 8388608.0) * quantum  # a * inverse < 16: + 2^23 rounds to even
+        sign = y.to(tl.uint32, bitcast=True) & 0x80000000  # kept on zeros too: -1e-4 is -0.0, as torch rounds it
+        return (rounded.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True).to(tl.float8e4nv)
+
+    @triton.jit
+    def _store_fp8_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
+                          k_stride, v_stride, ROW: tl.constexpr, ROW_P: tl.constexpr):
+        """Token i: quantize its K and V rows (ROW = heads * head_dim values) into its slot."""
+        i = tl.program_id(0)
+        slot = tl.load(slot_ptr + i)
+        if slot == -1:
+            return
+        cols = tl.arange(0, ROW_P)
+        mask = cols < ROW
+        k = tl.load(k_ptr + i * k_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + i * v_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(k_cache_ptr + slot * ROW + cols, quantize_e4m3(k, tl.load(k_scale_ptr)), mask=mask)
+        tl.store(v_cache_ptr + slot * ROW + cols, quantize_e4m3(v, tl.load(v_scale_ptr)), mask=mask)
+
+
+def quantize_reference(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The plain-PyTorch quantization the kernel must equal: x / scale, saturated, rounded to e4m3."""
+    return (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def dequantize(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """A cache tensor read back as `dtype` (float32 product first, so a scale costs no extra rounding)."""
+    if scale is None:
+        return x.to(dtype)
+    return (x.float() * scale.float()).to(dtype)
+
+
+class Fp8Store(KVCacheStore):
+    description = "float8 e4m3 K/V with per-layer scales (half a 16-bit cache), fused Triton quantizing store"
+    priority = 5  # opt-in: it trades a little accuracy for memory, so "auto" keeps the model's dtype
+
+    @classmethod
+    def unavailable(cls, target: Target) -> list[str]:
+        reasons = []
+        if triton is None:
+            reasons.append(f"triton is not importable ({TRITON_ERROR}); pip install triton")
+        if target.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "") != "1":
+            reasons.append(f"needs CUDA (device is {target.device.type}); on CPU only with TRITON_INTERPRET=1 "
+                           "set before triton is imported, for tests")
+        if target.device.type == "cuda" and torch.cuda.is_available() \
+                and torch.cuda.get_device_capability(target.device) < (8, 9):
+            cap = torch.cuda.get_device_capability(target.device)
+            reasons.append(f"float8 e4m3 needs compute capability 8.9 or newer (Ada, Hopper), this GPU has "
+                           f"{cap[0]}.{cap[1]}")
+        if target.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            reasons.append(f"stores K/V of a float16, bfloat16 or float32 model (got {target.dtype})")
+        return reasons
+
+    def cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return FP8
+
+    def scales(self, spec: KVCacheSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.ones(spec.num_layers), torch.ones(spec.num_layers)
+
+    def store(self, k, v, k_cache, v_cache, slot_mapping, layer) -> None:
+        n, heads, dim = k.shape
+        row = heads * dim
+        k, v = k.reshape(n, row), v.reshape(n, row)
+        if k.stride(-1) != 1:
+            k = k.contiguous()
+        if v.stride(-1) != 1:
+            v = v.contiguous()
+        _store_fp8_kernel[(n,)](k, v, k_cache, v_cache, slot_mapping, layer.k_scale, layer.v_scale,
+                                k.stride(0), v.stride(0), ROW=row, ROW_P=triton.next_power_of_2(row))
