@@ -11,8 +11,8 @@ which is the model's limit for a captured graph), never on device values: a spli
 sequence's end writes an empty partial and returns. No host syncs, so it runs inside CUDA graphs.
 Tile sizes, warps and stages are fixed (`DecodeConfig`), not autotuned, for the same reason.
 
-On a GPU the dots run in the query's dtype (K/V from float8 convert to it exactly) with float32
-accumulation; Triton's CPU interpreter computes bfloat16 `tl.dot` wrong, so there the dots run in
+On a GPU the dots run in the query's dtype, or in float16 over a float8 cache (K/V widen to it exactly
+in one instruction, and q and the softmax weights lose nothing to it), with float32 accumulation; Triton's CPU interpreter computes bfloat16 `tl.dot` wrong, so there the dots run in
 float32 (`IEEE`), and the bfloat16 path is tested on the GPU only (tests/gpu/test_gpu_fp8_kv.py).
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ else:
         stride_ob, stride_oh,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SCALED: tl.constexpr,
-        IEEE: tl.constexpr,
+        IEEE: tl.constexpr, F8_AS_F16: tl.constexpr,
     ):
         """Attention of one KV head's query group over one split of its sequence's context.
 
@@ -64,6 +64,8 @@ else:
                     mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
         if IEEE:
             q = q.to(tl.float32)
+        elif F8_AS_F16:  # float8 widens to float16 in one instruction (to bfloat16 it takes a detour)
+            q = q.to(tl.float16)
         if SCALED:  # folded into the scores and the output: K and V stay exact in the dot's dtype
             qk_scale = qk_scale * tl.load(k_scale_ptr)
 
@@ -77,11 +79,16 @@ else:
             page = tl.load(tables_ptr + b * stride_tb + pos // PAGE, mask=live, other=0).to(tl.int64)
             within = pos % PAGE
             kv_mask = live[:, None] & dim_ok[None, :]
-            # float8 -> float32 -> the query's dtype is exact (e4m3 values are bfloat16 and float16 values)
+            # float8 -> float16 (or -> float32 -> the query's dtype) is exact: e4m3 values are float16 and
+            # bfloat16 values
             k = tl.load(k_cache_ptr + page[:, None] * stride_kb + within[:, None] * stride_kt + kvh * stride_kh
-                        + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32).to(q.dtype)
+                        + dims[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_cache_ptr + page[:, None] * stride_vb + within[:, None] * stride_vt + kvh * stride_vh
-                        + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32).to(q.dtype)
+                        + dims[None, :], mask=kv_mask, other=0.0)
+            if F8_AS_F16:
+                k, v = k.to(tl.float16), v.to(tl.float16)
+            else:
+                k, v = k.to(tl.float32).to(q.dtype), v.to(tl.float32).to(q.dtype)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -141,11 +148,11 @@ def interpreting() -> bool:
 @dataclass(frozen=True)
 class DecodeConfig:
     """Launch settings. The defaults suit an H200 with head_dim 64-128: a 64-token tile is 8 KiB of fp8
-    K per head, 4 warps, 2 pipeline stages; splits until about 4 programs per SM are in flight."""
+    K per head, 4 warps, 3 pipeline stages; splits until about 4 programs per SM are in flight."""
 
     block_n: int = 64
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
     programs_per_sm: int = 4
     max_splits: int = 32
 
@@ -186,6 +193,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, HEAD_DIM_P=dim_p,
         PAGE=page, BLOCK_N=cfg.block_n, NUM_SPLITS=splits, SCALED=scaled, IEEE=ieee,
+        F8_AS_F16=not ieee and k_cache.element_size() == 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
