@@ -16,8 +16,7 @@ best of `--repeats`, since the machine may be shared. One prompt of `--prompt-to
 - `--quality`: per-token log-probabilities of a fixed text (benchmarks/data/apache-2.0.txt, 2,224 tokens)
   from both engines on the same file: mean KL(llama.cpp || nanoplug) and both perplexities.
 
-    python benchmarks/cpu_gguf.py --threads 2                 # the record in RESULTS.md
-    python benchmarks/cpu_gguf.py --threads 2 --quality
+    python benchmarks/cpu_gguf.py --threads 2 --kv-cache fp16 --base-tree ../8c5112a --quality   # RESULTS.md
 """
 from __future__ import annotations
 
@@ -189,6 +188,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quality", action="store_true", help="also compare per-token log-probabilities")
     parser.add_argument("--no-llama", action="store_true", help="nanoplug only (llama-cpp-python not installed)")
+    parser.add_argument("--kv-cache", default="auto",
+                        help="the GGUF engine's KV-cache store (fp16: half the bytes decode attention reads, as "
+                             "llama.cpp's default f16 cache; auto: float32)")
+    parser.add_argument("--base-tree", default=None,
+                        help="a checkout of another commit (e.g. 8c5112a): its float32 engine on the same 32-prompt "
+                             "workload (its benchmarks/cpu_smollm2.py, in a subprocess) after nanoplug's figures")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time with the process's CPU clock, not the wall clock (with --threads 1 on a shared "
                              "machine: time the process was not running is not counted)")
@@ -215,7 +220,7 @@ def main() -> None:
     options = dict(device="cpu", kv_block_size=16, max_model_len=4096, cpu={"kv_cache_gb": 1.0},
                    enable_prefix_caching=False, max_num_batched_tokens=4096)
     rss0 = rss_mb()
-    quant = NanoplugEngine(gguf, "nanoplug (GGUF blocks)", **options)
+    quant = NanoplugEngine(gguf, "nanoplug (GGUF blocks)", **options, kv_cache=args.kv_cache)
     rss_quant = rss_mb() - rss0
     engines = [quant]
     if not args.no_llama:
@@ -271,6 +276,28 @@ def main() -> None:
             r = result[engine.label]
             print(f"| {engine.label} | {r['decode_tps']:.1f} | {r['total_tps']:.1f} | {r['decode_tps'] / ref:.2f}x | "
                   f"{100 * r['match']:.1f}% |")
+
+
+    if args.batch and args.base_tree:
+        base_figures(args, folder, result[quant.label])
+
+
+def base_figures(args, folder: str, quant: dict) -> None:
+    """The base commit's float32 engine on cpu_smollm2.py's workload (its own script, its own tree), and the
+    GGUF engine's figures of this run against it."""
+    tree = Path(args.base_tree).resolve()
+    cmd = [sys.executable, str(tree / "benchmarks" / "cpu_smollm2.py"), "--model", folder, "--batch", str(args.batch),
+           "--repeats", str(args.repeats), "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+    row = next(line for line in out.splitlines() if line.startswith(f"| {args.batch} | nanoplug"))
+    decode, total = (float(x) for x in row.split("|")[3:5])
+    base = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip() or tree.name
+    print(f"\n| {args.batch} prompts, same run | decode tok/s | end-to-end tok/s |\n|---|---:|---:|")
+    print(f"| nanoplug float32 at {base} (its cpu_smollm2.py) | {decode:.1f} | {total:.1f} |")
+    print(f"| nanoplug, the GGUF's blocks | {quant['decode_tps']:.1f} ({quant['decode_tps'] / decode:.2f}x) | "
+          f"{quant['total_tps']:.1f} ({quant['total_tps'] / total:.2f}x) |")
 
 
 if __name__ == "__main__":

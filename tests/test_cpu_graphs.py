@@ -111,6 +111,23 @@ def test_a_computation_the_recording_cannot_see_is_caught_at_start_up(path, engi
     llm.close()
 
 
+def test_a_cache_write_the_recording_cannot_see_is_caught_at_start_up(path, engines, monkeypatch, caplog):
+    from nanoplug.plugins.cache.torch import TorchStore
+
+    def numpy_store(self, k, v, k_cache, v_cache, slot_mapping, layer):  # as Triton's CPU interpreter writes
+        slots = slot_mapping.numpy()
+        k_cache.view(-1, *k_cache.shape[2:]).numpy()[slots] = k.numpy()
+        v_cache.view(-1, *v_cache.shape[2:]).numpy()[slots] = v.numpy()
+
+    monkeypatch.setattr(TorchStore, "store", numpy_store)
+    with caplog.at_level(logging.WARNING, logger="nanoplug"):
+        llm = LLM(path, **ENGINE)
+    assert llm.engine.worker.graphs is None
+    assert "differs from the eager one" in caplog.text
+    assert outputs(llm) == outputs(engines[0])
+    llm.close()
+
+
 def test_a_value_read_back_into_python_is_caught_at_start_up(path, engines, monkeypatch, caplog):
     forward = VocabParallelEmbedding.forward
 

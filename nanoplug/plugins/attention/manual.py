@@ -1,7 +1,9 @@
 """Attention `manual`: plain PyTorch, one sequence at a time, float32 softmax. The oracle.
 
 Every other backend is tested against this one. It reads all keys back from the paged cache, so
-prefill, chunked prefill, prefix-cache hits and decode take the same, obviously right path.
+chunked prefill, prefix-cache hits and decode take the same, obviously right path; a prefill without
+cached context attends over its new K/V as computed, as every backend does (the same values in a cache
+of the model's dtype; a float8 or float16 cache's copy would be rounded).
 """
 from __future__ import annotations
 
@@ -28,8 +30,11 @@ class ManualAttention(AttentionBackend):
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
             qi = q[start:start + q_len].float().transpose(0, 1)  # [H, Lq, D]
-            ki, vi = layer.dequantize(gather_context(k_cache, meta.block_tables[i], seq_len),
-                                      gather_context(v_cache, meta.block_tables[i], seq_len), torch.float32)
+            if meta.has_cached_context:
+                ki, vi = layer.dequantize(gather_context(k_cache, meta.block_tables[i], seq_len),
+                                          gather_context(v_cache, meta.block_tables[i], seq_len), torch.float32)
+            else:
+                ki, vi = k[start:start + q_len].float(), v[start:start + q_len].float()
             ki = ki.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, Lk, D]
             vi = vi.repeat_interleave(group, dim=1).transpose(0, 1)
             scores = (qi @ ki.transpose(1, 2)) * spec.scale

@@ -52,8 +52,11 @@ class SdpaAttention(AttentionBackend):
         block_size = self.spec.block_size
         num_blocks = (meta.max_seqlen_k + block_size - 1) // block_size
         self.blocks = meta.block_tables[:, :num_blocks].long()
+        # no cached context: attend over the new K/V as computed (not the cache's copy: exact whatever
+        # the cache's dtype, and no gather)
+        self.fresh = not meta.has_cached_context
         q_pos = (seq_lens - q_lens).unsqueeze(1) + torch.arange(max_q, device=dev).unsqueeze(0)  # [B, Lq]
-        k_pos = torch.arange(num_blocks * block_size, device=dev)
+        k_pos = torch.arange(max_q if self.fresh else num_blocks * block_size, device=dev)
         self.mask = (k_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)) & (k_pos.view(1, 1, -1) < seq_lens.view(-1, 1, 1))
         self.mask = self.mask.unsqueeze(1)  # [B, 1, Lq, Lk]
         self.max_q = max_q
@@ -66,14 +69,19 @@ class SdpaAttention(AttentionBackend):
         num_seqs = self.blocks.shape[0]
         qp = q.new_zeros(num_seqs, self.max_q, q.shape[1], q.shape[2])
         qp[self.row, self.col] = q
-        if self.cast:  # gathered through an integer view: float8 tensors have few indexing kernels
+        if self.fresh:
+            kp = k.new_zeros(num_seqs, self.max_q, k.shape[1], k.shape[2])
+            vp = v.new_zeros(num_seqs, self.max_q, v.shape[1], v.shape[2])
+            kp[self.row, self.col], vp[self.row, self.col] = k, v
+            kp, vp = kp.transpose(1, 2), vp.transpose(1, 2)
+        elif self.cast:  # gathered through an integer view: float8 tensors have few indexing kernels
             bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[k_cache.dtype.itemsize]
             kp = k_cache.view(bits)[self.blocks].view(k_cache.dtype).flatten(1, 2).transpose(1, 2)
             vp = v_cache.view(bits)[self.blocks].view(v_cache.dtype).flatten(1, 2).transpose(1, 2)
         else:
             kp = k_cache[self.blocks].flatten(1, 2).transpose(1, 2)  # [B, Hkv, Lk, D]
             vp = v_cache[self.blocks].flatten(1, 2).transpose(1, 2)
-        if self.cast:
+        if self.cast and not self.fresh:
             kp, vp = layer.dequantize(kp, vp, q.dtype)
         out = F.scaled_dot_product_attention(
             qp.transpose(1, 2), kp, vp, attn_mask=self.mask, scale=self.spec.scale,

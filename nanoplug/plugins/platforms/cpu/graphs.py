@@ -9,8 +9,9 @@ Views and allocations are not calls. An op whose result depends on the data in P
 `nonzero`) cannot be replayed: the capture fails and decode runs eager, with a warning.
 
 Each recording is checked before it is used: other token ids go through the model eagerly and through
-the replay, and the logits must be equal, so a call the recording could not see (another library's
-ctypes call, say) shows up at start-up rather than as wrong tokens.
+the replay (with an eager step on yet other ids between them), and the logits must be equal, so a call
+the recording could not see (another library's ctypes call, Triton's CPU interpreter writing the KV
+cache through numpy) shows up at start-up rather than as wrong tokens.
 """
 from __future__ import annotations
 
@@ -157,12 +158,17 @@ class CpuDecodeGraphs(StepGraphs):
         st["block_tables"].fill_(self.scratch_block)
 
     def _check(self, size: int, vocab: int) -> None:
-        """Other token ids, eagerly and replayed: equal logits, or the recording missed a call."""
+        """Other token ids, eagerly and replayed: equal logits, or the recording missed a call. An eager
+        step on yet other ids runs in between, so a missed write (the KV store, say) leaves the replay
+        reading that step's values, not the ones it should have written itself."""
         plan, keep, meta, logits = self.graphs[size]
-        ids = self.static["input_ids"][:size]
-        ids.copy_(torch.arange(1, size + 1) * 7919 % vocab)
+        ids, positions = self.static["input_ids"][:size], self.static["positions"][:size]
         self.ctx.set_step(meta)
-        eager = self.forward(ids, self.static["positions"][:size]).clone()
+        ids.copy_(torch.arange(1, size + 1) * 7919 % vocab)
+        eager = self.forward(ids, positions).clone()
+        ids.copy_(torch.arange(1, size + 1) * 104729 % vocab)
+        self.forward(ids, positions)
+        ids.copy_(torch.arange(1, size + 1) * 7919 % vocab)
         for call in plan:
             call()
         if not torch.equal(eager, logits):
