@@ -85,6 +85,9 @@ _GGUF_BLOCK = {
 _GGUF_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
+CHUNK_VALUES = 1 << 25  # a tensor is quantized in row chunks of about this many values, spread over the pool
+
+
 def gguf_name(hf: str) -> str:
     """The GGUF name of a Qwen3 checkpoint tensor (model.layers.3.mlp.up_proj.weight -> blk.3.ffn_up.weight)."""
     base, _, suffix = hf.rpartition(".")
@@ -122,15 +125,15 @@ def quantize_q4_k(x: Any) -> Any:
 
 
 
-def _quantize_one(job: tuple[str, str, str]) -> tuple[str, Any, str]:
-    """One tensor of a safetensors file, quantized by gguf-py (a worker of write_gguf's pool)."""
+def _quantize_one(job: tuple[str, str, str, int, int]) -> tuple[str, Any, str]:
+    """Rows [start, stop) of one tensor of a safetensors file, quantized by gguf-py (a worker of write_gguf's pool)."""
     import gguf
     import numpy as np
     from safetensors import safe_open
 
-    file, name, fmt = job
+    file, name, fmt, start, stop = job
     with safe_open(file, framework="pt") as f:
-        values = f.get_tensor(name).float().numpy()
+        values = f.get_slice(name)[start:stop].float().numpy()
     if fmt == "F32":
         return name, values.astype(np.float32), fmt
     if fmt == "Q4_K":  # gguf-py has no Q4_K quantizer
@@ -147,6 +150,7 @@ def write_gguf(folder: str | Path, out: str | Path, fmt: str = "Q8_0", formats: 
     import json
 
     import gguf
+    import numpy as np
     from safetensors import safe_open
     from transformers import AutoConfig, AutoTokenizer
 
@@ -158,8 +162,10 @@ def write_gguf(folder: str | Path, out: str | Path, fmt: str = "Q8_0", formats: 
             for name in f.keys():
                 key = gguf_name(name)
                 part = key.split(".")[-2]
-                ndim = len(f.get_slice(name).get_shape())
-                jobs.append((str(file), name, "F32" if ndim == 1 else (formats or {}).get(part, fmt)))
+                shape = f.get_slice(name).get_shape()
+                kind = "F32" if len(shape) == 1 else (formats or {}).get(part, fmt)
+                step = max(1, CHUNK_VALUES // max(1, shape[-1])) if len(shape) == 2 else shape[0]
+                jobs += [(str(file), name, kind, a, min(a + step, shape[0])) for a in range(0, shape[0], step)]
     writer = gguf.GGUFWriter(str(out), arch="qwen3")
     writer.add_name(folder.name)
     writer.add_context_length(config.max_position_embeddings)
@@ -178,11 +184,16 @@ def write_gguf(folder: str | Path, out: str | Path, fmt: str = "Q8_0", formats: 
     if processes > 1:
         import multiprocessing
 
-        with multiprocessing.get_context("fork").Pool(processes) as pool:
+        # spawned, not forked: a fork of a process whose torch already ran OpenMP threads can hang
+        with multiprocessing.get_context("spawn").Pool(processes) as pool:
             results = pool.map(_quantize_one, jobs, chunksize=1)
     else:
         results = [_quantize_one(job) for job in jobs]
-    for name, data, kind in results:
+    merged: dict[str, tuple[list, str]] = {}
+    for name, data, kind in results:  # a large tensor's row chunks, back in order
+        merged.setdefault(name, ([], kind))[0].append(data)
+    for name, (chunks, kind) in merged.items():
+        data = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
         if kind == "F32":
             writer.add_tensor(gguf_name(name), data)
         else:
