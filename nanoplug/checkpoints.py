@@ -72,3 +72,161 @@ def write_random_checkpoint(folder: str | Path, architecture: str = "Qwen3ForCau
     if tokenizer:
         tok.save_pretrained(str(folder))
     return folder
+
+
+# ------------------------------------------------------------------------------ GGUF files of a checkpoint
+# Hugging Face tensor name (after "model.layers.N.") -> GGUF name, as llama.cpp's converter writes a Qwen3
+_GGUF_BLOCK = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+_GGUF_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+CHUNK_VALUES = 1 << 25  # a tensor is quantized in row chunks of about this many values, spread over the pool
+
+
+def gguf_name(hf: str) -> str:
+    """The GGUF name of a Qwen3 checkpoint tensor (model.layers.3.mlp.up_proj.weight -> blk.3.ffn_up.weight)."""
+    base, _, suffix = hf.rpartition(".")
+    if base.startswith("model.layers."):
+        layer, _, part = base.removeprefix("model.layers.").partition(".")
+        return f"blk.{layer}.{_GGUF_BLOCK[part]}.{suffix}"
+    return f"{_GGUF_GLOBAL[base]}.{suffix}"
+
+
+def quantize_q4_k(x: Any) -> Any:
+    """Valid Q4_K blocks for float32 rows x [n, k] (k a multiple of 256): per 32 weights a 6-bit scale
+    and minimum of the super-block's float16 d and dmin, 4-bit quants. Not llama.cpp's search for the
+    best scales, only a faithful encoding of the format, which is what the tests need."""
+    import numpy as np
+
+    n, k = x.shape
+    sub = x.reshape(-1, 8, 32).astype(np.float32)
+    lo = np.minimum(sub.min(-1), 0)
+    scale, mins = (sub.max(-1) - lo) / 15, -lo
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = (mins.max(-1) / 63).astype(np.float16)
+    df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(df > 0, np.clip(np.rint(scale / df), 0, 63), 0).astype(np.uint8)
+        mq = np.where(dminf > 0, np.clip(np.rint(mins / dminf), 0, 63), 0).astype(np.uint8)
+        eff, off = (df * sc)[..., None], (dminf * mq)[..., None]
+        q = np.where(eff > 0, np.clip(np.rint((sub + off) / eff), 0, 15), 0).astype(np.uint8)
+    packed = np.zeros((sub.shape[0], 12), np.uint8)
+    packed[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = mq[:, :4] | ((mq[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 0xF) | ((mq[:, 4:] & 0xF) << 4)
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # sub-blocks 2c (low) and 2c+1 (high) share bytes
+    blocks = np.concatenate([d[:, None].view(np.uint8), dmin[:, None].view(np.uint8), packed, qs], axis=1)
+    return blocks.reshape(n, -1)
+
+
+
+def _quantize_one(job: tuple[str, str, str, int, int]) -> tuple[str, Any, str]:
+    """Rows [start, stop) of one tensor of a safetensors file, quantized by gguf-py (a worker of write_gguf's pool)."""
+    import gguf
+    import numpy as np
+    from safetensors import safe_open
+
+    file, name, fmt, start, stop = job
+    with safe_open(file, framework="pt") as f:
+        values = f.get_slice(name)[start:stop].float().numpy()
+    if fmt == "F32":
+        return name, values.astype(np.float32), fmt
+    if fmt == "Q4_K":  # gguf-py has no Q4_K quantizer
+        return name, quantize_q4_k(values), fmt
+    return name, gguf.quants.quantize(values, gguf.GGMLQuantizationType[fmt]), fmt
+
+
+def write_gguf(folder: str | Path, out: str | Path, fmt: str = "Q8_0", formats: dict[str, str] | None = None,
+               processes: int = 1) -> Path:
+    """Write the Qwen3 checkpoint in `folder` (safetensors, config, tokenizer) as one GGUF file with the
+    metadata `LLM("file.gguf")` reads (the architecture's numbers, the BPE tokenizer). Each 2-D weight
+    is quantized by gguf-py to `fmt`, or to formats[GGUF name part] (e.g. {"attn_k": "Q4_1"}); norms stay
+    F32. `processes` > 1 quantizes tensors in a pool (numpy uses one core)."""
+    import json
+
+    import gguf
+    import numpy as np
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder, out = Path(folder), Path(out)
+    config = AutoConfig.from_pretrained(str(folder))
+    jobs = []
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                key = gguf_name(name)
+                part = key.split(".")[-2]
+                shape = f.get_slice(name).get_shape()
+                kind = "F32" if len(shape) == 1 else (formats or {}).get(part, fmt)
+                step = max(1, CHUNK_VALUES // max(1, shape[-1])) if len(shape) == 2 else shape[0]
+                jobs += [(str(file), name, kind, a, min(a + step, shape[0])) for a in range(0, shape[0], step)]
+    writer = gguf.GGUFWriter(str(out), arch="qwen3")
+    writer.add_name(folder.name)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(float(config.rope_theta if hasattr(config, "rope_theta")
+                                    else config.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    _add_tokenizer(writer, folder, config.vocab_size, AutoTokenizer, json, gguf)
+    if processes > 1:
+        import multiprocessing
+
+        # spawned, not forked: a fork of a process whose torch already ran OpenMP threads can hang
+        with multiprocessing.get_context("spawn").Pool(processes) as pool:
+            results = pool.map(_quantize_one, jobs, chunksize=1)
+    else:
+        results = [_quantize_one(job) for job in jobs]
+    merged: dict[str, tuple[list, str]] = {}
+    for name, data, kind in results:  # a large tensor's row chunks, back in order
+        merged.setdefault(name, ([], kind))[0].append(data)
+    for name, (chunks, kind) in merged.items():
+        data = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+        if kind == "F32":
+            writer.add_tensor(gguf_name(name), data)
+        else:
+            writer.add_tensor(gguf_name(name), data, raw_dtype=gguf.GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _add_tokenizer(writer: Any, folder: Path, vocab_size: int, auto_tokenizer: Any, json: Any, gguf: Any) -> None:
+    """The folder's BPE tokenizer as GGUF metadata (llama.cpp's "gpt2" model, "qwen2" pre-tokenizer),
+    the token list padded to the model's vocabulary with unused tokens."""
+    tok = auto_tokenizer.from_pretrained(str(folder))
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tok.get_vocab()
+    special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+    added = {t["id"] for t in spec.get("added_tokens", [])}
+    by_id = {i: t for t, i in vocab.items()}
+    tokens, types = [], []
+    for i in range(vocab_size):
+        tokens.append(by_id.get(i, f"[PAD{i}]"))
+        types.append(gguf.TokenType.UNUSED if i not in by_id else gguf.TokenType.CONTROL if i in special
+                     else gguf.TokenType.USER_DEFINED if i in added else gguf.TokenType.NORMAL)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    eos = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in vocab else tok.eos_token_id
+    writer.add_eos_token_id(int(eos))
+    if tok.pad_token_id is not None:
+        writer.add_pad_token_id(int(tok.pad_token_id))
+    writer.add_add_bos_token(False)

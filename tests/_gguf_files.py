@@ -7,36 +7,13 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from nanoplug.checkpoints import quantize_q4_k  # noqa: F401  (gguf-py cannot quantize Q4_K)
+
 # the mixed file: every block format the CPU kernels serve, fused layers whose parts differ in format,
 # and an F16 embedding (dequantized at load: a dense tied LM head). Q4_K needs rows that are whole
 # super-blocks of 256, which only ffn_down's 1536 inputs are.
 MIXED = {"token_embd": "F16", "attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_1",
          "ffn_gate": "Q4_0", "ffn_up": "Q8_0", "ffn_down": "Q4_K"}
-
-
-def quantize_q4_k(x: np.ndarray) -> np.ndarray:
-    """Valid Q4_K blocks for float32 rows x [n, k] (k a multiple of 256): per 32 weights a 6-bit scale
-    and minimum of the super-block's float16 d and dmin, 4-bit quants. Not llama.cpp's search for the
-    best scales, only a faithful encoding of the format, which is what the tests need."""
-    n, k = x.shape
-    sub = x.reshape(-1, 8, 32).astype(np.float32)
-    lo = np.minimum(sub.min(-1), 0)
-    scale, mins = (sub.max(-1) - lo) / 15, -lo
-    d = (scale.max(-1) / 63).astype(np.float16)
-    dmin = (mins.max(-1) / 63).astype(np.float16)
-    df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        sc = np.where(df > 0, np.clip(np.rint(scale / df), 0, 63), 0).astype(np.uint8)
-        mq = np.where(dminf > 0, np.clip(np.rint(mins / dminf), 0, 63), 0).astype(np.uint8)
-        eff, off = (df * sc)[..., None], (dminf * mq)[..., None]
-        q = np.where(eff > 0, np.clip(np.rint((sub + off) / eff), 0, 15), 0).astype(np.uint8)
-    packed = np.zeros((sub.shape[0], 12), np.uint8)
-    packed[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
-    packed[:, 4:8] = mq[:, :4] | ((mq[:, 4:] >> 4) << 6)
-    packed[:, 8:12] = (sc[:, 4:] & 0xF) | ((mq[:, 4:] & 0xF) << 4)
-    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # sub-blocks 2c (low) and 2c+1 (high) share bytes
-    blocks = np.concatenate([d[:, None].view(np.uint8), dmin[:, None].view(np.uint8), packed, qs], axis=1)
-    return blocks.reshape(n, -1)
 
 
 def requantize(source: Path, out: Path, formats: dict[str, str]) -> Path:

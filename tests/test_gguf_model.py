@@ -136,8 +136,8 @@ def test_the_default_model_keeps_its_blocks(engines):
     assert [a.kind for a in quant.config.adapters] == ["gguf"] and dense.config.adapters == []
     model = quant.engine.worker.model
     assert model.lm_head.weight is model.model.embed_tokens.weight  # one packed copy, the tied head
-    methods = {type(m.linear_method).__name__ for m in model.modules() if hasattr(m, "linear_method")}
-    assert methods == {"GGUFLinearMethod"}
+    methods = {type(m.linear_method.method()).__name__ for m in model.modules() if hasattr(m, "linear_method")}
+    assert methods == {"GGUFLinearMethod"}  # on a CPU the gguf adapter picks its C++ kernels' method
     formats = {seg[2] for m in model.modules() if hasattr(m, "linear_method") for seg in m.weight.gguf.segments}
     assert formats == {"Q4_1", "Q8_0"}
     weights = sum(t.numel() * t.element_size() for n, t in [*model.named_parameters(), *model.named_buffers()]

@@ -12,8 +12,8 @@ weight: rows are dequantized as they are gathered, logits computed from the bloc
 equals gguf-py's exactly.
 
 Tensors of other types arrive dequantized (the F32 norms; an F16 or Q6_K weight), and a layer made of
-float parts keeps them dense. Where this cannot serve (a GPU, bfloat16, several ranks), `quantization=
-"auto"` dequantizes instead, and says why.
+float parts keeps them dense. Where this cannot serve (a CPU engine in bfloat16, several ranks, a GPU
+without triton), `quantization="auto"` dequantizes instead, and says why.
 """
 from __future__ import annotations
 
@@ -30,14 +30,20 @@ FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K"})
 
 
 class GGUFAdapter(WeightAdapter):
-    description = "a GGUF checkpoint's Q4_0/Q4_1/Q8_0/Q4_K weights kept in their blocks (CPU C++ kernels)"
+    description = ("a GGUF checkpoint's Q4_0/Q4_1/Q8_0/Q4_K weights kept in their blocks (CPU: C++ kernels; "
+                   "CUDA: Triton kernels)")
     gguf_formats = FORMATS  # the loader hands tensors of these types over as blocks
 
     @classmethod
     def unavailable(cls, target: Target) -> list[str]:
+        if target.device.type == "cuda":
+            from nanoplug.plugins.adapters.gguf_triton import triton_reasons
+
+            return triton_reasons(target)
         reasons = []
         if target.device.type != "cpu":
-            reasons.append(f"its kernels run on the CPU, not {target.device.type} (quantization=None dequantizes)")
+            reasons.append(f"its kernels run on the CPU or CUDA, not {target.device.type} (quantization=None "
+                           "dequantizes)")
         if target.dtype != torch.float32:
             reasons.append(f"it computes in float32, not {str(target.dtype).removeprefix('torch.')} (pass dtype='float32')")
         if target.tensor_parallel_size != 1:
@@ -51,9 +57,56 @@ class GGUFAdapter(WeightAdapter):
         return reasons
 
     def linear_method(self) -> LinearMethod:
-        from nanoplug.plugins.platforms.cpu.kernels.quant_ops import quant_kernels
+        return ByDevice()
 
-        return GGUFLinearMethod(quant_kernels())
+
+def _cpu_method() -> LinearMethod:
+    from nanoplug.plugins.platforms.cpu.kernels.quant_ops import quant_kernels
+
+    return GGUFLinearMethod(quant_kernels())
+
+
+def _triton_method() -> LinearMethod:
+    from nanoplug.plugins.adapters.gguf_triton import TritonGGUFLinearMethod
+
+    return TritonGGUFLinearMethod()
+
+
+class ByDevice(LinearMethod):
+    """The CPU kernels' method or the Triton one, picked by the device the model's parameters are created
+    on (the runner builds the model under `torch.device(...)`); every call and attribute goes to it."""
+
+    def __init__(self):
+        object.__setattr__(self, "_impl", None)
+
+    def method(self) -> LinearMethod:
+        if self._impl is None:
+            on = torch.empty(0).device.type  # the device of the model being built
+            object.__setattr__(self, "_impl", _cpu_method() if on == "cpu" else _triton_method())
+        return self._impl
+
+    def __getattr__(self, name: str) -> Any:  # only for names this class lacks (int8_activations, dequantized)
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.method(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.method(), name, value)
+
+    def create_weights(self, layer, input_size, output_size, dtype) -> None:
+        self.method().create_weights(layer, input_size, output_size, dtype)
+
+    def load(self, layer, param, tensor, out_offset, out_size) -> None:
+        self.method().load(layer, param, tensor, out_offset, out_size)
+
+    def process_after_loading(self, layer) -> None:
+        self.method().process_after_loading(layer)
+
+    def apply(self, layer, x, bias):
+        return self._impl.apply(layer, x, bias)
+
+    def embed(self, layer, ids):
+        return self._impl.embed(layer, ids)
 
 
 class Segment(NamedTuple):

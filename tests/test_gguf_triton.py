@@ -1,0 +1,124 @@
+"""The Triton GGUF kernels (plugins/adapters/gguf_kernels.py) and the `gguf_triton` weight format, on CPU
+through the Triton interpreter (TRITON_INTERPRET=1 must be set before the kernels are defined, so the
+module is reloaded after setting it, whatever another test imported first), against references no one
+here wrote:
+
+- every dequantized tensor (whole, or rows gathered by id as the embedding does) equals gguf-py's
+  `gguf.quants.dequantize` bit for bit, for Q8_0, Q4_0, Q4_1 and Q4_K;
+- each product (the GEMV for one row, the fused skinny GEMM, dequantize + GEMM for many rows) equals
+  float64 dequantize-then-matmul within float32 rounding (1e-5 of sum |x| |w|);
+- an engine on a small Qwen3 GGUF mixing every format (a fused qkv of three, a quantized tied embedding)
+  through the Triton path gives the float32 engine's greedy tokens on gguf-py's dequantized weights,
+  and its log-probabilities within float32 rounding.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import gguf  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import nanoplug.plugins.adapters.gguf_kernels as kernels  # noqa: E402
+from nanoplug.checkpoints import quantize_q4_k, write_gguf, write_random_checkpoint  # noqa: E402
+from nanoplug.plugins.adapters.gguf_blocks import FORMATS, repack  # noqa: E402
+
+kernels = importlib.reload(kernels)
+ROWS, COLS = 37, 768  # rows not a multiple of any block; 24 groups of 32, 3 Q4_K super-blocks
+MIXED = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_K", "ffn_gate": "Q4_1",
+         "ffn_up": "Q8_0", "ffn_down": "Q4_K", "token_embd": "Q8_0"}
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+             tie_word_embeddings=True)
+
+
+def quantized(fmt: str, rows: int = ROWS, cols: int = COLS, seed: int = 0):
+    """gguf-py's blocks of a random weight, and gguf-py's dequantization of them."""
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    blocks = quantize_q4_k(w) if fmt == "Q4_K" else gguf.quants.quantize(w, gguf.GGMLQuantizationType[fmt])
+    ref = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[fmt]).reshape(rows, cols)
+    return torch.from_numpy(np.ascontiguousarray(blocks)), torch.from_numpy(ref)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_equals_gguf_py(fmt):
+    blocks, ref = quantized(fmt)
+    packed = repack(fmt, blocks, ROWS, COLS)
+    assert torch.equal(kernels.dequantize(packed, torch.empty(ROWS, COLS)), ref)
+    ids = torch.tensor([5, 0, 36, 5, 17])
+    assert torch.equal(kernels.dequantize(packed, torch.empty(len(ids), COLS), ids), ref[ids])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [1, 7, 16, 70])  # the GEMV, the fused kernel (one and two row blocks), dequantize + mm
+def test_matmul_equals_dequantize_then_matmul(fmt, m):
+    blocks, ref = quantized(fmt, seed=1)
+    packed = repack(fmt, blocks, ROWS, COLS)
+    x = torch.randn(m, COLS, generator=torch.Generator().manual_seed(2))
+    got = kernels.linear(x, packed, torch.empty(m, ROWS))
+    exact = x.double() @ ref.double().T
+    bound = 1e-5 * (x.double().abs() @ ref.double().abs().T)
+    assert ((got.double() - exact).abs() <= bound).all(), (got.double() - exact).abs().max()
+
+
+def test_writes_into_columns_of_a_wider_output():
+    """A fused layer's parts write their own columns of one output (rows strided)."""
+    blocks, ref = quantized("Q4_1")
+    packed = repack("Q4_1", blocks, ROWS, COLS)
+    for m in (1, 5):
+        x = torch.randn(m, COLS)
+        out = torch.full((m, ROWS + 10), 7.0)
+        kernels.linear(x, packed, out[:, 4:4 + ROWS])
+        assert torch.allclose(out[:, 4:4 + ROWS], x @ ref.T, rtol=1e-4, atol=1e-4)
+        assert (out[:, :4] == 7).all() and (out[:, 4 + ROWS:] == 7).all()
+
+
+# ------------------------------------------------------------------------------------------ the engine
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gguf-triton")
+    checkpoint = write_random_checkpoint(folder / "q3", **SHAPE)
+    return write_gguf(checkpoint, folder / "mixed.gguf", formats=MIXED)
+
+
+def prompt_logprobs(llm, ids) -> torch.Tensor:
+    """log-softmax rows predicting ids[1:], from the hidden states the prefill computes, through the model's head."""
+    from nanoplug import SamplingParams
+
+    model, hidden = llm.engine.worker.model, []
+    hook = model.register_forward_hook(lambda m, args, out: hidden.append(out.detach().clone()))
+    try:
+        llm.generate([ids], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    finally:
+        hook.remove()
+    with torch.inference_mode():
+        return torch.log_softmax(model.compute_logits(torch.cat(hidden)[: len(ids) - 1]).float(), dim=-1)
+
+
+def test_engine_on_the_triton_path_matches_the_float32_engine(mixed_gguf):
+    from nanoplug import LLM, SamplingParams
+
+    options = dict(device="cpu", dtype="float32", kv_block_size=16, max_model_len=256, cpu={"kv_cache_gb": 0.05},
+                   enable_prefix_caching=False)
+    quant = LLM(str(mixed_gguf), quantization="gguf_triton", **options)
+    dense = LLM(str(mixed_gguf), quantization=None, **options)
+    try:
+        assert [a.kind for a in quant.config.adapters] == ["gguf_triton"] and dense.config.adapters == []
+        model = quant.engine.worker.model
+        assert model.lm_head.weight is model.model.embed_tokens.weight  # the tied head shares the blocks
+        qkv = model.model.layers[0].self_attn.qkv_proj.weight.gguf.segments
+        assert [s.weight.fmt for s in qkv] == ["Q4_0", "Q4_1", "Q8_0"]
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        for prompt in ["The capital of France is", "def fibonacci(n):"]:
+            got = quant.generate([prompt], params, use_tqdm=False)[0].token_ids
+            want = dense.generate([prompt], params, use_tqdm=False)[0].token_ids
+            assert got == want, prompt
+        ids = dense.tokenizer.encode("Once upon a time, in a small village, there lived")
+        diff = (prompt_logprobs(quant, ids) - prompt_logprobs(dense, ids)).abs().max().item()
+        assert diff < 1e-4, diff
+    finally:
+        quant.close()
+        dense.close()
