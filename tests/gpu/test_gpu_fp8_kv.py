@@ -119,7 +119,9 @@ def test_backends_over_fp8_cache_match_manual(model, fp8_reference, name, eager)
     diffs = compare.differences(outcome, fp8_reference)
     assert set(diffs) == set(CASES)
     for case, (abs_diff, rel_diff) in diffs.items():
-        assert rel_diff < 2e-2, (name, case, abs_diff, rel_diff)
+        # bf16 attention against manual's float32 over the same float8 values (measured up to 2.1e-2 where
+        # a prefix hit reads them back through bf16 pages)
+        assert rel_diff < 2.5e-2, (name, case, abs_diff, rel_diff)
 
 
 @pytest.mark.parametrize("attention", ["flash", "triton"])

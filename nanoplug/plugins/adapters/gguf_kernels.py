@@ -1,5 +1,5 @@
 """Triton kernels over GGUF weights in the layout of gguf_blocks.py: dequantize (rows, or rows gathered by
-token id), a GEMV for one row of activations, and a fused skinny GEMM for a few rows.
+token id) and a GEMV for a row or two of activations; more rows multiply a dequantized copy.
 
 A decode step streams every weight once, so the decode kernels read the quantized bytes directly and
 never write a dequantized copy. Each program owns BLOCK_N output rows and walks the whole K in chunks
@@ -98,77 +98,16 @@ else:
         optr = out_ptr + tl.program_id(1).to(tl.int64) * stride_o + rows
         tl.store(optr, out.to(out_ptr.dtype.element_ty), mask=rmask)
 
-    @triton.jit
-    def _halves_2d(q_ptr, s_ptr, m_ptr, rows, rmask, g0, G, c,
-                   IS_Q8: tl.constexpr, Q4_0: tl.constexpr, HAS_MIN: tl.constexpr):
-        """As _halves, as 2-D tiles [BLOCK_N, BLOCK_G * 16]: column c is weight c % 16 (and + 16) of group
-        g0 + c // 16, the operand shape tl.dot takes."""
-        rows64 = rows.to(tl.int64)
-        g = g0 + c // 16
-        mask = rmask[:, None] & (g < G)[None, :]
-        if IS_Q8:
-            ptr = q_ptr + rows64[:, None] * (G * 32) + (g * 32 + c % 16)[None, :]
-            lo = tl.load(ptr, mask=mask, other=0).to(tl.float32)
-            hi = tl.load(ptr + 16, mask=mask, other=0).to(tl.float32)
-        else:
-            b = tl.load(q_ptr + rows64[:, None] * (G * 16) + (g0 * 16 + c)[None, :], mask=mask, other=0)
-            lo = (b & 0xF).to(tl.float32)
-            hi = (b >> 4).to(tl.float32)
-            if Q4_0:
-                lo = lo - 8.0
-                hi = hi - 8.0
-        soff = rows64[:, None] * G + g[None, :]
-        s = tl.load(s_ptr + soff, mask=mask, other=0).to(tl.float32)
-        lo = lo * s
-        hi = hi * s
-        if HAS_MIN:
-            m = tl.load(m_ptr + soff, mask=mask, other=0).to(tl.float32)
-            lo = lo + m
-            hi = hi + m
-        return lo, hi
-
-    @triton.jit
-    def _mm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, M, N, G, stride_x, stride_o,
-                   IS_Q8: tl.constexpr, Q4_0: tl.constexpr, HAS_MIN: tl.constexpr, IEEE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
-        """out = x @ w.T for a few rows of x: the weight tile dequantized in registers to x's dtype and fed
-        to tl.dot (float32 accumulation); IEEE: float32 operands multiplied exactly (no TF32)."""
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rmask = rows < N
-        ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        mmask = ms < M
-        c = tl.arange(0, BLOCK_G * 16)
-        xrow = x_ptr + ms.to(tl.int64)[:, None] * stride_x
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for g0 in range(0, G, BLOCK_G):
-            lo, hi = _halves_2d(q_ptr, s_ptr, m_ptr, rows, rmask, g0, G, c, IS_Q8, Q4_0, HAS_MIN)
-            k = (g0 + c // 16) * 32 + c % 16
-            xmask = mmask[:, None] & ((g0 + c // 16) < G)[None, :]
-            xlo = tl.load(xrow + k[None, :], mask=xmask, other=0)
-            xhi = tl.load(xrow + k[None, :] + 16, mask=xmask, other=0)
-            wlo = tl.trans(lo.to(x_ptr.dtype.element_ty))
-            whi = tl.trans(hi.to(x_ptr.dtype.element_ty))
-            if IEEE:
-                acc += tl.dot(xlo, wlo, input_precision="ieee")
-                acc += tl.dot(xhi, whi, input_precision="ieee")
-            else:
-                acc += tl.dot(xlo, wlo)
-                acc += tl.dot(xhi, whi)
-        optr = out_ptr + ms.to(tl.int64)[:, None] * stride_o + rows[None, :]
-        tl.store(optr, acc.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & rmask[None, :])
-
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
-# (BLOCK_N, BLOCK_G, num_warps) per format for the GEMV: 8 rows x 16 groups (512 weights) a step keeps
-# 2 KiB (4-bit) to 4 KiB (Q8_0) of quants in flight per program, and N / 8 programs fill an H200's 132
-# SMs several times over; benchmarks/gpu_gguf.py --kernels sweeps the alternatives.
-GEMV_CONFIG = {"Q8_0": (8, 16, 4), "Q4_0": (8, 16, 4), "Q4_1": (8, 16, 4), "Q4_K": (8, 16, 4)}
-MM_CONFIG = (16, 32, 8, 4, 3)  # BLOCK_M, BLOCK_N, BLOCK_G, num_warps, num_stages
+# (BLOCK_N, BLOCK_G, num_warps) per format for the GEMV: the fastest of `benchmarks/gpu_gguf.py kernels`'s
+# sweep on an H200 (4 rows x 16-32 groups a program, 2 warps: many small programs in flight)
+GEMV_CONFIG = {"Q8_0": (4, 16, 2), "Q4_0": (4, 32, 2), "Q4_1": (4, 32, 2), "Q4_K": (4, 32, 2)}
+GEMV_MAX_M = 2  # rows of x the GEMV takes (it reads the weight once per row); above: dequantize + GEMM
 DEQUANT_CONFIG = (16, 16, 4)   # BLOCK_R, BLOCK_G, num_warps
-FUSED_MAX_M = 64  # above: dequantize into a scratch of x's dtype and let torch's GEMM multiply
 
 
 def _flags(p: Packed) -> dict:
@@ -200,23 +139,12 @@ def gemv(x: torch.Tensor, p: Packed, out: torch.Tensor, config: tuple[int, int, 
     return out
 
 
-def mm(x: torch.Tensor, p: Packed, out: torch.Tensor, config: tuple[int, ...] | None = None) -> torch.Tensor:
-    """out [M, rows] = x [M, cols] @ w.T through the fused tl.dot kernel (a few rows of x)."""
-    block_m, block_n, block_g, warps, stages = config or ((16, 64, 8, 4, 1) if interpreting() else MM_CONFIG)
-    grid = (triton.cdiv(p.rows, block_n), triton.cdiv(x.shape[0], block_m))
-    _mm_kernel[grid](x, p.quants, p.scales, _mins(p), out, x.shape[0], p.rows, p.cols // 32, x.stride(0),
-                     out.stride(0), **_flags(p), IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
-                     BLOCK_G=block_g, num_warps=warps, num_stages=stages)
-    return out
-
-
 def linear(x: torch.Tensor, p: Packed, out: torch.Tensor) -> torch.Tensor:
     """out [M, rows] = x [M, cols] @ w.T (x rows contiguous, out a view whose rows may be strided): the GEMV
-    for one row, the fused kernel up to FUSED_MAX_M rows, else dequantize and torch's GEMM."""
+    for one or two rows, else dequantize into a scratch of x's dtype and torch's GEMM (a fused tl.dot kernel
+    for a few rows measured 3-10x slower than that on the H200: benchmarks/RESULTS.md)."""
     m = x.shape[0]
-    if m == 1:
+    if m <= GEMV_MAX_M:
         return gemv(x, p, out)
-    if m <= FUSED_MAX_M:
-        return mm(x, p, out)
     w = dequantize(p, torch.empty(p.rows, p.cols, dtype=x.dtype, device=x.device))
     return torch.mm(x, w.t(), out=out) if out.is_contiguous() else out.copy_(torch.mm(x, w.t()))

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 
 import torch
@@ -65,10 +66,14 @@ class CudaPlatform(Platform):
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
         release()
+        gc.collect()  # an engine closed in this process may still hold its graphs' memory through a cycle
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
-        used_elsewhere = total - free - torch.cuda.memory_reserved(device)
-        budget = total * self.memory_utilization - used_elsewhere - peak
+        # everything in use now counts, this process's included (memory it reserved but cannot release,
+        # such as a closed engine's graph pools, is no more ours to give than another process's); the
+        # profile's activations come on top of the weights allocated now
+        in_use = total - free
+        budget = total * self.memory_utilization - in_use - (peak - torch.cuda.memory_allocated(device))
         num_blocks = int(budget // block_bytes)
         if num_blocks < 1:
             raise RuntimeError("no GPU memory left for the KV cache; raise cuda={'memory_utilization': ...} or lower "
