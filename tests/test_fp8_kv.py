@@ -106,12 +106,13 @@ def _decode_case(seq_lens, heads=6, kv_heads=2, dim=64, page=16, width=None, cac
 @pytest.mark.parametrize("splits", [1, 3, 8])
 @pytest.mark.parametrize("shape", [dict(heads=6, kv_heads=2, dim=64), dict(heads=9, kv_heads=3, dim=64),
                                    dict(heads=4, kv_heads=4, dim=48)], ids=["gqa3", "gqa3-smollm2", "mha-dim48"])
-def test_decode_matches_float32_reference(splits, shape):
+@pytest.mark.parametrize("block_n", [32, 8])  # tiles across pages (16 tokens), and tiles within one
+def test_decode_matches_float32_reference(splits, shape, block_n):
     seq_lens = [1, 17, 100, 64, 5, 130]  # mixed, one ending on a page edge, one within a single tile
     q, kc, vc, tables, lens = _decode_case(seq_lens, **shape)
     ks, vs = torch.tensor(0.8), torch.tensor(1.7)
     out = triton_decode.paged_decode(q, kc, vc, tables, lens, 0.125, splits, ks, vs,
-                                     triton_decode.DecodeConfig(block_n=32))
+                                     triton_decode.DecodeConfig(block_n=block_n))
     ref = reference_decode(q, kc, vc, tables, lens, 0.125, ks, vs)
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -215,3 +216,38 @@ def test_sdpa_reads_a_float8_cache_in_decode_and_prefill():
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logits, b.logits):
             assert relative_error(lb, la) < 1e-5
+
+
+def test_scales_are_set_by_the_first_real_k_and_v_and_then_stay():
+    """Start-up's dummy steps (profile, warm-up) leave the scales at 1.0; the first request's K/V of each
+    layer sets them (largest value -> 448 / HEADROOM) on the device; later requests do not move them."""
+    from _checkpoints import PROMPTS, checkpoint
+    from nanoplug import LLM, SamplingParams
+    from nanoplug.plugins.cache.fp8 import FP8_MAX, HEADROOM
+
+    llm = LLM(checkpoint("qwen3"), attention="manual", kv_cache="fp8", dtype="float32", **ENGINE)
+    spec = llm.engine.worker.kv_spec
+    assert torch.equal(spec.k_scale, torch.ones_like(spec.k_scale))
+    assert all(layer.calibrate for _, _, layer in llm.engine.worker.ctx.kv)
+    seen = {}
+    store = type(llm.engine.worker.ctx.store).store
+
+    def watching(self, k, v, k_cache, v_cache, slot_mapping, layer):
+        if layer.calibrate:
+            seen[layer.index] = (k.abs().max().item(), v.abs().max().item())
+        return store(self, k, v, k_cache, v_cache, slot_mapping, layer)
+
+    type(llm.engine.worker.ctx.store).store = watching
+    try:
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        llm.generate(PROMPTS[:1], params, use_tqdm=False)
+        first = spec.k_scale.clone(), spec.v_scale.clone()
+        llm.generate(PROMPTS[1:], params, use_tqdm=False)
+    finally:
+        type(llm.engine.worker.ctx.store).store = store
+    assert sorted(seen) == list(range(spec.num_layers))
+    for i, (k_max, v_max) in seen.items():
+        assert spec.k_scale[i].item() == pytest.approx(k_max * HEADROOM / FP8_MAX, rel=1e-6)
+        assert spec.v_scale[i].item() == pytest.approx(v_max * HEADROOM / FP8_MAX, rel=1e-6)
+    assert torch.equal(first[0], spec.k_scale) and torch.equal(first[1], spec.v_scale)
+    assert not any(layer.calibrate for _, _, layer in llm.engine.worker.ctx.kv)

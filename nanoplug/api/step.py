@@ -214,13 +214,15 @@ class KVCacheSpec:
     v_scale: torch.Tensor | None = None
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class KVLayer:
     """One layer's view of the cache, handed to the store and the backend with its K/V caches."""
 
     index: int
     k_scale: torch.Tensor | None = None  # 0-d float32, for quantized caches
     v_scale: torch.Tensor | None = None
+    calibrate: bool = False  # set once the engine serves real requests: a store with scales may set them
+    # from the next K/V it stores (on the device), then clears it (start-up's dummy steps never calibrate)
 
     def dequantize(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V read from this layer's cache as `dtype`, scales applied (the plain way to read any cache)."""

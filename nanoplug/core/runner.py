@@ -120,6 +120,8 @@ class ModelRunner(Worker):
         graphs_ok = decode.supports_cuda_graphs and self.request_adapters is None  # per-request LoRA: eager
         self.graphs = self.platform.capture_graphs(self._forward, self.ctx, self.limits, self.scratch_block) \
             if graphs_ok else None
+        for _, _, layer in self.ctx.kv:  # start-up's dummy steps are over: the next K/V are real ones
+            layer.calibrate = layer.k_scale is not None
 
     def _linear_method(self, adapters: list[Any]) -> LinearMethod:
         """A weight format's method if an adapter gives one (at most one may), else the platform's dense one."""

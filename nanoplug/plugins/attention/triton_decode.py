@@ -39,7 +39,7 @@ else:
         stride_ob, stride_oh,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SCALED: tl.constexpr,
-        IEEE: tl.constexpr, F8_AS_F16: tl.constexpr,
+        IEEE: tl.constexpr, F8_AS_F16: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
     ):
         """Attention of one KV head's query group over one split of its sequence's context.
 
@@ -76,15 +76,21 @@ else:
         for tile_start in range(start, end, BLOCK_N):  # empty when the split lies past the sequence
             pos = tile_start + offs
             live = pos < end
-            page = tl.load(tables_ptr + b * stride_tb + pos // PAGE, mask=live, other=0).to(tl.int64)
-            within = pos % PAGE
             kv_mask = live[:, None] & dim_ok[None, :]
+            if TILE_IN_PAGE:  # the tile lies in one page: one table read, and rows the loads can vectorize
+                page = tl.load(tables_ptr + b * stride_tb + tile_start // PAGE).to(tl.int64)
+                row = (tile_start % PAGE + offs)[:, None]
+                k_rows = k_cache_ptr + page * stride_kb + row * stride_kt
+                v_rows = v_cache_ptr + page * stride_vb + row * stride_vt
+            else:  # a page per position
+                page = tl.load(tables_ptr + b * stride_tb + pos // PAGE, mask=live, other=0).to(tl.int64)[:, None]
+                row = (pos % PAGE)[:, None]
+                k_rows = k_cache_ptr + page * stride_kb + row * stride_kt
+                v_rows = v_cache_ptr + page * stride_vb + row * stride_vt
             # float8 -> float16 (or -> float32 -> the query's dtype) is exact: e4m3 values are float16 and
             # bfloat16 values
-            k = tl.load(k_cache_ptr + page[:, None] * stride_kb + within[:, None] * stride_kt + kvh * stride_kh
-                        + dims[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + page[:, None] * stride_vb + within[:, None] * stride_vt + kvh * stride_vh
-                        + dims[None, :], mask=kv_mask, other=0.0)
+            k = tl.load(k_rows + kvh * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_rows + kvh * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
             if F8_AS_F16:
                 k, v = k.to(tl.float16), v.to(tl.float16)
             else:
@@ -193,7 +199,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, HEAD_DIM_P=dim_p,
         PAGE=page, BLOCK_N=cfg.block_n, NUM_SPLITS=splits, SCALED=scaled, IEEE=ieee,
-        F8_AS_F16=not ieee and k_cache.element_size() == 1,
+        F8_AS_F16=not ieee and k_cache.element_size() == 1, TILE_IN_PAGE=page % cfg.block_n == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:

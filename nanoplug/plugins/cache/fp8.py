@@ -7,12 +7,12 @@ become NaN). The rounding is done in float32 arithmetic and only an exact e4m3 v
 hardware cast rounds the same way, but Triton's CPU interpreter rounds some values wrong, and one path
 everywhere keeps the interpreter tests about the code the GPU runs.
 
-Scales are static, 1.0 per layer (vLLM's default when a checkpoint gives none). e4m3's relative
-precision is the same for every magnitude from 2^-6 to 448, so a scale only matters when K or V leave
-that range; the K/V of the models served here sit well inside it, and a static scale keeps the store
-free of host syncs and of state that differs between the first step and a graph replay. Scales live on
-the device (`scales` gives them per layer; the runner moves them there), so calibrated ones need no
-kernel change.
+Scales are per layer, set once from the first real K/V each layer stores (vLLM's calculate_kv_scales):
+the largest value maps to 448 / HEADROOM, and they stay fixed from then on, so what is stored never
+changes meaning. e4m3's relative precision is the same from 2^-6 to 448 but coarse below (a quantum of
+2^-9): with a scale of 1.0 a layer whose V values are ~0.1 (SmolLM2's first) lost much of them. The
+start-up's dummy steps (profile, warm-up, graph capture) run before `KVLayer.calibrate` is set; the scales
+live on the device and are set there, so no step syncs and graph replays read the calibrated values.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from nanoplug.api import KVCacheSpec, KVCacheStore, Target
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+HEADROOM = 4.0  # a calibrated scale maps the first K/V's largest value to 448 / 4: room for larger ones
 
 try:
     import triton
@@ -104,6 +105,10 @@ class Fp8Store(KVCacheStore):
         return torch.ones(spec.num_layers), torch.ones(spec.num_layers)
 
     def store(self, k, v, k_cache, v_cache, slot_mapping, layer) -> None:
+        if layer.calibrate:  # the first real K/V of this layer set its scales, on the device (no sync)
+            layer.calibrate = False
+            for x, scale in ((k, layer.k_scale), (v, layer.v_scale)):
+                scale.copy_((x.detach().abs().amax().float() * HEADROOM / FP8_MAX).clamp_(min=1e-12))
         n, heads, dim = k.shape
         row = heads * dim
         k, v = k.reshape(n, row), v.reshape(n, row)
