@@ -218,36 +218,47 @@ def test_sdpa_reads_a_float8_cache_in_decode_and_prefill():
             assert relative_error(lb, la) < 1e-5
 
 
-def test_scales_are_set_by_the_first_real_k_and_v_and_then_stay():
-    """Start-up's dummy steps (profile, warm-up) leave the scales at 1.0; the first request's K/V of each
-    layer sets them (largest value -> 448 / HEADROOM) on the device; later requests do not move them."""
+@pytest.mark.parametrize("n", [64, 128, 48])
+def test_the_rotation_is_orthogonal(n):
+    r = fp8.hadamard(n).double()
+    assert torch.allclose(r @ r.T, torch.eye(n, dtype=torch.float64), atol=1e-6)
+    if n & (n - 1) == 0:
+        assert torch.equal(r, r.T) and set((r.abs() * n ** 0.5).round().flatten().tolist()) == {1.0}
+
+
+def test_a_rotated_cache_leaves_attention_unchanged():
+    """PagedAttention turns q, k and v into the store's basis and the output back: a float32 cache kept
+    rotated gives the plain cache's logits within float32 rounding, through decode and chunked prefill,
+    and the fp8 store really hands its rotation to every layer."""
+    import types
+
+    from _checkpoints import relative_error
+    from nanoplug import LLM, SamplingParams, hookimpl
+    from nanoplug.api import PLUGIN_API_VERSION
+    from nanoplug.core.registry import Registry
+    from nanoplug.plugins.cache.torch import TorchStore
+
+    class RotatedStore(TorchStore):
+        def rotation(self, head_dim):
+            return fp8.hadamard(head_dim)
+
+    module = types.ModuleType("rotated_store")
+    module.NANOPLUG_API_VERSION = PLUGIN_API_VERSION
+    module.nanoplug_register_kv_cache = hookimpl(lambda register: register.add("rotated", RotatedStore))
+    registry = Registry()
+    registry.add_plugin_module(module, "test")
     from _checkpoints import PROMPTS, checkpoint
-    from nanoplug import LLM, SamplingParams
-    from nanoplug.plugins.cache.fp8 import FP8_MAX, HEADROOM
 
-    llm = LLM(checkpoint("qwen3"), attention="manual", kv_cache="fp8", dtype="float32", **ENGINE)
-    spec = llm.engine.worker.kv_spec
-    assert torch.equal(spec.k_scale, torch.ones_like(spec.k_scale))
-    assert all(layer.calibrate for _, _, layer in llm.engine.worker.ctx.kv)
-    seen = {}
-    store = type(llm.engine.worker.ctx.store).store
-
-    def watching(self, k, v, k_cache, v_cache, slot_mapping, layer):
-        if layer.calibrate:
-            seen[layer.index] = (k.abs().max().item(), v.abs().max().item())
-        return store(self, k, v, k_cache, v_cache, slot_mapping, layer)
-
-    type(llm.engine.worker.ctx.store).store = watching
-    try:
-        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-        llm.generate(PROMPTS[:1], params, use_tqdm=False)
-        first = spec.k_scale.clone(), spec.v_scale.clone()
-        llm.generate(PROMPTS[1:], params, use_tqdm=False)
-    finally:
-        type(llm.engine.worker.ctx.store).store = store
-    assert sorted(seen) == list(range(spec.num_layers))
-    for i, (k_max, v_max) in seen.items():
-        assert spec.k_scale[i].item() == pytest.approx(k_max * HEADROOM / FP8_MAX, rel=1e-6)
-        assert spec.v_scale[i].item() == pytest.approx(v_max * HEADROOM / FP8_MAX, rel=1e-6)
-    assert torch.equal(first[0], spec.k_scale) and torch.equal(first[1], spec.v_scale)
-    assert not any(layer.calibrate for _, _, layer in llm.engine.worker.ctx.kv)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, output_logits=True)
+    prompts = PROMPTS + [PROMPTS[2] + " And then"]
+    rotated = LLM(checkpoint("qwen3"), registry=registry, attention="manual", kv_cache="rotated", **ENGINE)
+    assert all(layer.rotation is not None for _, _, layer in rotated.engine.worker.ctx.kv)
+    got = rotated.generate(prompts, params, use_tqdm=False)
+    _, want = _generate("manual", "torch")
+    for a, b in zip(want, got):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logits, b.logits):
+            assert relative_error(lb, la) < 1e-5
+    llm, _ = _generate("manual", "fp8")
+    r = fp8.hadamard(llm.engine.worker.kv_spec.head_dim)
+    assert all(torch.equal(layer.rotation, r) for _, _, layer in llm.engine.worker.ctx.kv)

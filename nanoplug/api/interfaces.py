@@ -68,6 +68,10 @@ class KVCacheStore(Plugin, ABC):
         """Per-layer (k_scale, v_scale) float32 [num_layers] for a quantized cache; None for a plain one."""
         return None
 
+    def rotation(self, head_dim: int) -> torch.Tensor | None:
+        """An orthogonal [head_dim, head_dim] matrix to keep K and V in (KVLayer.rotation), or None."""
+        return None
+
     @abstractmethod
     def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               slot_mapping: torch.Tensor, layer: KVLayer) -> None:
@@ -278,3 +282,7 @@ class Platform(Plugin):
 
     def wait(self, handle: Any) -> None:
         """Block until the copy `to_host` started has arrived."""
+
+    def release(self) -> None:
+        """A closed worker has dropped its model, cache and graphs: hand their memory back, so the next
+        engine in this process can size its cache from it."""

@@ -212,17 +212,19 @@ class KVCacheSpec:
     # per-layer scales for quantized caches (float32 [num_layers]); None for plain caches
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    rotation: torch.Tensor | None = None  # see KVLayer.rotation
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, eq=False)
 class KVLayer:
     """One layer's view of the cache, handed to the store and the backend with its K/V caches."""
 
     index: int
     k_scale: torch.Tensor | None = None  # 0-d float32, for quantized caches
     v_scale: torch.Tensor | None = None
-    calibrate: bool = False  # set once the engine serves real requests: a store with scales may set them
-    # from the next K/V it stores (on the device), then clears it (start-up's dummy steps never calibrate)
+    # an orthogonal [head_dim, head_dim] matrix R, for caches that hold K and V in a rotated basis: attention
+    # sees q R, k R, v R (dot products unchanged) and its output is turned back by R^T (float32)
+    rotation: torch.Tensor | None = None
 
     def dequantize(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V read from this layer's cache as `dtype`, scales applied (the plain way to read any cache)."""

@@ -7,6 +7,7 @@ kernels, compiled ops, warm-up, graphs and the copy of the tokens back are its p
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -78,9 +79,11 @@ class ModelRunner(Worker):
         self.kv_spec = KVCacheSpec(store.cache_dtype(dtype), self.block_size, kv_heads, facts.head_dim,
                                    facts.num_layers)
         scales = store.scales(self.kv_spec)
-        if scales is not None:
-            self.kv_spec = KVCacheSpec(self.kv_spec.dtype, self.block_size, kv_heads, facts.head_dim, facts.num_layers,
-                                       *(s.to(device, torch.float32) for s in scales))  # kernels read them there
+        rotation = store.rotation(facts.head_dim)
+        if scales is not None or rotation is not None:  # kernels read them on the device
+            k_scale, v_scale = (s.to(device, torch.float32) for s in scales) if scales is not None else (None, None)
+            self.kv_spec = dataclasses.replace(self.kv_spec, k_scale=k_scale, v_scale=v_scale, rotation=None
+                                               if rotation is None else rotation.to(device, torch.float32))
         spec_ = AttentionSpec(heads, kv_heads, facts.head_dim, facts.head_dim ** -0.5, self.block_size, dtype, device,
                               self.kv_spec)
         decode = plugins.decode_attention(spec_)
@@ -120,8 +123,6 @@ class ModelRunner(Worker):
         graphs_ok = decode.supports_cuda_graphs and self.request_adapters is None  # per-request LoRA: eager
         self.graphs = self.platform.capture_graphs(self._forward, self.ctx, self.limits, self.scratch_block) \
             if graphs_ok else None
-        for _, _, layer in self.ctx.kv:  # start-up's dummy steps are over: the next K/V are real ones
-            layer.calibrate = layer.k_scale is not None
 
     def _linear_method(self, adapters: list[Any]) -> LinearMethod:
         """A weight format's method if an adapter gives one (at most one may), else the platform's dense one."""
@@ -158,8 +159,8 @@ class ModelRunner(Worker):
     def _kv_layer(self, i: int) -> KVLayer:
         s = self.kv_spec
         if s.k_scale is None:
-            return KVLayer(i)
-        return KVLayer(i, s.k_scale[i], s.v_scale[i])
+            return KVLayer(i, rotation=s.rotation)
+        return KVLayer(i, s.k_scale[i], s.v_scale[i], s.rotation)
 
     def _profile_run(self) -> None:
         """The largest prefill, once, on a small temporary cache (for platforms that size the cache from memory)."""
@@ -294,7 +295,13 @@ class ModelRunner(Worker):
         return self.num_blocks
 
     def shutdown(self) -> None:
-        """Nothing to stop in this process; the engine drops its reference."""
+        """Drop the device state (graphs first: their pools hold the cache and activations they captured),
+        then let the platform give the memory back. Safe to call twice."""
+        self.pending.clear()
+        self.graphs = self.last_tokens = self.request_adapters = None
+        self.ctx.kv = []
+        self.kv_cache = self.model = None
+        self.platform.release()
 
 
 def _unpack_logprobs(flat: torch.Tensor, step: StepBatch) -> tuple[LogprobsTensors | None, LogprobsTensors | None]:

@@ -129,8 +129,10 @@ def test_engine_fp8_graphs_equal_eager(model, attention):
     from nanoplug import LLM, SamplingParams
     from nanoplug.core.errors import NanoplugError
 
+    from _checkpoints import relative_error
+
     prompts = [f"Story {i}: " + "once upon a time " * (3 + 7 * i) for i in range(12)]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, output_logits=True)
     outs = {}
     for eager in (True, False):
         try:
@@ -142,10 +144,16 @@ def test_engine_fp8_graphs_equal_eager(model, attention):
             raise
         assert llm.engine.worker.kv_cache.dtype == FP8
         assert (llm.engine.worker.graphs is None) == eager  # graphs captured, not fallen back to eager
-        outs[eager] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        outs[eager] = llm.generate(prompts, params, use_tqdm=False)
         llm.close()
-    same = sum(a == b for a, b in zip(outs[True], outs[False]))
-    # the grid of a graph splits contexts for the model's limit, eager for the step's: sums in another
-    # order, and this random model's near ties then flip a greedy token now and then (graph against eager
-    # logits are held to the bf16 tolerance in test_backends_over_fp8_cache_match_manual)
-    assert same >= len(prompts) - 2, (same, outs)
+    # a graph's grid splits contexts for the model's limit, eager's for the step's: sums in another order,
+    # and this random model's near ties may then flip a greedy token, after which the inputs differ. So
+    # the logits are compared position by position up to where the tokens part, to the bf16 tolerance.
+    compared = 0
+    for a, b in zip(outs[True], outs[False]):
+        for i, (la, lb) in enumerate(zip(a.logits, b.logits)):
+            if a.token_ids[:i] != b.token_ids[:i]:
+                break
+            assert relative_error(lb.float(), la.float()) < 2.5e-2, (i, a.token_ids, b.token_ids)
+            compared += 1
+    assert compared >= len(prompts) * 12, compared

@@ -64,3 +64,23 @@ def test_fast_path_perplexity_and_greedy_tokens_on_real_weights(folder):
     print(f"perplexity: nanoplug bf16 fast path {ours:.4f}, transformers float32 {reference:.4f} "
           f"({100 * (ours / reference - 1):+.2f}%); greedy tokens equal to float32: {same}/{32 * 64}")
     assert same >= 0.9 * 32 * 64, same
+
+
+@pytest.mark.parametrize("attention", ["flash", "triton"])
+def test_fp8_cache_perplexity_within_one_percent_of_the_bf16_cache(folder, attention):
+    """The text prefilled in chunks of 64 tokens, so every chunk after the first attends to K/V read back
+    from the cache (as decode reads them); one-shot prefill would never read it."""
+    from nanoplug import LLM, SamplingParams
+
+    ppl = {}
+    for kv in ("torch", "fp8"):  # SmolLM2's K/V rows (3 x 64) are no power of two: the plain store
+        llm = LLM(folder, attention=attention, kv_cache=kv, dtype="bfloat16", device="cuda", max_model_len=4096,
+                  max_num_batched_tokens=64, max_num_seqs=1)
+        ids = llm.tokenizer.encode(TEXT.read_text())
+        out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+        llm.close()
+        lps = [p.logprob for p in out.prompt_logprobs if p is not None]
+        ppl[kv] = math.exp(-sum(lps) / len(lps))
+    print(f"{attention}: perplexity bf16 cache {ppl['torch']:.4f}, fp8 cache {ppl['fp8']:.4f} "
+          f"({100 * (ppl['fp8'] / ppl['torch'] - 1):+.2f}%)")
+    assert ppl["fp8"] / ppl["torch"] - 1 <= 0.01, ppl

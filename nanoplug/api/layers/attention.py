@@ -38,6 +38,15 @@ class PagedAttention(nn.Module):
         ctx = self.ctx
         k_cache, v_cache, layer = ctx.kv[self.layer_idx]
         meta = ctx.meta
+        rotation = layer.rotation
+        if rotation is not None:  # the cache holds K and V in a rotated basis: so does the whole attention
+            q, k, v = _rotate(q, rotation), _rotate(k, rotation), _rotate(v, rotation)
         ctx.store.store(k, v, k_cache, v_cache, meta.slot_mapping, layer)
         backend = ctx.prefill if meta.is_prefill else ctx.decode
-        return backend.forward(q, k, v, k_cache, v_cache, layer)
+        out = backend.forward(q, k, v, k_cache, v_cache, layer)
+        return out if rotation is None else _rotate(out, rotation.T)
+
+
+def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """x [N, H, D] @ rotation [D, D], in float32 (one rounding back to x's dtype)."""
+    return torch.matmul(x.float(), rotation).to(x.dtype)

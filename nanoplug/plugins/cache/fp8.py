@@ -7,12 +7,12 @@ become NaN). The rounding is done in float32 arithmetic and only an exact e4m3 v
 hardware cast rounds the same way, but Triton's CPU interpreter rounds some values wrong, and one path
 everywhere keeps the interpreter tests about the code the GPU runs.
 
-Scales are per layer, set once from the first real K/V each layer stores (vLLM's calculate_kv_scales):
-the largest value maps to 448 / HEADROOM, and they stay fixed from then on, so what is stored never
-changes meaning. e4m3's relative precision is the same from 2^-6 to 448 but coarse below (a quantum of
-2^-9): with a scale of 1.0 a layer whose V values are ~0.1 (SmolLM2's first) lost much of them. The
-start-up's dummy steps (profile, warm-up, graph capture) run before `KVLayer.calibrate` is set; the scales
-live on the device and are set there, so no step syncs and graph replays read the calibrated values.
+K and V are kept in a rotated basis (`rotation`: a normalized Hadamard matrix per head, QuaRot's idea).
+e4m3 rounds each value to 3 mantissa bits, and a q.k product carried by a few large channels inherits
+their rounding almost whole; rotated, every channel carries a share and the errors average out. Attention
+is unchanged by it (PagedAttention rotates q, k and v alike and turns the output back). Scales stay 1.0
+(vLLM's default): rotation spreads outliers, and per-layer scales calibrated from the first request
+measured worse on SmolLM2 (benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ from nanoplug.api import KVCacheSpec, KVCacheStore, Target
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-HEADROOM = 4.0  # a calibrated scale maps the first K/V's largest value to 448 / 4: room for larger ones
 
 try:
     import triton
@@ -70,6 +69,18 @@ def quantize_reference(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
+def hadamard(n: int) -> torch.Tensor:
+    """The normalized Hadamard matrix of order n (Sylvester's construction; symmetric, its own inverse), or,
+    for an n that is no power of two, a fixed random orthogonal matrix."""
+    if n & (n - 1) == 0:
+        h = torch.ones(1, 1)
+        while h.shape[0] < n:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+        return h / n ** 0.5
+    q, r = torch.linalg.qr(torch.randn(n, n, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r))).float()
+
+
 def dequantize(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """A cache tensor read back as `dtype` (float32 product first, so a scale costs no extra rounding)."""
     if scale is None:
@@ -104,11 +115,10 @@ class Fp8Store(KVCacheStore):
     def scales(self, spec: KVCacheSpec) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.ones(spec.num_layers), torch.ones(spec.num_layers)
 
+    def rotation(self, head_dim: int) -> torch.Tensor:
+        return hadamard(head_dim)
+
     def store(self, k, v, k_cache, v_cache, slot_mapping, layer) -> None:
-        if layer.calibrate:  # the first real K/V of this layer set its scales, on the device (no sync)
-            layer.calibrate = False
-            for x, scale in ((k, layer.k_scale), (v, layer.v_scale)):
-                scale.copy_((x.detach().abs().amax().float() * HEADROOM / FP8_MAX).clamp_(min=1e-12))
         n, heads, dim = k.shape
         row = heads * dim
         k, v = k.reshape(n, row), v.reshape(n, row)

@@ -66,7 +66,6 @@ class CudaPlatform(Platform):
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
         release()
-        gc.collect()  # an engine closed in this process may still hold its graphs' memory through a cycle
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         # everything in use now counts, this process's included (memory it reserved but cannot release,
@@ -76,8 +75,12 @@ class CudaPlatform(Platform):
         budget = total * self.memory_utilization - in_use - (peak - torch.cuda.memory_allocated(device))
         num_blocks = int(budget // block_bytes)
         if num_blocks < 1:
-            raise RuntimeError("no GPU memory left for the KV cache; raise cuda={'memory_utilization': ...} or lower "
-                               "max_num_batched_tokens")
+            gib = 2 ** 30
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache: {in_use / gib:.1f} of {total / gib:.1f} GiB are in use "
+                f"({torch.cuda.memory_reserved(device) / gib:.1f} GiB by this process) and the largest step needs "
+                f"{(peak - torch.cuda.memory_allocated(device)) / gib:.1f} GiB more; close other engines "
+                "(LLM.close()), raise cuda={'memory_utilization': ...} or lower max_num_batched_tokens")
         return num_blocks
 
     def allocate_kv_cache(self, shape, dtype, device) -> torch.Tensor:
@@ -134,3 +137,8 @@ class CudaPlatform(Platform):
 
     def wait(self, handle) -> None:
         handle.synchronize()
+
+    def release(self) -> None:
+        torch.cuda.synchronize(self.device)
+        gc.collect()  # graphs, compiled ops and the model can sit in reference cycles
+        torch.cuda.empty_cache()
