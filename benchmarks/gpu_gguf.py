@@ -135,10 +135,10 @@ def kernels_bench(sweep: bool) -> dict:
         for fmt in ("Q8_0", "Q4_1"):
             p = _random_packed(fmt, rows, cols)
             out = torch.empty(1, rows, device=dev, dtype=torch.bfloat16)
-            for block_n in (4, 8, 16):
-                for block_g in (8, 16, 32):
-                    for warps in (2, 4, 8):
-                        if block_n * block_g * 16 // (32 * warps) > 64:  # over 64 accumulators a thread: skip
+            for block_n in (2, 4, 8, 16):
+                for block_g in (4, 8, 16):
+                    for warps in (1, 2, 4):
+                        if block_n * block_g * 32 // (32 * warps) > 128:  # over 128 values a thread: skip
                             continue
                         cfg = (block_n, block_g, warps)
                         try:
@@ -148,7 +148,27 @@ def kernels_bench(sweep: bool) -> dict:
                             log(f"sweep {fmt} {shape} {cfg}: {type(exc).__name__}: {exc}")
     for key, (us, gbs) in results.items():
         log(f"kernel {key}: {us:.1f} us, {gbs:.0f} GB/s")
+    best = best_configs(results)
+    if best:
+        log(f"best GEMV configs of the sweep (used by the decode stage): {best}")
+        os.environ["NANOPLUG_BENCH_GEMV"] = json.dumps(best)
     return results
+
+
+def best_configs(results: dict) -> dict:
+    """Per format, the swept (BLOCK_N, BLOCK_G, warps) with the least time summed over both shapes; the
+    4-bit formats share one kernel, so Q4_1's best serves Q4_0 and Q4_K too."""
+    totals: dict = {}
+    for key, (us, _) in results.items():
+        if key.startswith("sweep "):
+            _, fmt, _, cfg = key.split(" ", 3)
+            totals.setdefault(fmt, {}).setdefault(cfg, []).append(us)
+    best = {fmt: json.loads(min((c for c in cfgs if len(cfgs[c]) == 2), key=lambda c: sum(cfgs[c]))
+                            .replace("(", "[").replace(")", "]"))
+            for fmt, cfgs in totals.items() if any(len(v) == 2 for v in cfgs.values())}
+    if "Q4_1" in best:
+        best.update(Q4_0=best["Q4_1"], Q4_K=best["Q4_1"])
+    return best
 
 
 # ------------------------------------------------------------------------------------------------ files
@@ -214,6 +234,11 @@ def engine_child(path: str, quantization: str, result: str, device: str) -> None
 
     from nanoplug import LLM, SamplingParams
 
+    if os.environ.get("NANOPLUG_BENCH_GEMV"):  # the kernels stage's sweep winners
+        from nanoplug.plugins.adapters import gguf_kernels
+
+        gguf_kernels.GEMV_CONFIG.update({k: tuple(v) for k, v in json.loads(os.environ["NANOPLUG_BENCH_GEMV"]).items()})
+        print(f"GEMV configs {gguf_kernels.GEMV_CONFIG}", flush=True)
     t = time.perf_counter()
     kwargs = dict(device=device, max_model_len=1024, max_num_seqs=1, enable_prefix_caching=False)
     if device == "cuda":

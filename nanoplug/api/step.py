@@ -222,8 +222,8 @@ class KVLayer:
     index: int
     k_scale: torch.Tensor | None = None  # 0-d float32, for quantized caches
     v_scale: torch.Tensor | None = None
-    # an orthogonal [head_dim, head_dim] matrix R, for caches that hold K and V in a rotated basis: attention
-    # sees q R, k R, v R (dot products unchanged) and its output is turned back by R^T (float32)
+    # an orthogonal [head_dim, head_dim] matrix R (the model's dtype), for caches that hold K and V in a
+    # rotated basis: attention sees q R, k R, v R (dot products unchanged), its output is turned back by R^T
     rotation: torch.Tensor | None = None
 
     def dequantize(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

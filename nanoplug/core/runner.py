@@ -83,7 +83,7 @@ class ModelRunner(Worker):
         if scales is not None or rotation is not None:  # kernels read them on the device
             k_scale, v_scale = (s.to(device, torch.float32) for s in scales) if scales is not None else (None, None)
             self.kv_spec = dataclasses.replace(self.kv_spec, k_scale=k_scale, v_scale=v_scale, rotation=None
-                                               if rotation is None else rotation.to(device, torch.float32))
+                                               if rotation is None else rotation.to(device, dtype))
         spec_ = AttentionSpec(heads, kv_heads, facts.head_dim, facts.head_dim ** -0.5, self.block_size, dtype, device,
                               self.kv_spec)
         decode = plugins.decode_attention(spec_)

@@ -48,5 +48,5 @@ class PagedAttention(nn.Module):
 
 
 def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """x [N, H, D] @ rotation [D, D], in float32 (one rounding back to x's dtype)."""
-    return torch.matmul(x.float(), rotation).to(x.dtype)
+    """x [N, H, D] @ rotation [D, D]: one GEMM in the model's dtype (float32 accumulation, one rounding)."""
+    return torch.matmul(x, rotation)
