@@ -135,10 +135,10 @@ def kernels_bench(sweep: bool) -> dict:
         for fmt in ("Q8_0", "Q4_1"):
             p = _random_packed(fmt, rows, cols)
             out = torch.empty(1, rows, device=dev, dtype=torch.bfloat16)
-            for block_n in (2, 4, 8, 16):
-                for block_g in (4, 8, 16):
-                    for warps in (1, 2, 4):
-                        if block_n * block_g * 32 // (32 * warps) > 128:  # over 128 values a thread: skip
+            for block_n in (4, 8, 16):
+                for block_g in (8, 16, 32):
+                    for warps in (2, 4, 8):
+                        if block_n * block_g * 16 // (32 * warps) > 64:  # over 64 accumulators a thread: skip
                             continue
                         cfg = (block_n, block_g, warps)
                         try:

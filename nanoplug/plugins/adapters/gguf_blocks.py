@@ -1,15 +1,13 @@
 """GGUF blocks split, once at load, into the arrays the Triton kernels read: quants, scales and minimums
 each in an array of its own, so that a row's quants are one contiguous run the GPU reads coalesced.
 
-Quants are int32 words holding consecutive weights in order, lowest bits first: weight c of a row is
-word c // 4, byte c % 4 (8-bit formats) or word c // 8, nibble c % 8 (4-bit formats). A word's values
-then line up with a contiguous run of activations, and each comes out with a shift and a mask.
 Every format becomes groups of 32 weights, each group one scale (and a minimum, added):
-- Q8_0: int8 quants (the file's, in order); float16 scales d; value d * q.
-- Q4_0, Q4_1: 4-bit quants (the file keeps a group's weights j and j + 16 in one byte; reordered);
-  float16 d (and m); values d * (q - 8), d * q + m.
-- Q4_K: 4-bit quants; per group the float32 product d * scale and the negated float32 product
-  dmin * min, so d * sc * q - dmin * m is one multiply and one add, rounded as gguf-py rounds it.
+- Q8_0: int8 quants [rows, cols]; float16 scales d; value d * q.
+- Q4_0, Q4_1: uint8 [rows, cols / 2] as in the file (byte j of a group: weight j low, weight j + 16
+  high); float16 d (and m); values d * (q - 8), d * q + m.
+- Q4_K: the same nibble order (each 64-weight chunk's bytes rewritten so); per group the float32
+  product d * scale and the negated float32 product dmin * min, so d * sc * q - dmin * m is one
+  multiply and one add, rounded as gguf-py rounds it.
 It stays quantized: Q4_1 keeps 5 bits a weight, Q8_0 8.5, Q4_K 6.
 """
 from __future__ import annotations
@@ -28,7 +26,7 @@ class Packed(NamedTuple):
     fmt: str
     rows: int
     cols: int
-    quants: torch.Tensor          # int32 [rows, cols // 4] (Q8_0) or [rows, cols // 8] (4-bit formats)
+    quants: torch.Tensor          # int8 [rows, cols] (Q8_0) or uint8 [rows, cols // 2]
     scales: torch.Tensor          # [rows, cols // 32], float16 or float32
     mins: torch.Tensor | None     # [rows, cols // 32] added after the scale; None: Q8_0, Q4_0
 
@@ -55,14 +53,6 @@ def _q4k_scales_mins(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-def _nibble_words(pairs: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """uint8 [rows, cols / 32, 16] in the file's order (byte j: weight j low, j + 16 high) -> int32 words
-    of 8 nibbles in weight order."""
-    values = torch.cat([pairs & 0x0F, pairs >> 4], dim=-1).reshape(rows, cols // 8, 8).to(torch.int64)
-    words = (values << (4 * torch.arange(8, device=pairs.device))).sum(-1)
-    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32).contiguous()
-
-
 def repack(fmt: str, blocks: torch.Tensor, rows: int, cols: int) -> Packed:
     """uint8 blocks [rows, bytes per row] as in the file -> the kernels' arrays (on the blocks' device)."""
     per, size = BLOCK_BYTES[fmt]
@@ -70,12 +60,12 @@ def repack(fmt: str, blocks: torch.Tensor, rows: int, cols: int) -> Packed:
         raise ValueError(f"a {fmt} weight needs rows of whole blocks of {per}; it has {cols} columns")
     blk = blocks.reshape(rows, cols // per, size)
     if fmt == "Q8_0":
-        return Packed(fmt, rows, cols, blk[..., 2:].contiguous().view(torch.int32).reshape(rows, cols // 4),
+        return Packed(fmt, rows, cols, blk[..., 2:].contiguous().view(torch.int8).reshape(rows, cols),
                       _f16(blk[..., :2]), None)
     if fmt == "Q4_0":
-        return Packed(fmt, rows, cols, _nibble_words(blk[..., 2:], rows, cols), _f16(blk[..., :2]), None)
+        return Packed(fmt, rows, cols, blk[..., 2:].reshape(rows, cols // 2).contiguous(), _f16(blk[..., :2]), None)
     if fmt == "Q4_1":
-        return Packed(fmt, rows, cols, _nibble_words(blk[..., 4:], rows, cols), _f16(blk[..., :2]),
+        return Packed(fmt, rows, cols, blk[..., 4:].reshape(rows, cols // 2).contiguous(), _f16(blk[..., :2]),
                       _f16(blk[..., 2:4]))
     d, dmin = _f16(blk[..., 0:2]).float(), _f16(blk[..., 2:4]).float()
     sc, mn = _q4k_scales_mins(blk[..., 4:16])
@@ -83,6 +73,5 @@ def repack(fmt: str, blocks: torch.Tensor, rows: int, cols: int) -> Packed:
     mins = (-(dmin[..., None] * mn.float())).reshape(rows, cols // 32)
     qs = blk[..., 16:].reshape(rows, cols // 256, 4, 32)  # chunk c: low nibbles sub-block 2c, high 2c + 1
     sub = torch.stack([qs & 0x0F, qs >> 4], dim=3)  # [rows, supers, 4, 2, 32]: 32 values of one sub-block
-    pairs = sub[..., :16] | (sub[..., 16:] << 4)  # weight j low, j + 16 high, as Q4_0/Q4_1
-    return Packed(fmt, rows, cols, _nibble_words(pairs.reshape(rows, cols // 32, 16), rows, cols), scales.contiguous(),
-                  mins.contiguous())
+    quants = sub[..., :16] | (sub[..., 16:] << 4)  # weight j low, j + 16 high, as Q4_0/Q4_1
+    return Packed(fmt, rows, cols, quants.reshape(rows, cols // 2).contiguous(), scales.contiguous(), mins.contiguous())

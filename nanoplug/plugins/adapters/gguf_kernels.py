@@ -3,8 +3,8 @@ token id) and a GEMV for a row or two of activations; more rows multiply a dequa
 
 A decode step streams every weight once, so the decode kernels read the quantized bytes directly and
 never write a dequantized copy. Each program owns BLOCK_N output rows and walks the whole K in chunks
-of BLOCK_G groups of 32, a group being 32 / (values a word) words whose values meet a contiguous run
-of activations. Sizes are constexpr and fixed (no
+of BLOCK_G groups of 32; a group is handled as two halves of 16 (weights j and j + 16), which is how
+the 4-bit formats store a byte's two nibbles, so no nibble is moved. Sizes are constexpr and fixed (no
 autotuning, no data-dependent host work): every launch can be captured in a CUDA graph. On a CPU they
 run only under TRITON_INTERPRET=1 (the tests), with larger blocks (the interpreter pays per program).
 """
@@ -26,37 +26,40 @@ else:
     TRITON_ERROR = None
 
     @triton.jit
-    def _values(q_ptr, s_ptr, m_ptr, rows, rmask, g, gmask, G, BITS: tl.constexpr, OFFSET: tl.constexpr):
-        """Unscaled quants of groups g of `rows` as float32 [BLOCK_N, BLOCK_G, WORDS, PER] (value of weight
-        g * 32 + w * PER + k), and the groups' scales (and mins) [BLOCK_N, BLOCK_G]. No int -> float
-        conversion instruction (a quarter of the FMA rate): a value v < 2^8 or'ed into the bits of 2^23 is
-        the float 2^23 + v, and one subtraction leaves v (minus the format's zero point, in OFFSET)."""
-        PER: tl.constexpr = 32 // BITS
-        WORDS: tl.constexpr = 32 // PER
-        w = tl.arange(0, WORDS)
-        k = tl.arange(0, PER)
+    def _halves(q_ptr, s_ptr, m_ptr, rows, rmask, g, gmask, G,
+                IS_Q8: tl.constexpr, Q4_0: tl.constexpr, HAS_MIN: tl.constexpr):
+        """Weights j and j + 16 (j < 16) of groups g of `rows`, float32 [BLOCK_N, BLOCK_G, 16] each."""
+        j = tl.arange(0, 16)
         rows64 = rows.to(tl.int64)
         mask2 = rmask[:, None] & gmask[None, :]
-        ptr = q_ptr + rows64[:, None, None] * (G * WORDS) + g[None, :, None] * WORDS + w[None, None, :]
-        words = tl.load(ptr, mask=mask2[:, :, None], other=0)
-        shifted = words[:, :, :, None] >> (k * BITS)[None, None, None, :]
-        if BITS == 8:  # signed bytes: flipping the top bit makes q + 128, in 0..255
-            bits = (shifted & 0xFF) ^ 0x4B000080
+        mask3 = mask2[:, :, None]
+        if IS_Q8:
+            ptr = q_ptr + rows64[:, None, None] * (G * 32) + g[None, :, None] * 32 + j[None, None, :]
+            lo = tl.load(ptr, mask=mask3, other=0).to(tl.float32)
+            hi = tl.load(ptr + 16, mask=mask3, other=0).to(tl.float32)
         else:
-            bits = (shifted & 0xF) | 0x4B000000
-        values = bits.to(tl.float32, bitcast=True) - OFFSET
+            ptr = q_ptr + rows64[:, None, None] * (G * 16) + g[None, :, None] * 16 + j[None, None, :]
+            b = tl.load(ptr, mask=mask3, other=0)
+            lo = (b & 0xF).to(tl.float32)
+            hi = (b >> 4).to(tl.float32)
+            if Q4_0:
+                lo = lo - 8.0
+                hi = hi - 8.0
         soff = rows64[:, None] * G + g[None, :]
-        scale = tl.load(s_ptr + soff, mask=mask2, other=0).to(tl.float32)
-        minimum = tl.load(m_ptr + soff, mask=mask2, other=0).to(tl.float32)
-        return values, scale, minimum
+        s = tl.load(s_ptr + soff, mask=mask2, other=0).to(tl.float32)[:, :, None]
+        lo = lo * s
+        hi = hi * s
+        if HAS_MIN:
+            m = tl.load(m_ptr + soff, mask=mask2, other=0).to(tl.float32)[:, :, None]
+            lo = lo + m
+            hi = hi + m
+        return lo, hi
 
     @triton.jit
     def _dequantize_kernel(q_ptr, s_ptr, m_ptr, ids_ptr, out_ptr, R, G, stride_o,
-                           HAS_IDS: tl.constexpr, BITS: tl.constexpr, OFFSET: tl.constexpr, HAS_MIN: tl.constexpr,
+                           HAS_IDS: tl.constexpr, IS_Q8: tl.constexpr, Q4_0: tl.constexpr, HAS_MIN: tl.constexpr,
                            BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
         """out[r] = weight row r (or row ids[r]), dequantized to out's dtype."""
-        PER: tl.constexpr = 32 // BITS
-        WORDS: tl.constexpr = 32 // PER
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = r < R
         if HAS_IDS:
@@ -65,43 +68,33 @@ else:
             rows = r
         g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
         gmask = g < G
-        values, scale, minimum = _values(q_ptr, s_ptr, m_ptr, rows, rmask, g, gmask, G, BITS, OFFSET)
-        out = values * scale[:, :, None, None]
-        if HAS_MIN:
-            out = out + minimum[:, :, None, None]
-        w = tl.arange(0, WORDS)
-        k = tl.arange(0, PER)
-        col = g[:, None, None] * 32 + w[None, :, None] * PER + k[None, None, :]
-        ptr = out_ptr + r.to(tl.int64)[:, None, None, None] * stride_o + col[None, :, :, :]
-        mask = (rmask[:, None] & gmask[None, :])[:, :, None, None]
-        tl.store(ptr, out.to(out_ptr.dtype.element_ty), mask=mask)
+        lo, hi = _halves(q_ptr, s_ptr, m_ptr, rows, rmask, g, gmask, G, IS_Q8, Q4_0, HAS_MIN)
+        j = tl.arange(0, 16)
+        ptr = out_ptr + r.to(tl.int64)[:, None, None] * stride_o + g[None, :, None] * 32 + j[None, None, :]
+        mask = (rmask[:, None] & gmask[None, :])[:, :, None]
+        tl.store(ptr, lo.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(ptr + 16, hi.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, N, G, stride_x, stride_o,
-                     BITS: tl.constexpr, OFFSET: tl.constexpr, HAS_MIN: tl.constexpr,
+                     IS_Q8: tl.constexpr, Q4_0: tl.constexpr, HAS_MIN: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
-        """out[m, n] = sum_k x[m, k] w[n, k] for one row m per program column. Per group: the unscaled
-        dot product, then one multiply by its scale; a minimum adds min * (the group's sum of x), which
-        every row of the program shares."""
-        PER: tl.constexpr = 32 // BITS
-        WORDS: tl.constexpr = 32 // PER
+        """out[m, n] = sum_k x[m, k] w[n, k] for one row m per program column: float32 FMAs, one reduction
+        at the end (the weight tile is read once; the activations come from L1/L2)."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
         x_row = x_ptr + tl.program_id(1).to(tl.int64) * stride_x
-        w = tl.arange(0, WORDS)
-        k = tl.arange(0, PER)
-        acc = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)
+        j = tl.arange(0, 16)
+        acc = tl.zeros([BLOCK_N, BLOCK_G, 16], dtype=tl.float32)
         for g0 in range(0, G, BLOCK_G):
             g = g0 + tl.arange(0, BLOCK_G)
             gmask = g < G
-            values, scale, minimum = _values(q_ptr, s_ptr, m_ptr, rows, rmask, g, gmask, G, BITS, OFFSET)
-            xptr = x_row + g[:, None, None] * 32 + w[None, :, None] * PER + k[None, None, :]
-            x = tl.load(xptr, mask=gmask[:, None, None], other=0).to(tl.float32)
-            dots = tl.sum(tl.sum(values * x[None, :, :, :], axis=3), axis=2)
-            acc += dots * scale
-            if HAS_MIN:
-                acc += minimum * tl.sum(tl.sum(x, axis=2), axis=1)[None, :]
-        out = tl.sum(acc, axis=1)
+            lo, hi = _halves(q_ptr, s_ptr, m_ptr, rows, rmask, g, gmask, G, IS_Q8, Q4_0, HAS_MIN)
+            xptr = x_row + g[:, None] * 32 + j[None, :]
+            xlo = tl.load(xptr, mask=gmask[:, None], other=0).to(tl.float32)
+            xhi = tl.load(xptr + 16, mask=gmask[:, None], other=0).to(tl.float32)
+            acc += lo * xlo[None, :, :] + hi * xhi[None, :, :]
+        out = tl.sum(tl.sum(acc, axis=2), axis=1)
         optr = out_ptr + tl.program_id(1).to(tl.int64) * stride_o + rows
         tl.store(optr, out.to(out_ptr.dtype.element_ty), mask=rmask)
 
@@ -111,16 +104,14 @@ def interpreting() -> bool:
 
 
 # (BLOCK_N, BLOCK_G, num_warps) per format for the GEMV: the fastest of `benchmarks/gpu_gguf.py kernels`'s
-# sweep on an H200 (many small programs in flight)
-GEMV_CONFIG = {"Q8_0": (4, 8, 2), "Q4_0": (4, 8, 2), "Q4_1": (4, 8, 2), "Q4_K": (4, 8, 2)}
+# sweep on an H200 (4 rows x 16-32 groups a program, 2 warps: many small programs in flight)
+GEMV_CONFIG = {"Q8_0": (4, 16, 2), "Q4_0": (4, 32, 2), "Q4_1": (4, 32, 2), "Q4_K": (4, 32, 2)}
 GEMV_MAX_M = 2  # rows of x the GEMV takes (it reads the weight once per row); above: dequantize + GEMM
 DEQUANT_CONFIG = (16, 16, 4)   # BLOCK_R, BLOCK_G, num_warps
 
 
 def _flags(p: Packed) -> dict:
-    """BITS a value; OFFSET: 2^23 plus the zero point (Q8_0's bytes come out as q + 128, Q4_0's q is q - 8)."""
-    offset = 8388608.0 + {"Q8_0": 128.0, "Q4_0": 8.0}.get(p.fmt, 0.0)
-    return dict(BITS=8 if p.fmt == "Q8_0" else 4, OFFSET=offset, HAS_MIN=p.mins is not None)
+    return dict(IS_Q8=p.fmt == "Q8_0", Q4_0=p.fmt == "Q4_0", HAS_MIN=p.mins is not None)
 
 
 def _mins(p: Packed) -> torch.Tensor:
