@@ -16,12 +16,12 @@ PINNED = [
     "AdapterOptions", "RequestAdapters", "ModelArchitecture", "Platform", "StepGraphs", "Target", "ModelFacts",
     "StepBatch", "SamplingBatch", "StepResult", "StepInputs", "StepLimits", "AttentionMetadata", "AttentionSpec",
     "KVCacheSpec", "KVLayer", "to_device", "LogitsProcessingBatch", "SlotInit", "LogprobsTensors",
-    "Worker", "WorkerMethod",
+    "Worker", "WorkerMethod", "WorkerReport", "StartupTimes", "StepStats",
     "LinearMethod", "DenseLinearMethod", "check_shape", "copy_weight", "Layers", "LinearBase", "VocabParallelEmbedding",
     "ParallelLMHead", "RMSNorm", "rms_norm", "add_rms_norm", "RotaryEmbedding", "apply_rope", "rope_inv_freq",
     "SiluAndMul", "silu_and_mul", "FusedOps", "install_fused_ops", "PagedAttention", "StepContext",
     "NanoplugError", "AdapterError", "ModelLoadError", "PluginLoadError", "PluginUnavailableError",
-    "RequestError", "UnknownPluginError", "WeightShapeError",
+    "RequestError", "UnknownPluginError", "WeightShapeError", "GraphCaptureError",
 ]
 
 

@@ -94,6 +94,19 @@ def test_qwen3_tp2_matches_one_process_and_transformers(ckpt, tp_qwen3):
     _assert_matches_transformers(ckpt["qwen3"], rounds[0])
 
 
+def test_the_worker_report_is_rank_0s_through_the_proxy(tp_qwen3):
+    """Start-up's phases and the step statistics come back from rank 0 by the worker protocol (WorkerMethod.REPORT)."""
+    from nanoplug import SamplingParams
+
+    before = tp_qwen3.engine.worker.report()
+    tp_qwen3.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    after = tp_qwen3.engine.worker.report()
+    assert after.startup == before.startup and after.startup.total_s > 0
+    assert after.graphs_error is None and after.graph_captures == 0  # `manual` decodes eager: by design
+    grew = after.stats.eager_decode_steps_by_design - before.stats.eager_decode_steps_by_design
+    assert (grew, after.stats.graph_replays, after.stats.eager_decode_steps) == (2, 0, 0)
+
+
 def test_sampling_features_under_tp2_match_one_process(ckpt, tp_qwen3):
     """logprobs, chunked prompt logprobs (every rank computes the gathered logits), n (the forked block is
     copied on every rank) and penalties with a bias (rank 0's token counts) give one process's results."""

@@ -6,7 +6,7 @@ against, the linear-method seam, the worker protocol, and the layer library mode
 (`layers`). It imports nothing else of nanoplug: the engine depends on it, never the other way.
 Its public names are pinned by tests/test_api.py, so a change to the SDK is a visible decision.
 """
-from nanoplug.api.errors import (AdapterError, ModelLoadError, NanoplugError, PluginLoadError,
+from nanoplug.api.errors import (AdapterError, GraphCaptureError, ModelLoadError, NanoplugError, PluginLoadError,
                                  PluginUnavailableError, RequestError, UnknownPluginError, WeightShapeError)
 from nanoplug.api.hookspecs import KIND_HOOKS, PLUGIN_API_VERSION, hookimpl, hookspec
 from nanoplug.api.interfaces import (AdapterOptions, AttentionBackend, KVCacheStore, ModelArchitecture,
@@ -20,7 +20,7 @@ from nanoplug.api.step import (AttentionMetadata, AttentionSpec, KVCacheSpec, KV
                                LogprobsTensors, SamplingBatch, SlotInit, StepBatch, StepInputs, StepLimits, StepResult,
                                to_device)
 from nanoplug.api.target import ModelFacts, Target
-from nanoplug.api.worker import Worker, WorkerMethod
+from nanoplug.api.worker import StartupTimes, StepStats, Worker, WorkerMethod, WorkerReport
 
 __all__ = [
     # the plugin protocol
@@ -32,12 +32,12 @@ __all__ = [
     "StepBatch", "SamplingBatch", "StepResult", "StepInputs", "StepLimits", "AttentionMetadata", "AttentionSpec",
     "KVCacheSpec", "KVLayer", "to_device", "LogitsProcessingBatch", "SlotInit", "LogprobsTensors",
     # the worker protocol
-    "Worker", "WorkerMethod",
+    "Worker", "WorkerMethod", "WorkerReport", "StartupTimes", "StepStats",
     # the linear-method seam and the layer library
     "LinearMethod", "DenseLinearMethod", "check_shape", "copy_weight", "Layers", "LinearBase", "VocabParallelEmbedding",
     "ParallelLMHead", "RMSNorm", "rms_norm", "add_rms_norm", "RotaryEmbedding", "apply_rope", "rope_inv_freq",
     "SiluAndMul", "silu_and_mul", "FusedOps", "install_fused_ops", "PagedAttention", "StepContext",
     # errors a plugin raises
     "NanoplugError", "AdapterError", "ModelLoadError", "PluginLoadError", "PluginUnavailableError",
-    "RequestError", "UnknownPluginError", "WeightShapeError",
+    "RequestError", "UnknownPluginError", "WeightShapeError", "GraphCaptureError",
 ]

@@ -31,3 +31,8 @@ class AdapterError(NanoplugError, ValueError):
 
 class WeightShapeError(ModelLoadError):
     """A checkpoint tensor whose shape is not the one the model built from config.json expects."""
+
+
+class GraphCaptureError(NanoplugError, RuntimeError):
+    """Decode graphs a platform was asked for could not be captured. Raised by `Platform.capture_graphs`; the
+    worker records it and decodes eager, unless the platform's `require_graphs` option makes it stop start-up."""

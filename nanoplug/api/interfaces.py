@@ -192,6 +192,9 @@ class ModelArchitecture(Plugin):
 class StepGraphs(ABC):
     """Decode steps captured for some batch sizes (a platform's graphs), replayed on new inputs."""
 
+    captures: int = 0
+    """Graphs captured (recorded) so far, counted by the platform at each: all at start-up, none after."""
+
     @abstractmethod
     def size_for(self, num_seqs: int) -> int | None:
         """The captured batch size that serves `num_seqs` sequences, or None (the step runs eager)."""
@@ -217,6 +220,8 @@ class Platform(Plugin):
 
     device_type: ClassVar[str] = ""
     """The torch device type it serves ("cpu", "cuda", ...)."""
+    require_graphs: bool = False
+    """Its options ask for decode graphs: a failed capture stops start-up instead of decoding eager."""
 
     def __init__(self, options: Any, target: Target):
         """options: this platform's part of the engine's config (e.g. `EngineConfig.cpu`), or {}."""
@@ -272,8 +277,13 @@ class Platform(Plugin):
     def capture_graphs(self, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                        ctx: StepContextLike, limits: StepLimits, scratch_block: int) -> StepGraphs | None:
         """Capture decode steps: `ctx.set_step(meta)` then `forward(input_ids, positions) -> logits` runs
-        the model; padding writes to `scratch_block`. None: decode runs eager."""
+        the model; padding writes to `scratch_block`. None: graphs are off here (decode runs eager). Raise
+        `GraphCaptureError` (saying why and what to do) when graphs are on but cannot be captured: the
+        worker records it and decodes eager, or stops start-up when `require_graphs`."""
         return None
+
+    def synchronize(self) -> None:
+        """Wait for the work queued on this worker's device (start-up times each phase up to here)."""
 
     # ------------------------------------------------------------------------------------ per step
     def to_host(self, tokens: torch.Tensor, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, Any]:

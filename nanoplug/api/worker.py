@@ -3,10 +3,13 @@ proxy that runs each call on every tensor-parallel rank and answers with rank 0'
 
 Real methods, so a reader (or a type checker) can follow a step from the engine into the worker.
 A proxy that must name a method in a message names it by `WorkerMethod`, never by a free string.
+`WorkerReport` is what a worker says about itself (start-up's phases, what its decode steps ran as):
+plain numbers, cheap to copy and to pickle across a proxy.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from enum import Enum
 
 from nanoplug.api.step import StepBatch, StepResult
@@ -19,6 +22,49 @@ class WorkerMethod(Enum):
     LAUNCH = "launch"
     COLLECT = "collect"
     NUM_KV_BLOCKS = "num_kv_blocks"
+    REPORT = "report"
+
+
+@dataclass
+class StepStats:
+    """What the worker's steps since start-up ran as (start-up's own dummy steps not counted). A decode step
+    replays a graph, or runs eager where a graph should have served it (the capture failed; with graphs
+    working, never), or runs eager by design (graphs off here, or more sequences than the largest graph)."""
+
+    graph_replays: int = 0
+    eager_decode_steps: int = 0
+    eager_decode_steps_by_design: int = 0
+
+    @property
+    def decode_steps(self) -> int:
+        return self.graph_replays + self.eager_decode_steps + self.eager_decode_steps_by_design
+
+
+@dataclass
+class StartupTimes:
+    """Seconds each start-up phase of a worker took, in the order they run (the device synchronized at each
+    phase's end, so work a phase queued counts in it); the phases cover `total_s` end to end."""
+
+    load_s: float  # the platform, the model built and its weights loaded
+    kv_cache_s: float  # sizing (a profiling step, where the platform sizes by memory) and allocating the cache
+    compile_s: float  # the platform's `prepare_model` (torch.compile is lazy: it compiles in the warm-up's steps)
+    warm_up_s: float  # the platform's `warm_up` steps
+    graphs_s: float  # capturing decode graphs
+    total_s: float
+
+    def __str__(self) -> str:
+        return (f"start-up {self.total_s:.3f} s = load {self.load_s:.3f} s + KV cache {self.kv_cache_s:.3f} s + "
+                f"compile {self.compile_s:.3f} s + warm-up {self.warm_up_s:.3f} s + graphs {self.graphs_s:.3f} s")
+
+
+@dataclass
+class WorkerReport:
+    """A worker's account of itself (rank 0's, through a proxy): a snapshot, not live state."""
+
+    startup: StartupTimes
+    stats: StepStats
+    graphs_error: str | None  # why decode graphs the platform was asked for could not be captured
+    graph_captures: int  # graphs captured (recorded) so far: start-up's, and none after
 
 
 class Worker(ABC):
@@ -42,6 +88,10 @@ class Worker(ABC):
 
     def shutdown(self) -> None:
         """Stop and release everything; safe to call twice."""
+
+    def report(self) -> WorkerReport | None:
+        """Start-up's phases and the steps' statistics (None: a worker that keeps none)."""
+        return None
 
     def call(self, method: WorkerMethod, *args):
         """Run `method` of this worker (how a rank's server dispatches a proxy's message)."""

@@ -84,6 +84,16 @@ class CpuOptions(BaseModel):
                                         "when it fits in a quarter of the available memory")
     graphs: Bool = Field(True, description="record a decode step per batch size once and replay it (the CPU's "
                          "CUDA graphs: no Python per layer); with the kernels only; off: every step eager")
+    require_graphs: Bool = Field(False, description="stop start-up when decode steps cannot be recorded, instead "
+                                 "of running them eager with a warning")
+
+    @model_validator(mode="after")
+    def _graphs_possible(self) -> "CpuOptions":
+        if self.require_graphs and not (self.graphs and self.kernels is not False):
+            off = "graphs=False" if not self.graphs else "kernels=False (recordings need the C++ kernels)"
+            raise ValueError(f"require_graphs=True asks for recorded decode steps, but {off} turns them off; "
+                             "drop one of the two")
+        return self
 
 
 class CudaOptions(BaseModel):
@@ -93,6 +103,15 @@ class CudaOptions(BaseModel):
     memory_utilization: Float = Field(0.9, gt=0, le=1, description="share of GPU memory the engine may use")
     enforce_eager: Bool = Field(False, description="no CUDA graphs, no torch.compile")
     compile_fused_ops: Bool = Field(True, description="torch.compile the small fused ops (off: measure without)")
+    require_graphs: Bool = Field(False, description="stop start-up when decode cannot be captured as CUDA graphs, "
+                                 "instead of running it eager with a warning")
+
+    @model_validator(mode="after")
+    def _graphs_possible(self) -> "CudaOptions":
+        if self.require_graphs and self.enforce_eager:
+            raise ValueError("require_graphs=True asks for CUDA graphs, but enforce_eager=True turns them off; "
+                             "drop one of the two")
+        return self
 
 
 # the flat names these options had before they moved into their platform's part of the config

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +86,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, registry: Registry | None = None):
         """config.model: a checkpoint folder, or a Hugging Face id (fetched where the network allows)."""
+        started = time.perf_counter()
         config = config.model_copy(update={"model": resolve_model_path(config.model)})
         self.registry = registry or default_registry()
         checkpoint = Checkpoint.load(config.model, self.registry)  # config.json read once, here
@@ -130,6 +132,9 @@ class EngineCore:
         self._tokenizer_lock = threading.Lock()  # make_request tokenizes while a step may detokenize
         self._next_id = itertools.count()
         self.prompt_tokens_total = self.generated_tokens_total = 0
+        report = self.worker.report()
+        if report is not None:  # the worker's phases; the rest (config, tokenizer, starting processes) is the engine's
+            log.info("engine ready in %.3f s; worker %s", time.perf_counter() - started, report.startup)
 
     # --------------------------------------------------------------------------- start-up
     def _wants_overlap(self) -> bool:

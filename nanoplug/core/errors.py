@@ -1,7 +1,7 @@
 """Errors a user sees: each says what went wrong and how to fix it. Those a plugin may raise too are
 defined in the SDK (`nanoplug.api.errors`) and re-exported here; the engine's own follow."""
-from nanoplug.api.errors import (AdapterError, ModelLoadError, NanoplugError, PluginLoadError,  # noqa: F401
-                                 PluginUnavailableError, RequestError, UnknownPluginError, WeightShapeError)
+from nanoplug.api.errors import (AdapterError, GraphCaptureError, ModelLoadError, NanoplugError,  # noqa: F401
+                                 PluginLoadError, PluginUnavailableError, RequestError, UnknownPluginError, WeightShapeError)
 
 
 class ConfigError(NanoplugError, ValueError):

@@ -4,10 +4,16 @@ It implements the worker protocol (`nanoplug.api.Worker`) and lives on every ten
 It is built once with the engine's resolved plugin classes, so nothing per step goes through the
 registry or pluggy, and it holds no device-family code: sizing and zeroing the KV cache, fused
 kernels, compiled ops, warm-up, graphs and the copy of the tokens back are its platform's.
+
+It owns what it says about itself (`report()`): the seconds of each start-up phase, why graphs it was
+to capture failed, and what each decode step ran as (a counter per step, nothing more), so a test
+or an operator can see that a graph-enabled engine never falls back to eager.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -15,15 +21,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from nanoplug.api import (AttentionMetadata, AttentionSpec, KVCacheSpec, KVLayer, Layers, LinearMethod, LogprobsTensors,
-                          ModelFacts, PagedAttention, ProcessGroup, SamplingBatch, StepBatch, StepContext, StepInputs, StepLimits,
-                          StepResult, Target, Worker, to_device)
+from nanoplug.api import (AttentionMetadata, AttentionSpec, GraphCaptureError, KVCacheSpec, KVLayer, Layers, LinearMethod,
+                          LogprobsTensors, ModelFacts, PagedAttention, ProcessGroup, SamplingBatch, StartupTimes, StepBatch,
+                          StepContext, StepInputs, StepLimits, StepResult, StepStats, Target, Worker, WorkerReport,
+                          to_device)
 from nanoplug.core import logprobs
 from nanoplug.core.config import EngineConfig
 from nanoplug.core.inputs import plan_inputs
 from nanoplug.core.loader import load_weights
 from nanoplug.core.sampler import Sampler
 
+log = logging.getLogger("nanoplug")
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a dtype of each size, to zero any cache
 
 
@@ -63,8 +71,11 @@ class RunnerFactory:
 
 class ModelRunner(Worker):
     graphs: Any = None  # the platform's captured decode graphs; None (eager) until captured after warm-up
+    graphs_error: str | None = None  # why graphs the platform was asked for could not be captured
+    graph_limit = 0  # decode steps of up to this many sequences should replay a graph (else: eager by design)
 
     def __init__(self, spec: WorkerSpec, group: ProcessGroup):
+        started = self._clock = time.perf_counter()
         config, plugins, facts = spec.config, spec.plugins, spec.facts
         self.config, self.group, self.facts = config, group, facts
         self.platform = plugins.platform(config.options_of(plugins.platform_name), spec.target)
@@ -116,13 +127,56 @@ class ModelRunner(Worker):
         self.sampler = Sampler(device, config.seed, greedy=self.platform.greedy_sampler())
         self.pending: deque = deque()  # launched steps whose tokens are not collected yet
         self.last_tokens: torch.Tensor | None = None
+        self.stats = StepStats()
+        load = self._lap()
         self.num_blocks = self._allocate_kv_cache()
         self.scratch_block = self.num_blocks  # the block past those the engine hands out (api/step.py)
+        kv_cache = self._lap()
         self.platform.prepare_model(self.model)
+        compile_ = self._lap()
         self.platform.warm_up(self.run, self.limits, self.num_blocks)
-        graphs_ok = decode.supports_cuda_graphs and self.request_adapters is None  # per-request LoRA: eager
-        self.graphs = self.platform.capture_graphs(self._forward, self.ctx, self.limits, self.scratch_block) \
-            if graphs_ok else None
+        warm_up = self._lap()
+        self._capture_graphs(plugins.platform_name, decode)
+        graphs = self._lap()
+        self.startup = StartupTimes(load, kv_cache, compile_, warm_up, graphs, total_s=self._clock - started)
+        self.stats = StepStats()  # the steps of start-up (profiling, warm-up) are not counted
+
+    def _lap(self) -> float:
+        """Start-up's phase clock: seconds since the last lap, once the device has run what was queued."""
+        self.platform.synchronize()
+        now = time.perf_counter()
+        seconds, self._clock = now - self._clock, now
+        return seconds
+
+    def _capture_graphs(self, platform_name: str, decode: Any) -> None:
+        """Decode graphs where the decode backend and the adapters allow them and the platform takes them. A
+        failed capture is recorded (`graphs_error`, a warning) and decode runs eager, each decode step then
+        counted as one a graph should have served; the platform's `require_graphs` makes it an error."""
+        strict = self.platform.require_graphs
+        option = f"{platform_name}.require_graphs"
+        if not decode.supports_cuda_graphs or self.request_adapters is not None:
+            if strict:
+                why = (f"the decode attention backend ({type(decode).__name__}) cannot run under graphs (its "
+                       "supports_cuda_graphs is False); choose one that can" if not decode.supports_cuda_graphs else
+                       "adapters served per request (merge=False) run eager; merge them")
+                raise GraphCaptureError(f"{option} asks for decode graphs, but {why}, or drop {option}")
+            return
+        try:
+            self.graphs = self.platform.capture_graphs(self._forward, self.ctx, self.limits, self.scratch_block)
+        except GraphCaptureError as exc:
+            if strict:
+                raise GraphCaptureError(f"{exc}. {option} stops start-up on it; without it decode runs eager") from exc
+            self.graphs_error = str(exc)
+            self.graph_limit = self.limits.max_num_seqs
+            log.warning("decode steps run eager (%s makes this an error): %s", option, exc)
+            return
+        if self.graphs is None:
+            if strict:
+                raise GraphCaptureError(f"{option} asks for decode graphs, but platform {platform_name!r} captured "
+                                        "none (its other options turn them off); drop one of the two")
+            return
+        self.graph_limit = max((n for n in range(1, self.limits.max_num_seqs + 1)
+                                if self.graphs.size_for(n) is not None), default=0)
 
     def _linear_method(self, adapters: list[Any]) -> LinearMethod:
         """A weight format's method if an adapter gives one (at most one may), else the platform's dense one."""
@@ -200,6 +254,13 @@ class ModelRunner(Worker):
             blocks = to_device(step.new_blocks, torch.int64, self.device)
             self.kv_cache.view(_BITS[self.kv_cache.dtype.itemsize]).index_fill_(2, blocks, 0)  # float8 has no fill
         size = None if step.is_prefill or self.graphs is None else self.graphs.size_for(num_seqs)
+        if not step.is_prefill:  # what the decode step runs as (StepStats)
+            if size is not None:
+                self.stats.graph_replays += 1
+            elif num_seqs <= self.graph_limit:
+                self.stats.eager_decode_steps += 1
+            else:
+                self.stats.eager_decode_steps_by_design += 1
         prompt_lps = None
         if self.request_adapters is not None:
             ids = np.asarray(step.adapter_ids or [0] * num_seqs, dtype=np.int64)
@@ -293,6 +354,10 @@ class ModelRunner(Worker):
 
     def num_kv_blocks(self) -> int:
         return self.num_blocks
+
+    def report(self) -> WorkerReport:
+        return WorkerReport(self.startup, dataclasses.replace(self.stats), self.graphs_error,
+                            self.graphs.captures if self.graphs is not None else 0)
 
     def shutdown(self) -> None:
         """Drop the device state (graphs first: their pools hold the cache and activations they captured),

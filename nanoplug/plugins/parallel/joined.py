@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from nanoplug.api import NanoplugError, StepBatch, StepResult, Worker, WorkerMethod
+from nanoplug.api import NanoplugError, StepBatch, StepResult, Worker, WorkerMethod, WorkerReport
 from nanoplug.plugins.parallel.torch_group import TorchGroup
 
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -71,6 +71,9 @@ class JoinedRanks(Worker):
 
     def num_kv_blocks(self) -> int:
         return self._call(WorkerMethod.NUM_KV_BLOCKS)
+
+    def report(self) -> WorkerReport | None:
+        return self._call(WorkerMethod.REPORT)  # rank 0's
 
     def shutdown(self) -> None:
         self.stop()

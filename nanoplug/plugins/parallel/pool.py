@@ -22,7 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from nanoplug.api import NanoplugError, StepBatch, StepResult, Worker, WorkerMethod
+from nanoplug.api import NanoplugError, StepBatch, StepResult, Worker, WorkerMethod, WorkerReport
 from nanoplug.plugins.parallel.worker import STORE_HOST, receive, send
 
 TIMEOUT_ENV = "NANOPLUG_TP_TIMEOUT"
@@ -118,6 +118,9 @@ class WorkerPool(Worker):
 
     def num_kv_blocks(self) -> int:
         return self._call(WorkerMethod.NUM_KV_BLOCKS)
+
+    def report(self) -> WorkerReport | None:
+        return self._call(WorkerMethod.REPORT)  # rank 0's
 
     def shutdown(self) -> None:
         self.stop()

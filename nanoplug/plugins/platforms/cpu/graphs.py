@@ -6,7 +6,8 @@ order, every call that computes something: the C kernels' calls (`kernels/record
 (seen by a dispatch mode), with the addresses and tensors they used. Every tensor made while recording
 stays alive, so a replay is just those calls again, reading the static inputs the engine planned into.
 Views and allocations are not calls. An op whose result depends on the data in Python (`.item()`,
-`nonzero`) cannot be replayed: the capture fails and decode runs eager, with a warning.
+`nonzero`) cannot be replayed: the capture fails and decode runs eager, with a warning (or start-up
+stops, with `cpu.require_graphs`).
 
 Each recording is checked before it is used: other token ids go through the model eagerly and through
 the replay (with an eager step on yet other ids between them), and the logits must be equal, so a call
@@ -145,6 +146,7 @@ class CpuDecodeGraphs(StepGraphs):
             self.ctx.set_step(meta)
             plan, keep, logits = record(self.forward, ids, pos)
             self.graphs[size] = (plan, keep, meta, logits)
+            self.captures += 1
             self._check(size, logits.shape[-1])
 
     def _reset(self) -> None:

@@ -5,7 +5,8 @@
   SiLU-and-mul and RoPE go into the model, the sampler takes their greedy argmax, and linear layers
   pack their weights once for a decode-sized GEMM (`packed_linear.py`, the dense linear method here);
 - decode steps are recorded once per batch size and replayed (`graphs.py`, `cpu.graphs`), where the
-  decode attention backend allows it;
+  decode attention backend allows it; a recording that fails leaves them eager (the worker records
+  why), or stops start-up with `cpu.require_graphs`;
 - steps run one after another by default: the host computes the step itself, so there is nothing to
   overlap with.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoplug.api import LinearMethod, Platform, Target
+from nanoplug.api import GraphCaptureError, LinearMethod, Platform, Target
 from nanoplug.plugins.platforms.cpu import kernels as cpu_kernels
 from nanoplug.plugins.platforms.cpu.graphs import CaptureError, CpuDecodeGraphs
 from nanoplug.plugins.platforms.cpu.packed_linear import PackedLinearMethod
@@ -28,6 +29,7 @@ class CpuPlatform(Platform):
         super().__init__(options, target)
         self.kv_cache_gb = getattr(options, "kv_cache_gb", 4.0)
         self.graphs = getattr(options, "graphs", True)
+        self.require_graphs = getattr(options, "require_graphs", False)
         # float32 CPU steps' C++ kernels (None where they are off or do not build here; why is logged)
         self.kernels = cpu_kernels.usable(getattr(options, "kernels", None), target.dtype, target.device)
         self.method = PackedLinearMethod(getattr(options, "weight_packing", None), target.dtype, target.device,
@@ -53,13 +55,17 @@ class CpuPlatform(Platform):
                                  "RMSNorm, SiLU and RoPE")
 
     def capture_graphs(self, forward, ctx, limits, scratch_block):
+        if self.kernels is None and self.graphs and self.require_graphs:
+            raise GraphCaptureError("cpu: decode steps are recorded only with the C++ kernels, and they are off here "
+                                    "(float32 only, and a C++ compiler; the log says why); use dtype='float32' "
+                                    "where a compiler is found")
         if self.kernels is None or not self.graphs:
             return None
         graphs = CpuDecodeGraphs(forward, ctx, limits, scratch_block)
         try:
             graphs.capture()
         except CaptureError as exc:
-            cpu_kernels.log.warning("cpu: decode steps run eager (cpu={'graphs': False} says so quietly): %s", exc)
-            return None
+            raise GraphCaptureError(f"cpu: decode steps cannot be recorded: {exc}; cpu={{'graphs': False}} runs them "
+                                    "eager without trying") from exc
         cpu_kernels.log.info("cpu: decode steps recorded for batch sizes %s", ", ".join(map(str, graphs.graphs)))
         return graphs

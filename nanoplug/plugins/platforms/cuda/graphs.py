@@ -71,6 +71,7 @@ class DecodeGraphs(StepGraphs):
                 logits = self.forward(ids, pos)
             pool = graph.pool()
             self.graphs[size] = (graph, meta, logits)
+            self.captures += 1
             torch.cuda.synchronize(dev)
         self.graphs = dict(sorted(self.graphs.items()))
 

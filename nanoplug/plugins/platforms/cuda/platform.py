@@ -4,7 +4,8 @@
   step has run once (memory profiling), and is allocated zeroed;
 - the small fused ops are torch.compile'd, every kind of step runs once at start-up (kernels that
   compile on first use compile then), and decode runs under CUDA graphs (`graphs.py`), unless
-  `cuda.enforce_eager`;
+  `cuda.enforce_eager`; a failed capture leaves decode eager (the worker records why), or stops
+  start-up with `cuda.require_graphs`;
 - steps overlap by default: the host prepares step N+1 while the GPU computes step N, and sampled
   tokens come back by a non-blocking copy the next step waits for.
 """
@@ -12,15 +13,12 @@ from __future__ import annotations
 
 import functools
 import gc
-import logging
 
 import torch
 
-from nanoplug.api import (FusedOps, Platform, ProcessGroup, SamplingBatch, StepBatch, StepLimits, Target, add_rms_norm,
-                          apply_rope, rms_norm, silu_and_mul)
+from nanoplug.api import (FusedOps, GraphCaptureError, Platform, ProcessGroup, SamplingBatch, StepBatch, StepLimits,
+                          Target, add_rms_norm, apply_rope, rms_norm, silu_and_mul)
 from nanoplug.plugins.platforms.cuda.graphs import DecodeGraphs
-
-log = logging.getLogger("nanoplug")
 
 
 class CudaPlatform(Platform):
@@ -48,6 +46,7 @@ class CudaPlatform(Platform):
         self.memory_utilization = getattr(options, "memory_utilization", 0.9)
         self.enforce_eager = getattr(options, "enforce_eager", False)
         self.compile_fused_ops = getattr(options, "compile_fused_ops", True)
+        self.require_graphs = getattr(options, "require_graphs", False)
 
     def worker_device(self, device: torch.device, group: ProcessGroup) -> torch.device:
         if group.world_size > 1:
@@ -116,17 +115,22 @@ class CudaPlatform(Platform):
 
     def capture_graphs(self, forward, ctx, limits: StepLimits, scratch_block: int):
         """Capture decode for batch-size buckets. A backend whose kernels cannot be captured leaves
-        decode eager (logged), never broken."""
+        decode eager (the worker logs and records why), never broken."""
         if self.enforce_eager:
             return None
         graphs = DecodeGraphs(forward, ctx, limits, scratch_block, self.device)
         try:
             graphs.capture()
-        except Exception as exc:  # noqa: BLE001  (any capture failure means: run eager)
-            log.warning("CUDA graph capture failed (%s: %s); decode runs eager", type(exc).__name__, exc)
+        except Exception as exc:  # any capture failure means: run eager (or stop, with require_graphs)
             torch.cuda.synchronize(self.device)
-            return None
+            raise GraphCaptureError(
+                f"CUDA graph capture failed ({type(exc).__name__}: {exc}); a decode attention backend or op that "
+                "cannot be captured is the usual cause: pick another attention backend, or set "
+                "cuda={'enforce_eager': True} to run eager without trying") from exc
         return graphs
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
 
     def to_host(self, tokens, rows):
         tokens = tokens.to("cpu", non_blocking=True)

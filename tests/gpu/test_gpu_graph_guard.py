@@ -1,0 +1,103 @@
+"""No decode step of a graph-enabled CUDA engine runs eager: for each attention backend that claims
+`supports_cuda_graphs` (flash, triton; sdpa and xformers do not, so they decode eager by design), decode
+batches of 1, 7, 64 and 256 sequences (256: the largest of cuda/graphs.py's sizes that max_num_seqs allows)
+over mixed context lengths all replay graphs (the worker's `StepStats`, and the steps it launched), and
+their logits equal the eager engine's (`cuda.enforce_eager`) to the bf16 tolerance, position by position
+up to where the greedy tokens part.
+
+Run on the GPU machine: `pytest -m gpu tests/gpu/test_gpu_graph_guard.py`."""
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from _checkpoints import relative_error
+from _graph_guard import StepLog
+from nanoplug.checkpoints import write_random_checkpoint
+
+pytestmark = pytest.mark.gpu
+GPU_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=128)
+BATCHES = (1, 7, 64, 256)
+MAX_TOKENS = 6
+# a fixed cache (no memory profiling against the other engine of this test): 256 contexts of up to 3 pages
+ENGINE = dict(device="cuda", dtype="bfloat16", max_model_len=1024, kv_block_size=256, num_kv_blocks=1024)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    assert torch.cuda.is_available(), "the gpu tests need a CUDA GPU"
+    return str(write_random_checkpoint(tmp_path_factory.mktemp("gpu-graph-guard") / "q3", **GPU_SHAPE))
+
+
+def prompts(batch: int, vocab: int) -> list[list[int]]:
+    """Contexts of 1 to 700 tokens (within one page, across two or three), the first the longest."""
+    rng = random.Random(batch)
+    lengths = [700] + [rng.randint(1, 700) for _ in range(batch - 1)]
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module", params=["flash", "triton"])
+def runs(request, model):
+    """{eager: {batch: (outputs, stats of its steps, decode batch sizes)}} for one attention backend."""
+    from nanoplug import LLM, SamplingParams
+    from nanoplug.core.errors import NanoplugError
+
+    attention = request.param
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, output_logits=True)
+    out = {}
+    for eager in (True, False):
+        cuda = {"enforce_eager": True} if eager else {"require_graphs": True}  # a failed capture stops here
+        try:
+            llm = LLM(model, attention=attention, cuda=cuda, **ENGINE)
+        except NanoplugError as exc:
+            if attention == "flash" and "pip install flash-attn" in str(exc):
+                pytest.skip("no FlashAttention build here")
+            raise
+        try:
+            worker = llm.engine.worker
+            assert (worker.graphs is None) == eager
+            assert eager or worker.graph_limit == 256
+            steps = StepLog(worker)
+            out[eager] = {}
+            for batch in BATCHES:
+                before = worker.report().stats
+                steps.steps.clear()
+                outputs = llm.generate(prompts(batch, llm.engine.facts.vocab_size), params, use_tqdm=False)
+                after = worker.report().stats
+                grew = {f.name: getattr(after, f.name) - getattr(before, f.name) for f in dataclasses.fields(after)}
+                out[eager][batch] = (outputs, grew, steps.decode_batches())
+        finally:
+            llm.close()
+    return attention, out
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+def test_every_decode_step_replays_a_graph(runs, batch):
+    attention, out = runs
+    _, grew, decodes = out[False][batch]
+    assert max(decodes) == batch, (attention, decodes)  # the whole batch decoded together
+    assert grew["eager_decode_steps"] == 0 and grew["eager_decode_steps_by_design"] == 0, (attention, grew)
+    assert grew["graph_replays"] == len(decodes) > 0, (attention, grew, decodes)
+    _, eager_grew, _ = out[True][batch]
+    assert eager_grew["graph_replays"] == 0 and eager_grew["eager_decode_steps_by_design"] > 0  # the reference
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+def test_replayed_logits_equal_eager(runs, batch):
+    # a graph's kernels (and torch.compile's fused ops, which eager runs without) sum in another order; this
+    # random model's near ties may then flip a greedy token, after which the inputs differ. So the logits are
+    # compared position by position up to where the tokens part, to the bf16 tolerance.
+    attention, out = runs
+    compared = 0
+    for a, b in zip(out[True][batch][0], out[False][batch][0], strict=True):
+        assert len(a.logits) == len(b.logits) == MAX_TOKENS
+        for i, (la, lb) in enumerate(zip(a.logits, b.logits)):
+            if a.token_ids[:i] != b.token_ids[:i]:
+                break
+            assert relative_error(lb.float(), la.float()) < 2.5e-2, (attention, batch, i, a.token_ids, b.token_ids)
+            compared += 1
+    assert compared >= batch * MAX_TOKENS // 2, (attention, batch, compared)
