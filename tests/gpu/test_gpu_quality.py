@@ -60,9 +60,16 @@ def test_fast_path_perplexity_and_greedy_tokens_on_real_weights(folder):
     plain = LLM(folder, dtype="float32", device="cuda", attention="sdpa", max_model_len=4096)
     want = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     plain.close()
+    eager = LLM(folder, dtype="bfloat16", device="cuda", attention="sdpa", max_model_len=4096, overlap_steps=False,
+                cuda={"enforce_eager": True})
+    slow = [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    eager.close()
     same = sum(a == b for x, y in zip(got, want) for a, b in zip(x, y))
     print(f"perplexity: nanoplug bf16 fast path {ours:.4f}, transformers float32 {reference:.4f} "
-          f"({100 * (ours / reference - 1):+.2f}%); greedy tokens equal to float32: {same}/{32 * 64}")
+          f"({100 * (ours / reference - 1):+.2f}%); greedy tokens equal to float32: {same}/{32 * 64}; "
+          f"bf16 eager sdpa equal to float32: {sum(a == b for x, y in zip(slow, want) for a, b in zip(x, y))}; "
+          f"fast equal to bf16 eager: {sum(a == b for x, y in zip(got, slow) for a, b in zip(x, y))}; "
+          f"texts equal to float32 whole: {sum(x == y for x, y in zip(got, want))}/32")
     assert same >= 0.9 * 32 * 64, same
 
 
