@@ -173,9 +173,11 @@ def test_cli_compare_static_runs_both_on_one_engine_and_prints_the_ratio(engine_
     ratio = re.search(r"continuous / static batches of 2: ([\d.]+)x", out)
     assert ratio and float(ratio[1]) == pytest.approx(continuous / static, rel=0.02)
     assert out.count("start-up ") == 1  # one engine
-    continuous_run, static_run = workload_runs(engine_log.events, 2)
-    assert_continuous(continuous_run)
-    assert_static(static_run, 2)
+    runs = workload_runs(engine_log.events, 2)
+    assert len(runs) == 4  # an untimed rehearsal of each mode, then the timed runs
+    for continuous_run, static_run in (runs[:2], runs[2:]):
+        assert_continuous(continuous_run)
+        assert_static(static_run, 2)
     assert engine_log.max_num_seqs == {2}
     assert engine_log.prefix_caching == {False} and set(engine_log.cached) == {0}  # the second run hits nothing
 
