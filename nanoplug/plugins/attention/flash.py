@@ -17,12 +17,15 @@ cached context (dequantized_pages.py); prefill without cached context attends ov
 from __future__ import annotations
 
 import functools
+import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from nanoplug.api import AttentionBackend, AttentionMetadata, Target
+from nanoplug.api.cache import cache_root
 from nanoplug.plugins.attention import triton_decode
 from nanoplug.plugins.attention.dequantized_pages import DequantizedPages
 
@@ -41,6 +44,20 @@ class FlashKernels:
     block_multiple: int  # the paged cache's block size must be a multiple of this
 
 
+def persist_fa4_kernels() -> None:
+    """FlashAttention-4 JIT-compiles each kernel variant on first use, seconds each, in every new process;
+    its own disk cache (off unless asked for, read when flash_attn.cute is imported) keeps them across
+    runs, keyed by FA4's source fingerprint and compile key. The folder adds the GPU, so a cache copied to
+    another machine is not reused. A setting of the user's wins."""
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        gpu = re.sub(r"[^A-Za-z0-9.]+", "-", torch.cuda.get_device_name()) + f"-sm{major}{minor}"
+    else:
+        gpu = "no-gpu"
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(cache_root() / "flash-attn4" / gpu))
+
+
 @functools.lru_cache(maxsize=None)
 def load_kernels() -> tuple[FlashKernels | None, list[str]]:
     """The first FlashAttention build that imports, or None and why each did not."""
@@ -51,6 +68,7 @@ def load_kernels() -> tuple[FlashKernels | None, list[str]]:
         errors.append(f"flash_attn (FA2): {type(exc).__name__}: {exc}")
     else:
         return FlashKernels("FA2", (8, 0), (12, 9), flash_attn_varlen_func, flash_attn_with_kvcache, 256), errors
+    persist_fa4_kernels()
     try:
         from flash_attn.cute.interface import flash_attn_varlen_func  # FlashAttention-4
     except Exception as exc:
