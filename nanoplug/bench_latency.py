@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nanoplug.bench import open_engine
+from nanoplug.bench import describe_engine, open_engine
 
 TTFT_PROMPTS = 20
 TTFT_PROMPT_LEN = 512
@@ -72,6 +72,7 @@ class LatencyResult:
     prefill_prompt_len: int
     startup_seconds: float
     plugins: list[str]
+    engine: str = ""  # nanoplug.bench.describe_engine's line
 
     @property
     def ttft_median_ms(self) -> float:
@@ -158,6 +159,6 @@ def run_latency(model: str | Path | None = None, ttft_prompts: int = TTFT_PROMPT
         fresh = FreshPrompts(llm.engine.facts.vocab_size)
         measure(llm, fresh, **{**sizes, "ttft_prompts": 1, "decode_tokens": min(decode_tokens, 16)})
         return LatencyResult(**measure(llm, fresh, **sizes, decode_tokens=decode_tokens), startup_seconds=startup,
-                             plugins=llm.describe_plugins())
+                             plugins=llm.describe_plugins(), engine=describe_engine(llm))
     finally:
         llm.close()

@@ -13,6 +13,8 @@ from nanoplug.api import PLUGIN_API_VERSION
 from nanoplug.plugins.models.qwen3 import Qwen3ForCausalLM
 
 FAIL_TOKEN = 4242  # a prompt holding this token id makes rank 1 fail in that step
+SLOW_TOKEN, SLOW_S = 4243, 2.0  # a prompt holding this token id makes rank 1 sleep SLOW_S seconds in that step
+FAIL_POSITION = 12  # SlowOrFailingOnRank1: rank 1 fails in the step that reaches this position (a decode)
 PROMPT_PREFIX = ("You are a careful assistant. This shared system prompt starts every request and is long enough "
                  "to fill two whole KV blocks of sixteen tokens, so later requests reuse them: ")
 PROMPTS = [PROMPT_PREFIX + "what is one plus one?", PROMPT_PREFIX + "name a colour.", "Hello"]
@@ -42,6 +44,24 @@ class FailsInStepOnRank1(Qwen3ForCausalLM):
     def forward(self, input_ids, positions):
         if self.rank == 1 and bool((input_ids == FAIL_TOKEN).any()):
             raise InjectedFault("injected fault in a step on rank 1")
+        return super().forward(input_ids, positions)
+
+
+class SlowOrFailingOnRank1(Qwen3ForCausalLM):
+    """Rank 1 sleeps in a step whose input holds SLOW_TOKEN, and fails in the step that reaches FAIL_POSITION:
+    with overlapped steps, a decode launched while the step before it is still to be collected."""
+
+    def __init__(self, hf_config, layers, *args, **kwargs):
+        super().__init__(hf_config, layers, *args, **kwargs)
+        self.rank = layers.group.rank
+
+    def forward(self, input_ids, positions):
+        if self.rank == 1 and bool((input_ids == SLOW_TOKEN).any()):
+            import time
+
+            time.sleep(SLOW_S)
+        if self.rank == 1 and bool((positions == FAIL_POSITION).any()):
+            raise InjectedFault(f"injected fault at position {FAIL_POSITION} on rank 1")
         return super().forward(input_ids, positions)
 
 
@@ -76,18 +96,19 @@ def torchrun_rank(checkpoint: str, out_dir: str) -> None:
 
     from nanoplug.core.errors import NanoplugError
 
-    llm = LLM(checkpoint, parallel="auto", tensor_parallel_size=2, **ENGINE_OPTIONS)
-    rounds = generate_twice(llm)
-    chosen = llm.choices["parallel"].name
-    try:  # a rank that asks for something else must fail on every rank, not deadlock
-        llm.generate([f"rank {os.environ['RANK']} asks this"], use_tqdm=False)
-        mismatch = None
-    except NanoplugError as exc:
-        mismatch = str(exc)
-    llm.close()
-    saved = [[(o.token_ids, o.logits, o.num_cached_tokens) for o in outs] for outs in rounds]
-    torch.save({"parallel": chosen, "rounds": saved, "mismatch": mismatch},
-               os.path.join(out_dir, f"rank{os.environ['RANK']}.pt"))
+    runs = {}
+    for overlap in (False, True):  # steps one after another, then overlapped
+        llm = LLM(checkpoint, parallel="auto", tensor_parallel_size=2, overlap_steps=overlap, **ENGINE_OPTIONS)
+        rounds = generate_twice(llm)
+        try:  # a rank that asks for something else must fail on every rank, not deadlock
+            llm.generate([f"rank {os.environ['RANK']} asks this"], use_tqdm=False)
+            mismatch = None
+        except NanoplugError as exc:
+            mismatch = str(exc)
+        llm.close()
+        runs[overlap] = {"parallel": llm.choices["parallel"].name, "overlap": llm.engine.overlap, "mismatch": mismatch,
+                         "rounds": [[(o.token_ids, o.logits, o.num_cached_tokens) for o in outs] for outs in rounds]}
+    torch.save(runs, os.path.join(out_dir, f"rank{os.environ['RANK']}.pt"))
 
 
 def hold_engine(checkpoint: str) -> None:

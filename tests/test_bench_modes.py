@@ -150,6 +150,12 @@ def test_cli_latency_prints_the_three_figures(capsys):
     prefill = re.search(r"prefill, 3 x 48-token prompts: ([\d,]+) tok/s \(([\d.]+) s\)", out)
     assert ttft and decode and prefill, out
     assert float(ttft[1]) > 0 and float(decode[1]) > 0 and int(prefill[1].replace(",", "")) > 0
+    # how the engine ran (benchmarks/gpu_tp.py reads this line): CPU steps one at a time, decode steps counted
+    engine = re.search(r"engine: steps one at a time; KV cache ([\d,]+) tokens; decode steps: ([\d,]+) graph replays, "
+                       r"([\d,]+) eager, ([\d,]+) eager by design", out)
+    assert engine, out
+    kv_tokens, *decode_steps = (int(engine[i].replace(",", "")) for i in (1, 2, 3, 4))
+    assert kv_tokens > 0 and sum(decode_steps) > 0
 
 
 # ------------------------------------------------------------------------------- static batches
@@ -184,7 +190,9 @@ def test_cli_compare_static_runs_both_on_one_engine_and_prints_the_ratio(engine_
 
 def test_cli_max_num_seqs_alone_runs_the_workload_continuously_with_that_many(engine_log, capsys):
     assert main(["bench", "--max-num-seqs", "3", "--model", checkpoint("qwen3"), *WORKLOAD_FLAGS, *ENGINE_FLAGS]) == 0
-    assert "continuous batching, max_num_seqs 3: Total: 400tok, Time: " in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "continuous batching, max_num_seqs 3: Total: 400tok, Time: " in out
+    assert "engine: steps one at a time; KV cache " in out
     (run,) = workload_runs(engine_log.events, 4)
     assert_continuous(run)
     assert engine_log.max_num_seqs == {3}

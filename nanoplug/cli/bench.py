@@ -104,6 +104,8 @@ def run(args) -> int:
 def print_header(result) -> None:
     for line in result.plugins:
         print(line)
+    if result.engine:
+        print(result.engine)
     print(f"start-up {result.startup_seconds:.1f} s; prompt tokens {result.prompt_tokens:,}, "
           f"output tokens {result.output_tokens:,}")
 
@@ -123,6 +125,8 @@ def print_latency(args, options: dict) -> int:
     r = run_latency(args.model, **sizes, **options)
     for line in r.plugins:
         print(line)
+    if r.engine:
+        print(r.engine)
     print(f"start-up {r.startup_seconds:.1f} s; latency on an idle engine, no prefix-cache hits:")
     print(f"  time to first token, {r.ttft_prompt_len}-token prompt: median {r.ttft_median_ms:.2f} ms "
           f"(min {min(r.ttft_ms):.2f}, max {max(r.ttft_ms):.2f}) over {len(r.ttft_ms)} prompts")

@@ -239,16 +239,20 @@ class ModelRunner(Worker):
     # ----------------------------------------------------------------------------------- step
     def run(self, step: StepBatch) -> StepResult | None:
         """Compute one step; rank 0 returns the sampled tokens and the requested logits rows."""
-        self.launch(step)
+        self._launch(step, share_tokens=False)  # the engine waits for the tokens: no step reads them on the device
         return self.collect()
 
-    @torch.inference_mode()
     def launch(self, step: StepBatch) -> None:
         """Queue one step's device work (model, sampler, the copy of the tokens back) without waiting.
 
         The host may then prepare the next step while the device computes this one; `collect`
         waits for the tokens. At most one step may be uncollected when the next is launched (the
-        graph inputs' pinned host buffers come in two, used in turn)."""
+        graph inputs' pinned host buffers come in two, used in turn). With several ranks, every rank
+        gets rank 0's sampled tokens on its device, since the next step may take its inputs from them."""
+        self._launch(step, share_tokens=self.group.world_size > 1)
+
+    @torch.inference_mode()
+    def _launch(self, step: StepBatch, share_tokens: bool) -> None:
         num_seqs = len(step.query_lens)
         if step.new_blocks:  # never-written memory may hold NaN that padded reads would spread
             blocks = to_device(step.new_blocks, torch.int64, self.device)
@@ -288,13 +292,17 @@ class ModelRunner(Worker):
             bits = self.kv_cache.view(_BITS[self.kv_cache.dtype.itemsize])  # float8 has no index_copy_
             bits.index_copy_(2, to_device(dst, torch.int64, self.device),
                              bits.index_select(2, to_device(src, torch.int64, self.device)))
+        tokens = None
+        if step.sample_rows:
+            if self.group.rank == 0:
+                tokens = self.sampler(logits, step.sampling)
+            if share_tokens:
+                tokens = self._shared_tokens(tokens, len(step.sample_rows))
+            self.last_tokens = tokens  # the next step may read its inputs from here
         if self.group.rank != 0 or not (step.sample_rows or step.prompt_logprob_at):
             self.pending.append(None)
             return
-        if step.sample_rows:
-            tokens = self.sampler(logits, step.sampling)
-            self.last_tokens = tokens  # the next step may read its inputs from here
-        else:  # a prompt chunk that only scores prompt tokens
+        if tokens is None:  # a prompt chunk that only scores prompt tokens
             tokens = torch.empty(0, dtype=torch.int64, device=self.device)
         # both read the logits before a replay overwrites them
         rows = logits[step.logits_rows].float() if step.logits_rows else None
@@ -302,6 +310,13 @@ class ModelRunner(Worker):
         extra = [t.pack() for t in (lps, prompt_lps) if t is not None]
         extra = self.platform.to_host(torch.cat(extra), None) if extra else None
         self.pending.append((self.platform.to_host(tokens, rows), extra, step))
+
+    def _shared_tokens(self, tokens: torch.Tensor | None, count: int) -> torch.Tensor:
+        """Rank 0's sampled tokens on every rank's device, queued there like any step work: a sum of
+        rank 0's tokens and the other ranks' zeros (the group's reduction serves as a broadcast)."""
+        if tokens is None:
+            tokens = torch.zeros(count, dtype=torch.int64, device=self.device)
+        return self.group.all_reduce(tokens.long())
 
     def _prompt_logprobs(self, hidden: torch.Tensor, step: StepBatch) -> LogprobsTensors | None:
         """Logprobs of the prompt tokens this step scores, a few hundred positions at a time (every rank

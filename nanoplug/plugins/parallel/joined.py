@@ -4,6 +4,9 @@ Every launched process builds the same `LLM` and calls `generate` with the same 
 rank's scheduler makes the same decisions. Before each step the ranks compare a digest of the step
 (different requests on different ranks fail loudly instead of deadlocking), and after it rank 0's
 sampled tokens are broadcast, so every rank appends the same tokens and returns the same outputs.
+Both go through a gloo group on the CPU, so they never wait for the device: over NCCL they would
+queue behind the step just launched and undo overlapped steps. A launch broadcasts nothing; the
+collect after it carries rank 0's result.
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ class JoinedRanks(Worker):
     def __init__(self, timeout_s: float):
         self.timeout = timedelta(seconds=timeout_s)
         self.worker: Any = None
+        self.host_group: Any = None  # gloo, for the host's messages; None: the launcher's group is gloo already
 
     def start(self, make_worker: Callable[[TorchGroup], Any], backend: str) -> None:
         local_rank = launched_local_rank()
@@ -57,13 +61,14 @@ class JoinedRanks(Worker):
                 device_id = torch.device("cuda", local_rank)
                 torch.cuda.set_device(device_id)
             dist.init_process_group(backend, timeout=self.timeout, device_id=device_id)  # env:// from torchrun
-        self.device = torch.device("cuda", local_rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+        self.host_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=self.timeout)
         self.worker = make_worker(TorchGroup(dist.get_rank(), dist.get_world_size(), local_rank))
 
     def run(self, step: StepBatch) -> StepResult | None:
         return self._call(WorkerMethod.RUN, step)
 
     def launch(self, step: StepBatch) -> None:
+        """Check the step is every rank's and queue it; rank 0's result comes with the `collect` after it."""
         self._call(WorkerMethod.LAUNCH, step)
 
     def collect(self) -> StepResult | None:
@@ -84,14 +89,16 @@ class JoinedRanks(Worker):
         if args:
             self._check_same_step(method, args)
         box = [self.worker.call(method, *args)]
-        dist.broadcast_object_list(box, src=0, device=self.device)
+        if method is WorkerMethod.LAUNCH:
+            return None
+        dist.broadcast_object_list(box, src=0, group=self.host_group)
         return box[0]
 
     def _check_same_step(self, method: WorkerMethod, args: tuple) -> None:
         digest = hashlib.blake2b(pickle.dumps((method.value, args)), digest_size=7).digest()
-        mine = torch.tensor([int.from_bytes(digest, "little")], dtype=torch.int64, device=self.device)
+        mine = torch.tensor([int.from_bytes(digest, "little")], dtype=torch.int64)
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, mine)
+        dist.all_gather(every, mine, group=self.host_group)
         differ = [r for r, d in enumerate(every) if int(d) != int(every[0])]
         if differ:
             raise NanoplugError(

@@ -99,6 +99,7 @@ class WorkerPool(Worker):
         self._handles = _Handles()
         self._finalizer = weakref.finalize(self, _release, self._handles, True)  # also runs at exit
         self._stopped_because: str | None = None
+        self._unanswered_launch = False  # a launch was sent since the last answer: that answer covers it too
 
     @property
     def pids(self) -> list[int]:
@@ -111,7 +112,11 @@ class WorkerPool(Worker):
         return self._call(WorkerMethod.RUN, step)
 
     def launch(self, step: StepBatch) -> None:
-        self._call(WorkerMethod.LAUNCH, step)
+        """Hand every rank the step and return: no rank answers a launch (see worker.py), so the engine can
+        launch the next step before it collects this one; a rank that fails in it says so at that collect."""
+        self._check_running()
+        self._round(("call", WorkerMethod.LAUNCH, (step,)), "'launch'", self.call_timeout, answered=False)
+        self._unanswered_launch = True
 
     def collect(self) -> StepResult | None:
         return self._call(WorkerMethod.COLLECT)
@@ -152,20 +157,26 @@ class WorkerPool(Worker):
         self._handles.conns.append(Connection(ours.detach()))
 
     # ----------------------------------------------------------------------------- calls
-    def _call(self, method: WorkerMethod, *args: Any) -> Any:
+    def _check_running(self) -> None:
         if self._stopped_because is not None:
             raise WorkerError(f"the tensor-parallel workers are stopped ({self._stopped_because}); create a new LLM")
-        return self._round(("call", method, args), repr(method.value), self.call_timeout)[0]
 
-    def _round(self, message: Any, what: str, timeout: float) -> list[Any]:
-        """Send `message` to every rank and gather the replies; on any failure stop all and raise."""
+    def _call(self, method: WorkerMethod, *args: Any) -> Any:
+        self._check_running()
+        what = repr(method.value) + (" or the 'launch' before it" if self._unanswered_launch else "")
+        results = self._round(("call", method, args), what, self.call_timeout)
+        self._unanswered_launch = False
+        return results[0]
+
+    def _round(self, message: Any, what: str, timeout: float, answered: bool = True) -> list[Any] | None:
+        """Send `message` to every rank and gather the replies (`answered`); on any failure stop all and raise."""
         try:
             for rank, conn in enumerate(self._handles.conns):
                 try:
                     send(conn, message)
                 except OSError:
                     raise self._died(rank, what) from None
-            return self._gather(what, timeout)
+            return self._gather(what, timeout) if answered else None
         except BaseException as exc:  # a worker error, a timeout, or Ctrl-C: no worker may be left mid-step
             self._stop(graceful=False, reason=f"{type(exc).__name__} during {what}")
             raise

@@ -8,6 +8,10 @@ Two ways to get the ranks:
 - on one host, the engine starts one worker process per rank and drives them (`pool.py`);
 - under torchrun (or any torch.distributed launcher, several hosts included), each launched
   process is one rank and they all run the same requests (`joined.py`).
+
+Both overlap steps: `launch` returns once every rank holds the step (no rank answers it), `collect`
+answers with rank 0's tokens, and each rank gets rank 0's sampled tokens on its device (runner.py),
+which the next step may read its inputs from.
 """
 from __future__ import annotations
 
@@ -71,6 +75,7 @@ def _device_reasons(target: Target, n: int) -> list[str]:
 class TensorParallel(ParallelStrategy):
     description = "layers split over GPUs (NCCL) or CPU processes (gloo); spawned workers, or torchrun's ranks"
     priority = 50  # `single` (100) wins under "auto" when tensor_parallel_size is 1
+    supports_overlap = True  # the spawned pool and torchrun's ranks alike
 
     @classmethod
     def unavailable(cls, target: Target) -> list[str]:

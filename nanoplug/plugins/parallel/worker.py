@@ -9,9 +9,12 @@ through multiprocessing, so the caller's `__main__` is never re-imported (a scri
     worker -> caller  ("ok", result)  (rank 0's result; None on other ranks)
                       ("error", traceback_text)
 
-After an error the worker stays up until told to stop, so the caller sees the first failure, not
-the communication errors it causes on other ranks. The worker exits when the caller's socket
-closes or the caller's process is gone, so no worker outlives its engine.
+Every message but "stop" and a LAUNCH call gets one answer. A launch gets none, so the caller can
+hand out step N+1 before it waits for step N: a launch that fails is reported in the answer to the
+next call (the engine's `collect`), its traceback naming the launch. After an error the worker
+stays up until told to stop, answering every call with that first error, so the caller sees the
+first failure, not the communication errors it causes on other ranks. The worker exits when the
+caller's socket closes or the caller's process is gone, so no worker outlives its engine.
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
+
+from nanoplug.api import WorkerMethod
 
 STORE_HOST = "127.0.0.1"
 
@@ -79,7 +84,7 @@ def _build(message: tuple, rank: int) -> Any:
 
 
 def serve(conn: Connection, rank: int) -> int:
-    worker, failed = None, False
+    worker = failure = None  # failure: the first error here, the answer to every call after it
     while True:
         try:
             message = receive(conn)
@@ -88,31 +93,32 @@ def serve(conn: Connection, rank: int) -> int:
         kind = message[0]
         if kind == "stop":
             break
-        if failed:
-            send(conn, ("error", "this worker failed earlier; the engine must be restarted"))
+        answered = not (kind == "call" and message[1] is WorkerMethod.LAUNCH)  # see the module's docstring
+        reply = failure
+        if failure is None:
+            try:
+                if kind == "init":
+                    worker = _build(message, rank)
+                    reply = ("ok", None)
+                else:
+                    _, method, args = message
+                    result = worker.call(method, *args)  # Worker.call refuses anything but a WorkerMethod
+                    reply = ("ok", result if rank == 0 else None)
+            except BaseException:
+                what = getattr(message[1], "value", message[1]) if kind == "call" else ""
+                failure = reply = _error(f"rank {rank}, {kind} {what}".strip())
+        if not answered:
             continue
-        try:
-            if kind == "init":
-                worker = _build(message, rank)
-                reply = ("ok", None)
-            else:
-                _, method, args = message
-                result = worker.call(method, *args)  # Worker.call refuses anything but a WorkerMethod
-                reply = ("ok", result if rank == 0 else None)
-        except BaseException:
-            failed = True
-            what = getattr(message[1], "value", message[1]) if kind == "call" else ""
-            reply = _error(f"rank {rank}, {kind} {what}".strip())
         try:
             payload = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:  # a result that cannot cross the process boundary is this rank's error too
-            failed = True
-            payload = pickle.dumps(_error(f"rank {rank}, sending the result of {kind}"))
+            failure = _error(f"rank {rank}, sending the result of {kind}")
+            payload = pickle.dumps(failure)
         try:
             conn.send_bytes(payload)
         except OSError:
             return 0  # the caller is gone
-    if failed:
+    if failure is not None:
         return 1  # the group may be mid-collective: tearing it down could block
     import torch.distributed as dist
 
