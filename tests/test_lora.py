@@ -5,7 +5,9 @@ model in transformers and its greedy tokens equal that model's `generate`: all s
 types (q/k/v and gate/up packed by the engine), alpha/r and rsLoRA scaling, a user scale, two
 adapters stacked, and under tensor parallelism. Per request (merge=False), each request's tokens
 must equal those of an engine with its adapter merged, with several adapters and none in one batch,
-chunked prefill and prefix-cache hits. Bad adapters fail with errors that name the fix.
+chunked prefill and prefix-cache hits (here on the plain masked path; tests/test_lora_kernels.py runs the
+same checks on the Triton kernels), and an engine whose adapters are not graph-safe decodes eager. Bad
+adapters fail with errors that name the fix.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from _checkpoints import PROMPTS, checkpoint, prompt_ids, relative_error, scratch_dir
 from nanoplug import LLM, SamplingParams
 from nanoplug.checkpoints import write_random_checkpoint
-from nanoplug.core.errors import AdapterError, ModelLoadError, RequestError
+from nanoplug.core.errors import AdapterError, GraphCaptureError, ModelLoadError, RequestError
 
 ALL_SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ENGINE = dict(kv_block_size=16, attention="manual", kv_cache="torch", num_kv_blocks=96, max_model_len=256)
@@ -130,8 +132,13 @@ def test_two_stacked_adapters_equal_peft_merging_both_in_order():
     check_against_peft(llm, "llama", ((first, 1.0), (second, 1.5)), prompt_ids("qwen3"))
 
 
-def test_tensor_parallel_shards_merged_and_per_request_adapters():
+def test_tensor_parallel_shards_merged_and_per_request_adapters(monkeypatch):
     """Merging happens before sharding, and per-request A/B are sharded like the base weights."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the masked path (test_lora_kernels.py: the kernels)
+    check_tensor_parallel_per_request()
+
+
+def check_tensor_parallel_per_request() -> None:
     import nanoplug.plugins.parallel.tensor  # noqa: F401  (the strategy under test must exist)
 
     merged, per_request = peft_lora("qwen3", seed=1), peft_lora("qwen3", seed=5)
@@ -148,7 +155,15 @@ def test_tensor_parallel_shards_merged_and_per_request_adapters():
 
 
 # ------------------------------------------------------------------------------ per request
-def test_per_request_adapters_equal_engines_with_that_adapter_merged():
+def test_per_request_adapters_equal_engines_with_that_adapter_merged(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the masked path (test_lora_kernels.py: the kernels)
+    llm = check_per_request_equals_merged()
+    assert not llm.engine.worker.request_adapters.kernels
+
+
+def check_per_request_equals_merged() -> LLM:
+    """Every adapter and none in one batch, chunked prefill and prefix-cache hits: each request's tokens and
+    logits those of an engine with its adapter merged. Returns the per-request engine."""
     one, two = peft_lora("qwen3", seed=1), peft_lora("qwen3", seed=6, r=4, alpha=8)
     story = prompt_ids("qwen3", [PROMPTS[2] * 2])[0]  # 3+ blocks: prefix-cache hits across requests
     prompts = prompt_ids("qwen3") + [story]
@@ -172,6 +187,21 @@ def test_per_request_adapters_equal_engines_with_that_adapter_merged():
             assert got.token_ids == want.token_ids, f"adapter {name}, prompt of {len(ids)} tokens"
             assert relative_error(torch.stack(got.logits), torch.stack(want.logits)) < 1e-4
     assert len({tuple(merged[name][0].token_ids) for name in choices}) == 3, "the adapters must differ"
+    return llm
+
+
+def test_per_request_adapters_that_are_not_graph_safe_keep_decode_eager(monkeypatch):
+    from _lora_layers import write_lora
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the masked path, which graphs would not serve
+    path = write_random_checkpoint(scratch_dir("lora-head-64"), head_dim=64)  # a head size `cpu` attention takes
+    config = json.loads((path / "config.json").read_text())
+    lora = {"path": write_lora(scratch_dir("lora-head-64-adapter"), config, seed=1), "merge": False}
+    options = dict(ENGINE, attention="cpu", cpu={"graphs": True})  # a backend the CPU graphs record
+    llm = LLM(str(path), adapters=[lora], **options)
+    assert not llm.engine.worker.request_adapters.graph_safe and llm.engine.worker.graphs is None
+    with pytest.raises(GraphCaptureError, match="graph_safe is False.*merge=True"):
+        LLM(str(path), adapters=[lora], **{**options, "cpu": {"graphs": True, "require_graphs": True}})
 
 
 def test_unknown_request_adapter_names_the_loaded_ones_and_costs_no_other_request():

@@ -160,6 +160,11 @@ class WeightAdapter(Plugin, ABC):
 class RequestAdapters(ABC):
     """Adapters picked per request: layers changed once at start-up, the token-to-adapter map set per step."""
 
+    graph_safe: bool = False
+    """True when decode steps captured once (CUDA graphs) serve every later step's mix of adapters: `set_step`
+    only refills device buffers the captured launches read, and no launch's shape depends on the step's
+    adapters. False keeps decode eager while these adapters are loaded."""
+
     @abstractmethod
     def set_step(self, token_adapter_ids: torch.Tensor) -> None:
         """Adapter id (0: none) of each token of the next step, int64 [N] on the CPU; called once per step

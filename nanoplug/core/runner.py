@@ -154,11 +154,13 @@ class ModelRunner(Worker):
         counted as one a graph should have served; the platform's `require_graphs` makes it an error."""
         strict = self.platform.require_graphs
         option = f"{platform_name}.require_graphs"
-        if not decode.supports_cuda_graphs or self.request_adapters is not None:
+        adapters_eager = self.request_adapters is not None and not self.request_adapters.graph_safe
+        if not decode.supports_cuda_graphs or adapters_eager:
             if strict:
                 why = (f"the decode attention backend ({type(decode).__name__}) cannot run under graphs (its "
                        "supports_cuda_graphs is False); choose one that can" if not decode.supports_cuda_graphs else
-                       "adapters served per request (merge=False) run eager; merge them")
+                       f"the adapters served per request ({type(self.request_adapters).__name__}) cannot run under "
+                       "graphs here (graph_safe is False); merge them (merge=True)")
                 raise GraphCaptureError(f"{option} asks for decode graphs, but {why}, or drop {option}")
             return
         try:
