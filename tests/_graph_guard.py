@@ -54,17 +54,20 @@ class Compilations:
 
 
 class StepLog:
-    """Wraps a single-process worker's `launch`: (is_prefill, number of sequences) of every step launched."""
+    """Wraps a single-process worker's `run` and `launch` (the engine calls one or the other per step):
+    (is_prefill, number of sequences) of every step."""
 
     def __init__(self, worker):
         self.steps: list[tuple[bool, int]] = []
-        launch = worker.launch
+        for name in ("run", "launch"):
+            setattr(worker, name, self._logged(getattr(worker, name)))
 
+    def _logged(self, method):
         def logged(step):
             self.steps.append((step.is_prefill, len(step.query_lens)))
-            return launch(step)
+            return method(step)
 
-        worker.launch = logged
+        return logged
 
     def decode_batches(self) -> list[int]:
         return [n for prefill, n in self.steps if not prefill]
