@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from typing import Any, Iterable
 
 import psutil
@@ -115,3 +116,13 @@ def run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
         return processes.run(cmd, **kwargs)
     finally:
         processes.close()
+
+
+def gone(pids, within: float = 15.0) -> bool:
+    """Whether every process of `pids` has exited (or is a zombie) within `within` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            return True
+        time.sleep(0.2)
+    return False

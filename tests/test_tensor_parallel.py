@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import tensor_parallel_helpers as helpers
+from _processes import gone
 from nanoplug import LLM, EngineConfig
 from nanoplug.checkpoints import write_random_checkpoint
 from nanoplug.core.errors import PluginUnavailableError
@@ -74,15 +75,6 @@ def _workers_end_with_their_test():
     psutil.wait_procs(left, timeout=10)
 
 
-def _gone(pids, within: float = 15.0) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-            return True
-        time.sleep(0.2)
-    return False
-
-
 # ------------------------------------------------------------------------------ same outputs
 def test_qwen3_tp2_matches_one_process_and_transformers(ckpt, tp_qwen3):
     single = LLM(ckpt["qwen3"], parallel="single", **helpers.ENGINE_OPTIONS)
@@ -134,7 +126,7 @@ def test_llama_tp2_matches_one_process_and_transformers(ckpt):
         rounds = helpers.generate_twice(tp)
         pids = tp.engine.worker.worker_pids
         assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
-    assert _gone(pids, within=1.0)  # leaving the block closed the engine and waited for its workers
+    assert gone(pids, within=1.0)  # leaving the block closed the engine and waited for its workers
     tp.close()  # a second close is harmless
     _assert_same_outputs(reference, rounds)
     _assert_matches_transformers(ckpt["llama"], rounds[0])
@@ -300,7 +292,7 @@ def test_fault_while_loading_surfaces_with_the_worker_traceback(ckpt):
     assert "rank 1 failed during start-up" in message
     assert "Traceback" in message and "InjectedFault: injected fault while building the model on rank 1" in message
     assert "--- rank 0 ---" not in message  # the root cause, not the broken collective it causes
-    assert _gone(_children() - before)
+    assert gone(_children() - before)
 
 
 def test_fault_in_a_step_surfaces_and_stops_the_engine(ckpt):
@@ -316,9 +308,9 @@ def test_fault_in_a_step_surfaces_and_stops_the_engine(ckpt):
     assert time.monotonic() - start < DEADLINE_S
     with pytest.raises(WorkerError, match="workers are stopped.*create a new LLM"):
         llm.generate([[1, 2, 3]], use_tqdm=False)
-    assert _gone(pids)
+    assert gone(pids)
     llm.close()
-    assert _gone(_children() - before)
+    assert gone(_children() - before)
 
 
 # ------------------------------------------------------------------- processes and shutdown
@@ -335,7 +327,7 @@ def test_two_engines_at_once_then_a_killed_worker_and_close(ckpt, tp_qwen3):
         second.generate(helpers.PROMPTS, use_tqdm=False)
     assert time.monotonic() - start < 30
     second.close()
-    assert _gone(pids)
+    assert gone(pids)
     _assert_same_outputs(ref, helpers.generate_twice(tp_qwen3))  # the other engine is untouched
 
 
@@ -357,14 +349,14 @@ def test_ctrl_c_in_the_caller_stops_the_workers(ckpt, processes):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert "INTERRUPTED" in out and "KeyboardInterrupt" in err
-    assert _gone(pids)
+    assert gone(pids)
 
 
 def test_workers_exit_when_the_caller_is_killed(ckpt, processes):
     proc, pids = _hold_engine(processes, ckpt["qwen3"])
     proc.kill()
     proc.communicate(timeout=30)
-    assert _gone(pids, within=15.0)
+    assert gone(pids, within=15.0)
 
 
 # -------------------------------------------------------------------------------- torchrun

@@ -13,6 +13,7 @@ import pytest
 
 import tensor_parallel_helpers as helpers
 from _engine_checks import interrupt_generate
+from _processes import gone
 from nanoplug import LLM, Registry, SamplingParams
 from nanoplug.core.sequence import PENDING
 from nanoplug.plugins.parallel.pool import WorkerError
@@ -107,15 +108,6 @@ def test_streams_and_aborts_leave_the_overlapped_engine_exact(engines):
     assert_same(single.generate(PROMPTS, params, use_tqdm=False), fast.generate(PROMPTS, params, use_tqdm=False))
 
 
-def _gone(pids, within: float = 15.0) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-            return True
-        time.sleep(0.2)
-    return False
-
-
 def test_launch_does_not_wait_and_a_launched_steps_fault_surfaces_at_collect(ckpt):
     registry = Registry(load_entry_points=False)
     registry.add_plugin_module(helpers.ModelPlugin(helpers.SlowOrFailingOnRank1), "tests")
@@ -146,7 +138,7 @@ def test_launch_does_not_wait_and_a_launched_steps_fault_surfaces_at_collect(ckp
         assert time.perf_counter() - start < DEADLINE_S
         with pytest.raises(WorkerError, match="workers are stopped.*create a new LLM"):
             llm.generate([[1, 2, 3]], use_tqdm=False)
-        assert _gone(pids)
+        assert gone(pids)
     finally:
         start = time.perf_counter()
         llm.close()
