@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 
-import psutil
 import pytest
 
 import tensor_parallel_helpers as helpers
