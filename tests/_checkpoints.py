@@ -90,3 +90,20 @@ def hf_logits(name: str, ids: list[int]) -> torch.Tensor:
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """Largest absolute difference relative to the largest reference magnitude."""
     return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-12))
+
+
+def prompt_logprobs(llm, ids: list[int]) -> torch.Tensor:
+    """log-softmax rows [len(ids) - 1, vocab] (float64) predicting ids[1:]: the hidden state of every prompt
+    position, captured as the prefill computes it, through the model's own LM head (256 rows at a time)."""
+    from nanoplug import SamplingParams
+
+    model, hidden = llm.engine.worker.model, []
+    hook = model.register_forward_hook(lambda m, args, out: hidden.append(out.detach().clone()))
+    try:
+        llm.generate([ids], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    finally:
+        hook.remove()
+    rows = torch.cat(hidden)[: len(ids) - 1]
+    with torch.inference_mode():
+        logits = torch.cat([model.compute_logits(rows[i:i + 256]) for i in range(0, len(rows), 256)])
+    return torch.log_softmax(logits.double(), dim=-1)

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from _checkpoints import prompt_logprobs
 from nanoplug import LLM, SamplingParams
 from nanoplug.api import Layers
 from nanoplug.plugins.adapters.fp8 import FP8, FP8LinearMethod, dequantize_rows, quantize_rows
@@ -38,17 +39,6 @@ def test_linear_equals_quantize_dequantize_then_f_linear():
     x = torch.randn(5, 48)
     assert torch.equal(layer(x), F.linear(x, ref, b))
     assert (layer(x)[:, 3] == b[3]).all()
-
-
-def prompt_logprobs(llm, ids) -> torch.Tensor:
-    model, hidden = llm.engine.worker.model, []
-    hook = model.register_forward_hook(lambda m, args, out: hidden.append(out.detach().clone()))
-    try:
-        llm.generate([ids], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-    finally:
-        hook.remove()
-    with torch.inference_mode():
-        return torch.log_softmax(model.compute_logits(torch.cat(hidden)[: len(ids) - 1]).float(), dim=-1)
 
 
 def test_engine_with_fp8_weights_stays_close(qwen3_dir):

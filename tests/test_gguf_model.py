@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from _checkpoints import prompt_logprobs
 from _gguf_files import MIXED, requantize
 from nanoplug import LLM, SamplingParams
 from nanoplug.api.errors import PluginUnavailableError
@@ -67,21 +68,6 @@ def float_activations(engines):
 
 def greedy(llm, prompt, n=32):
     return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)[0].token_ids
-
-
-def prompt_logprobs(llm, ids) -> torch.Tensor:
-    """log-softmax rows [len(ids) - 1, vocab] predicting ids[1:]: the hidden state of every prompt position,
-    captured as the prefill computes it, through the model's own LM head."""
-    model, hidden = llm.engine.worker.model, []
-    hook = model.register_forward_hook(lambda m, args, out: hidden.append(out.detach().clone()))
-    try:
-        llm.generate([ids], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-    finally:
-        hook.remove()
-    rows = torch.cat(hidden)[: len(ids) - 1]
-    with torch.inference_mode():
-        logits = torch.cat([model.compute_logits(rows[i:i + 256]) for i in range(0, len(rows), 256)])
-    return torch.log_softmax(logits.double(), dim=-1)
 
 
 def compare(ref: torch.Tensor, got: torch.Tensor, ids) -> tuple[float, float]:

@@ -24,6 +24,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import nanoplug.plugins.adapters.gguf_kernels as kernels  # noqa: E402
+from _checkpoints import prompt_logprobs  # noqa: E402
 from nanoplug.checkpoints import quantize_q4_k, write_gguf, write_random_checkpoint  # noqa: E402
 from nanoplug.plugins.adapters.gguf_blocks import FORMATS, repack  # noqa: E402
 
@@ -82,20 +83,6 @@ def mixed_gguf(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gguf-triton")
     checkpoint = write_random_checkpoint(folder / "q3", **SHAPE)
     return write_gguf(checkpoint, folder / "mixed.gguf", formats=MIXED)
-
-
-def prompt_logprobs(llm, ids) -> torch.Tensor:
-    """log-softmax rows predicting ids[1:], from the hidden states the prefill computes, through the model's head."""
-    from nanoplug import SamplingParams
-
-    model, hidden = llm.engine.worker.model, []
-    hook = model.register_forward_hook(lambda m, args, out: hidden.append(out.detach().clone()))
-    try:
-        llm.generate([ids], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-    finally:
-        hook.remove()
-    with torch.inference_mode():
-        return torch.log_softmax(model.compute_logits(torch.cat(hidden)[: len(ids) - 1]).float(), dim=-1)
 
 
 def test_engine_on_the_triton_path_matches_the_float32_engine(mixed_gguf):

@@ -4,16 +4,22 @@ references, and engines on a GGUF model under CUDA graphs against eager.
 Run on the GPU machine: `pytest -m gpu tests/gpu/test_gpu_quant.py` (needs gguf-py importable)."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoplug import LLM, SamplingParams
-from nanoplug.checkpoints import quantize_q4_k, write_gguf, write_random_checkpoint
-from nanoplug.plugins.adapters import gguf_kernels as kernels
-from nanoplug.plugins.adapters.gguf_blocks import FORMATS, repack
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the shared helpers in tests/
+
+from _checkpoints import prompt_logprobs  # noqa: E402
+from nanoplug import LLM, SamplingParams  # noqa: E402
+from nanoplug.checkpoints import quantize_q4_k, write_gguf, write_random_checkpoint  # noqa: E402
+from nanoplug.plugins.adapters import gguf_kernels as kernels  # noqa: E402
+from nanoplug.plugins.adapters.gguf_blocks import FORMATS, repack  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 ROWS, COLS = 1000, 4096  # rows not a multiple of any block
@@ -107,17 +113,6 @@ def mixed_gguf(tmp_path_factory):
 def greedy(llm, prompts=PROMPTS, n=16):
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def prompt_logprobs(llm, ids) -> torch.Tensor:
-    model, hidden = llm.engine.worker.model, []
-    hook = model.register_forward_hook(lambda m, args, out: hidden.append(out.detach().clone()))
-    try:
-        llm.generate([ids], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-    finally:
-        hook.remove()
-    with torch.inference_mode():
-        return torch.log_softmax(model.compute_logits(torch.cat(hidden)[: len(ids) - 1]).float(), dim=-1)
 
 
 def test_gguf_engine_graphs_match_eager_and_the_dequantized_engine(mixed_gguf):
