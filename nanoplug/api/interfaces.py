@@ -199,10 +199,12 @@ class StepGraphs(ABC):
 
     captures: int = 0
     """Graphs captured (recorded) so far, counted by the platform at each: all at start-up, none after."""
+    graphs: dict[int, Any]
+    """The captured steps by batch size, in increasing order of size."""
 
-    @abstractmethod
     def size_for(self, num_seqs: int) -> int | None:
-        """The captured batch size that serves `num_seqs` sequences, or None (the step runs eager)."""
+        """The smallest captured batch size that serves `num_seqs` sequences, or None (the step runs eager)."""
+        return next((size for size in self.graphs if size >= num_seqs), None)
 
     @abstractmethod
     def inputs(self, size: int) -> StepInputs:

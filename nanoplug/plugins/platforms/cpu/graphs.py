@@ -110,12 +110,6 @@ class CpuDecodeGraphs(StepGraphs):
         self.forward, self.ctx, self.limits, self.scratch_block = forward, ctx, limits, scratch_block
         self.graphs: dict[int, tuple[list[Callable[[], Any]], list[Any], AttentionMetadata, torch.Tensor]] = {}
 
-    def size_for(self, num_seqs: int) -> int | None:
-        for size in self.graphs:
-            if size >= num_seqs:
-                return size
-        return None
-
     @torch.inference_mode()
     def capture(self) -> None:
         """Record a decode step for each batch size up to max_num_seqs, and check each replay."""

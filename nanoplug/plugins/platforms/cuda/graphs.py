@@ -25,12 +25,6 @@ class DecodeGraphs(StepGraphs):
         self.scratch_block = scratch_block
         self.graphs: dict[int, Any] = {}
 
-    def size_for(self, num_seqs: int) -> int | None:
-        for size in self.graphs:
-            if size >= num_seqs:
-                return size
-        return None
-
     @torch.inference_mode()
     def capture(self) -> None:
         limits, dev = self.limits, self.device
