@@ -6,7 +6,6 @@ start-up and runs eagerly with a warning. And the `fp16` KV cache the cpu decode
 from __future__ import annotations
 
 import logging
-import math
 
 import pytest
 import torch
@@ -146,40 +145,6 @@ def test_a_value_read_back_into_python_is_caught_at_start_up(path, engines, monk
 
 
 # ------------------------------------------------------------------------------------ the fp16 KV cache
-def reference_decode(q, k_cache, v_cache, tables, seq_lens, scale):
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = q.shape[1] // kv_heads
-    out = []
-    for b, length in enumerate(seq_lens.tolist()):
-        pos = torch.arange(length)
-        slots = tables[b, pos // block_size].long() * block_size + pos % block_size
-        keys = k_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)
-        values = v_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)
-        weights = torch.softmax(torch.einsum("hd,lhd->hl", q[b], keys) * scale, dim=-1)
-        out.append(torch.einsum("hl,lhd->hd", weights, values))
-    return torch.stack(out)
-
-
-@pytest.mark.parametrize("head_dim,heads,kv_heads,block_size", [(64, 9, 3, 16), (128, 16, 2, 7)])
-def test_the_decode_kernel_reads_a_float16_cache(head_dim, heads, kv_heads, block_size):
-    kernels = cpu_kernels.kernels()
-    g = torch.Generator().manual_seed(0)
-    batch = 5
-    seq_lens = torch.tensor([1, block_size + 1, 3 * block_size - 1, 37, 5], dtype=torch.int32)
-    max_blocks = math.ceil(int(seq_lens.max()) / block_size) + 1
-    num_blocks = batch * max_blocks + 2
-    k_cache = (torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g) * 3).half()
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).half()
-    k_cache.view(-1)[:5] = torch.tensor([1e-6, -6e-5, 65504.0 / 1e3, 0.0, -0.0]).half()  # subnormals, zeros
-    tables = torch.randperm(num_blocks, generator=g)[: batch * max_blocks].view(batch, max_blocks).int()
-    q = torch.randn(batch, heads, head_dim, generator=g)
-    scale = head_dim ** -0.5
-    out = kernels.paged_decode(q, k_cache, v_cache, tables, seq_lens, scale)
-    torch.testing.assert_close(out, reference_decode(q, k_cache, v_cache, tables, seq_lens, scale), rtol=1e-4, atol=1e-5)
-    with pytest.raises(ValueError, match="float32 or float16"):
-        kernels.paged_decode(q, k_cache.bfloat16(), v_cache.bfloat16(), tables, seq_lens, scale)
-
-
 def test_an_fp16_cache_holds_twice_the_tokens_and_stays_close(path, engines):
     small = dict(ENGINE, num_kv_blocks=None, cpu={"kernels": True, "kv_cache_gb": 0.002})
     full, half = LLM(path, **small), LLM(path, **{**small, "kv_cache": "fp16"})

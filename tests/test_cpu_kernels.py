@@ -120,8 +120,8 @@ def reference_decode(q, k_cache, v_cache, tables, seq_lens, scale):
     for b, length in enumerate(seq_lens.tolist()):
         pos = torch.arange(length)
         slots = tables[b, pos // block_size].long() * block_size + pos % block_size
-        keys = k_cache.flatten(0, 1)[slots].repeat_interleave(group, dim=1)  # [L, H, D]
-        values = v_cache.flatten(0, 1)[slots].repeat_interleave(group, dim=1)
+        keys = k_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)  # [L, H, D], float32
+        values = v_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)
         weights = torch.softmax(torch.einsum("hd,lhd->hl", q[b], keys) * scale, dim=-1)
         out.append(torch.einsum("hl,lhd->hd", weights, values))
     return torch.stack(out)
@@ -148,6 +148,26 @@ def test_paged_decode_matches_gathered_attention(kernels, head_dim, heads, kv_he
     scale = head_dim ** -0.5
     out = kernels.paged_decode(q, k_cache, v_cache, tables, seq_lens, scale)
     torch.testing.assert_close(out, reference_decode(q, k_cache, v_cache, tables, seq_lens, scale), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim,heads,kv_heads,block_size", [(64, 9, 3, 16), (128, 16, 2, 7)])
+def test_the_decode_kernel_reads_a_float16_cache(head_dim, heads, kv_heads, block_size):
+    kernels = cpu_kernels.kernels()
+    g = torch.Generator().manual_seed(0)
+    batch = 5
+    seq_lens = torch.tensor([1, block_size + 1, 3 * block_size - 1, 37, 5], dtype=torch.int32)
+    max_blocks = math.ceil(int(seq_lens.max()) / block_size) + 1
+    num_blocks = batch * max_blocks + 2
+    k_cache = (torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g) * 3).half()
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).half()
+    k_cache.view(-1)[:5] = torch.tensor([1e-6, -6e-5, 65504.0 / 1e3, 0.0, -0.0]).half()  # subnormals, zeros
+    tables = torch.randperm(num_blocks, generator=g)[: batch * max_blocks].view(batch, max_blocks).int()
+    q = torch.randn(batch, heads, head_dim, generator=g)
+    scale = head_dim ** -0.5
+    out = kernels.paged_decode(q, k_cache, v_cache, tables, seq_lens, scale)
+    torch.testing.assert_close(out, reference_decode(q, k_cache, v_cache, tables, seq_lens, scale), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="float32 or float16"):
+        kernels.paged_decode(q, k_cache.bfloat16(), v_cache.bfloat16(), tables, seq_lens, scale)
 
 
 def test_paged_decode_refuses_what_it_does_not_serve(kernels):
