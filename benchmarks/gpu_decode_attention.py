@@ -12,23 +12,12 @@ import sys
 import torch
 from flash_attn.cute.interface import flash_attn_varlen_func
 
+from _cuda_timing import cuda_ms
+
 torch.manual_seed(0)
 random.seed(0)
 dev, dt = torch.device("cuda"), torch.bfloat16
 B, H, KVH, D = 256, 16, 8, 128
-
-
-def bench(fn, iters=50):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def case(lens: list[int], page: int):
@@ -77,7 +66,7 @@ def main() -> None:
                     if ref is None:
                         ref = out
                     diff = (out.float() - ref.float()).abs().max().item()
-                    ms = bench(fn)
+                    ms = cuda_ms(fn)
                     rows.append((mean, page, name, f"{ms:.3f}", f"{gbytes / ms:.2f}", f"{diff:.1e}"))
                 except Exception as exc:  # noqa: BLE001
                     rows.append((mean, page, name, "fail", f"{type(exc).__name__}: {str(exc)[:80]}", ""))

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from _cuda_timing import cuda_ms
+
 CHUNK = 64
 TEXT = Path(__file__).parent / "data" / "apache-2.0.txt"
 rows: list[tuple[str, str, str]] = []  # (measure, bf16 cache, fp8 cache)
@@ -110,17 +112,8 @@ def decode_kernels():
     tokens = int(lens.sum())
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
 
-    def timed(fn, iters=30):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / iters * 1e-3
+    def timed(fn):
+        return cuda_ms(fn, iters=30) * 1e-3
 
     def report(label, seconds, elem_bytes):
         gbs = 2 * tokens * kv_heads * dim * elem_bytes / seconds / 1e9
