@@ -13,7 +13,7 @@ import nanoplug.api as api
 PINNED = [
     "PLUGIN_API_VERSION", "hookimpl", "hookspec", "KIND_HOOKS",
     "Plugin", "AttentionBackend", "KVCacheStore", "ProcessGroup", "ParallelStrategy", "WeightAdapter",
-    "AdapterOptions", "RequestAdapters", "ModelArchitecture", "Platform", "StepGraphs", "Target", "ModelFacts",
+    "AdapterOptions", "RequestAdapters", "ModelArchitecture", "Platform", "StepGraphs", "PrefillGraphs", "Target", "ModelFacts",
     "StepBatch", "SamplingBatch", "StepResult", "StepInputs", "StepLimits", "AttentionMetadata", "AttentionSpec",
     "KVCacheSpec", "KVLayer", "to_device", "LogitsProcessingBatch", "SlotInit", "LogprobsTensors",
     "Worker", "WorkerMethod", "WorkerReport", "StartupTimes", "StepStats",

@@ -14,8 +14,9 @@ import torch
 
 from _checkpoints import PROMPTS, checkpoint
 from nanoplug import LLM, SamplingParams
-from nanoplug.api import PLUGIN_API_VERSION, AttentionMetadata, SamplingBatch, StepBatch, StepGraphs, StepInputs, hookimpl
-from nanoplug.core.inputs import plan_inputs
+from nanoplug.api import (PLUGIN_API_VERSION, AttentionMetadata, PrefillGraphs, SamplingBatch, StepBatch, StepGraphs,
+                          StepInputs, hookimpl)
+from nanoplug.core.inputs import plan_fresh_prefill, plan_inputs
 from nanoplug.core.registry import Registry
 from nanoplug.plugins.attention.manual import ManualAttention
 from nanoplug.plugins.attention.sdpa import SdpaAttention
@@ -55,6 +56,31 @@ def test_the_padded_plan_is_the_eager_plan_plus_padding_that_writes_to_the_scrat
     assert padded.cu_seqlens_k[:rows + 1].tolist() == [0, 6, 7, 19, 20]
     assert (padded.num_from_previous, padded.from_previous_at[0], padded.from_previous_rows[0]) == (1, 1, 0)
     assert (padded.seq_lens_host, padded.max_seqlen_k) == ([6, 1, 12, 1], 12)
+
+
+def prefill_buffers(tokens: int, seqs: int) -> StepInputs:
+    h64, h32 = np.full(3 * tokens + seqs, -7, dtype=np.int64), np.full(3 * seqs + 5, -7, dtype=np.int32)
+    return StepInputs(input_ids=h64[:tokens], positions=h64[tokens:2 * tokens], slot_mapping=h64[2 * tokens:3 * tokens],
+                      last_rows=h64[3 * tokens:], cu_seqlens_q=h32[:seqs + 2], cu_seqlens_k=h32[seqs + 2:2 * seqs + 4],
+                      seq_lens=h32[2 * seqs + 4:], block_tables=None, from_previous_at=None, from_previous_rows=None)
+
+
+def test_a_captured_prefill_plan_is_the_eager_plan_plus_one_padding_sequence():
+    batch = StepBatch(True, list(range(100, 109)), [0, 0], [5, 4], [[3, 7], [9]], [0, 1], SamplingBatch.greedy(2))
+    eager = plan_inputs(batch, BS, SCRATCH)
+    padded = plan_fresh_prefill(batch, BS, SCRATCH, prefill_buffers(16, 4), 12)
+    for name in ("input_ids", "positions", "slot_mapping"):
+        assert getattr(padded, name)[:9].tolist() == getattr(eager, name).tolist(), name
+    assert padded.input_ids[9:12].tolist() == [0] * 3 and padded.positions[9:12].tolist() == [0] * 3
+    assert padded.slot_mapping[9:12].tolist() == [SCRATCH * BS] * 3
+    assert padded.input_ids[12:].tolist() == [-7] * 4  # past the bucket: never read
+    assert padded.cu_seqlens_q.tolist() == padded.cu_seqlens_k.tolist() == [0, 5, 9, 12, 12, 12]
+    assert padded.seq_lens.tolist() == padded.query_lens_host == padded.seq_lens_host == [5, 4, 3, 0, 0]
+    assert padded.last_rows.tolist() == [4, 8, 0, 0]
+    assert (padded.max_seqlen_q, padded.max_seqlen_k, padded.num_from_previous) == (12, 12, 0)
+    with pytest.raises(ValueError, match="start at 0"):  # cached context: never a captured prefill
+        plan_fresh_prefill(StepBatch(True, [1, 2], [3], [2], [[3, 7]], [0], SamplingBatch.greedy(1)),
+                           BS, SCRATCH, prefill_buffers(16, 4), 16)
 
 
 # ------------------------------------------------------------------------ graphs on the CPU
@@ -114,17 +140,56 @@ class GraphsOnCpu(CpuPlatform):
         self.warmed = [run(StepBatch(True, [0] * 3, [0], [3], [[0]], [0], SamplingBatch.greedy(1))),
                        run(StepBatch(False, [0], [3], [1], [[0]], [0], SamplingBatch.greedy(1)))]
 
-    def capture_graphs(self, forward, ctx, limits, scratch_block):
+    def capture_graphs(self, forward, ctx, limits, scratch_block, prefill_forward=None):
         self.graphs = EagerReplays(forward, ctx, limits, scratch_block)
+        if prefill_forward is not None:
+            self.graphs.prefill = EagerPrefillReplays(prefill_forward, ctx, limits, scratch_block)
         return self.graphs
+
+
+class EagerPrefillReplays(PrefillGraphs):
+    """CudaPrefillGraphs' design without CUDA: static buffers for the largest token count, one static
+    metadata per count over them, and the model run on them (eagerly) at each replay."""
+
+    sizes = (16, 32, 64, 128)
+    max_seqs = 3
+
+    def __init__(self, forward, ctx, limits, scratch_block):
+        self.forward, self.ctx, self.scratch_slot = forward, ctx, scratch_block * limits.block_size
+        t, s = self.sizes[-1], self.max_seqs
+        self.h64, self.h32 = torch.zeros(3 * t + s, dtype=torch.int64), torch.zeros(3 * s + 5, dtype=torch.int32)
+        h64, h32 = self.h64, self.h32
+        self.static = StepInputs(
+            input_ids=h64[:t].numpy(), positions=h64[t:2 * t].numpy(), slot_mapping=h64[2 * t:3 * t].numpy(),
+            last_rows=h64[3 * t:].numpy(), cu_seqlens_q=h32[:s + 2].numpy(), cu_seqlens_k=h32[s + 2:2 * s + 4].numpy(),
+            seq_lens=h32[2 * s + 4:].numpy(), block_tables=None, from_previous_at=None, from_previous_rows=None)
+        table = torch.full((s + 1, 1), scratch_block, dtype=torch.int32)
+        self.metas = {size: AttentionMetadata(
+            is_prefill=True, cu_seqlens_q=h32[:s + 2], cu_seqlens_k=h32[s + 2:2 * s + 4], seq_lens=h32[2 * s + 4:],
+            slot_mapping=h64[2 * t:2 * t + size], block_tables=table, max_seqlen_q=size, max_seqlen_k=size)
+            for size in self.sizes}
+        self.replayed: list[tuple[int, int]] = []  # (size, tokens of the step's sequences) of each replay
+
+    def inputs(self, size):
+        return self.static
+
+    def replay(self, size, inputs):
+        meta = self.metas[size]
+        meta.query_lens_host, meta.seq_lens_host = inputs.query_lens_host, inputs.seq_lens_host
+        self.ctx.set_step(meta)
+        self.replayed.append((size, int((inputs.slot_mapping[:size] != self.scratch_slot).sum())))
+        t = self.sizes[-1]
+        return self.forward(self.h64[:size], self.h64[t:t + size], self.h64[3 * t:])
 
 
 class CapturableManual(ManualAttention):
     supports_cuda_graphs = True  # reads the step's metadata afresh in prepare: replays see new inputs
+    supports_prefill_graphs = True
 
 
 class CapturableSdpa(SdpaAttention):
     supports_cuda_graphs = True
+    supports_prefill_graphs = True
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +220,22 @@ def test_replays_on_padded_buffers_give_the_eager_engines_outputs(registry, atte
             torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
     replayed = platform.graphs.replayed
     assert {size for size, _ in replayed} >= {8, 4, 2, 1} and any(size > n for size, n in replayed)  # padded replays
+
+
+@pytest.mark.parametrize("attention,overlap", [("manual", False), ("sdpa", True)])
+def test_prefill_replays_on_padded_buffers_give_the_eager_engines_outputs(registry, attention, overlap):
+    options = dict(kv_block_size=16, kv_cache="torch", max_model_len=256, device="cpu", dtype="float32",
+                   max_num_seqs=8, max_num_batched_tokens=512, overlap_steps=overlap, enable_prefix_caching=False)
+    eager = LLM(checkpoint(), registry=registry, attention=attention, num_kv_blocks=64, **options)
+    graphs = LLM(checkpoint(), registry=registry, attention=f"{attention}_graphs", platform="cpu_graphs", **options)
+    prefill = graphs.engine.worker.graphs.prefill
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, output_logits=True)
+    batches = [PROMPTS[:1], PROMPTS[1:3], PROMPTS[:3], PROMPTS[:5]]  # the last: more sequences than a graph takes
+    for prompts in batches:
+        for a, b in zip(eager.generate(prompts, params, use_tqdm=False), graphs.generate(prompts, params, use_tqdm=False)):
+            assert a.token_ids == b.token_ids
+            for la, lb in zip(a.logits, b.logits, strict=True):
+                torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
+    stats = graphs.engine.worker.report().stats
+    assert stats.prefill_graph_replays == len(prefill.replayed) == 3  # the 5-sequence prefill ran eager
+    assert all(size > n for size, n in prefill.replayed)  # padded: a padding sequence took the rest

@@ -41,6 +41,10 @@ class AttentionBackend(Plugin, ABC):
 
     supports_cuda_graphs: ClassVar[bool] = False
     """True when `prepare`/`forward` never read a device value on the host, so decode can be captured."""
+    supports_prefill_graphs: ClassVar[bool] = False
+    """True when prefill steps without cached context can be captured too: `forward` reads the step's
+    lengths from the metadata's tensors and takes `max_seqlen_q` as an upper bound (a captured step runs
+    with its bucket's token count, the tokens past the batch forming one padding sequence)."""
 
     def __init__(self, spec: AttentionSpec):
         self.spec = spec
@@ -210,9 +214,36 @@ class StepGraphs(ABC):
     def inputs(self, size: int) -> StepInputs:
         """Host buffers (with room for `size` rows) for the next replay's inputs, to be planned into."""
 
+    prefill: "PrefillGraphs | None" = None
+    """Prefill steps without cached context captured for token-count buckets, where the platform took them."""
+
     @abstractmethod
     def replay(self, size: int, inputs: StepInputs, previous_tokens: torch.Tensor | None) -> torch.Tensor:
         """Run the graph of `size` on `inputs` (planned into `self.inputs(size)`); the logits [size, vocab]."""
+
+
+class PrefillGraphs(ABC):
+    """Fresh prefill steps (every sequence starts at position 0) captured for token-count buckets: a small
+    prefill is then one launch instead of a few hundred, which is most of its time to first token."""
+
+    max_seqs: int
+    """The most sequences one captured prefill takes (the step's; a padding sequence comes on top)."""
+    sizes: tuple[int, ...]
+    """The captured token counts, in increasing order."""
+
+    def size_for(self, num_tokens: int, num_seqs: int) -> int | None:
+        """The smallest captured token count that serves the step, or None (it runs eager)."""
+        if num_seqs > self.max_seqs:
+            return None
+        return next((size for size in self.sizes if size >= num_tokens), None)
+
+    @abstractmethod
+    def inputs(self, size: int) -> StepInputs:
+        """Host buffers for the next replay of `size` tokens (`last_rows` included), to be planned into."""
+
+    @abstractmethod
+    def replay(self, size: int, inputs: StepInputs) -> torch.Tensor:
+        """Run the graph of `size` tokens; the logits of each sequence's last token [max_seqs, vocab]."""
 
 
 class StepContextLike(Protocol):
@@ -282,11 +313,15 @@ class Platform(Plugin):
         """Run each kind of step once (kernels that compile on first use compile here)."""
 
     def capture_graphs(self, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                       ctx: StepContextLike, limits: StepLimits, scratch_block: int) -> StepGraphs | None:
+                       ctx: StepContextLike, limits: StepLimits, scratch_block: int,
+                       prefill_forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+                       ) -> StepGraphs | None:
         """Capture decode steps: `ctx.set_step(meta)` then `forward(input_ids, positions) -> logits` runs
         the model; padding writes to `scratch_block`. None: graphs are off here (decode runs eager). Raise
         `GraphCaptureError` (saying why and what to do) when graphs are on but cannot be captured: the
-        worker records it and decodes eager, or stops start-up when `require_graphs`."""
+        worker records it and decodes eager, or stops start-up when `require_graphs`. `prefill_forward`
+        (input_ids, positions, last_rows) -> the logits at last_rows is given when the prefill backend can
+        be captured too: a platform may then also capture small fresh prefills (`StepGraphs.prefill`)."""
         return None
 
     def synchronize(self) -> None:

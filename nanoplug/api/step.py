@@ -166,6 +166,7 @@ class StepInputs:
     seq_lens_host: list[int] = field(default_factory=list)
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    last_rows: np.ndarray | None = None  # int64 [R]: each sequence's last token, for a captured prefill
 
 
 @dataclass

@@ -34,6 +34,7 @@ class StepStats:
     graph_replays: int = 0
     eager_decode_steps: int = 0
     eager_decode_steps_by_design: int = 0
+    prefill_graph_replays: int = 0  # prefill steps that replayed a graph (the rest of them run eager)
 
     @property
     def decode_steps(self) -> int:

@@ -4,7 +4,7 @@ From the scheduled batch (token ids, how far each sequence is, its block table) 
 position and cache slot, the context lengths, the cumulative offsets and the padded block tables
 (padding: the scratch block past the blocks the engine hands out, see nanoplug/api/step.py). An eager
 step plans into fresh arrays of its own size; a graph replay plans into the graph's pinned host
-buffers, padded up to the captured batch size.
+buffers, padded up to the captured batch size (decode) or token count (a fresh prefill).
 """
 from __future__ import annotations
 
@@ -69,4 +69,37 @@ def plan_inputs(batch: StepBatch, block_size: int, scratch_block: int, out: Step
     out.seq_lens_host = out.seq_lens[:rows].tolist()
     out.max_seqlen_q = 1
     out.max_seqlen_k = max(out.seq_lens_host)
+    return out
+
+
+def plan_fresh_prefill(batch: StepBatch, block_size: int, scratch_block: int, out: StepInputs,
+                       size: int) -> StepInputs:
+    """The inputs of a prefill step whose sequences all start at position 0, into a captured prefill's host
+    buffers (`out`, room for `len(out.last_rows)` sequences): `size` tokens, the batch's followed by one
+    padding sequence of token 0 at position 0 writing to the scratch block, which takes the tokens left
+    (so every token belongs to a sequence and computes finite values); sequences after it are empty."""
+    bs = block_size
+    q_lens = np.asarray(batch.query_lens, dtype=np.int64)
+    n, total, seqs = len(q_lens), int(q_lens.sum()), len(out.last_rows)
+    if any(batch.starts) or total > size or n > seqs:
+        raise ValueError(f"a captured prefill of {size} tokens takes up to {seqs} sequences that start at 0; got "
+                         f"{n} sequences of {total} tokens, starting at {batch.starts}")
+    cu = np.zeros(seqs + 2, dtype=np.int64)
+    np.cumsum(q_lens, out=cu[1:n + 1])
+    cu[n + 1:] = size
+    starts = np.repeat(cu[:n], q_lens)
+    positions = np.arange(total) - starts
+    width = max(len(t) for t in batch.block_tables)
+    tables = np.full((n, width), scratch_block, dtype=np.int64)
+    fill_rows(tables, batch.block_tables)
+    out.input_ids[:total], out.input_ids[total:size] = batch.input_ids, 0
+    out.positions[:total], out.positions[total:size] = positions, 0
+    out.slot_mapping[:total] = tables[np.repeat(np.arange(n), q_lens), positions // bs] * bs + positions % bs
+    out.slot_mapping[total:size] = scratch_block * bs
+    lens = np.diff(cu)
+    out.cu_seqlens_q[:], out.cu_seqlens_k[:], out.seq_lens[:] = cu, cu, lens
+    out.last_rows[:n], out.last_rows[n:] = cu[1:n + 1] - 1, 0
+    out.num_from_previous = 0
+    out.query_lens_host = out.seq_lens_host = lens.tolist()
+    out.max_seqlen_q = out.max_seqlen_k = size
     return out

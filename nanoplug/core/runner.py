@@ -27,7 +27,7 @@ from nanoplug.api import (AttentionMetadata, AttentionSpec, GraphCaptureError, K
                           to_device)
 from nanoplug.core import logprobs
 from nanoplug.core.config import EngineConfig
-from nanoplug.core.inputs import plan_inputs
+from nanoplug.core.inputs import plan_fresh_prefill, plan_inputs
 from nanoplug.core.loader import load_weights
 from nanoplug.core.sampler import Sampler
 
@@ -164,7 +164,11 @@ class ModelRunner(Worker):
                 raise GraphCaptureError(f"{option} asks for decode graphs, but {why}, or drop {option}")
             return
         try:
-            self.graphs = self.platform.capture_graphs(self._forward, self.ctx, self.limits, self.scratch_block)
+            # small fresh prefills too, where the prefill backend can be captured and no adapter is picked per token
+            prefill = self._prefill_forward if (self.ctx.prefill.supports_prefill_graphs
+                                                and self.request_adapters is None) else None
+            self.graphs = self.platform.capture_graphs(self._forward, self.ctx, self.limits, self.scratch_block,
+                                                       prefill)
         except GraphCaptureError as exc:
             if strict:
                 raise GraphCaptureError(f"{exc}. {option} stops start-up on it; without it decode runs eager") from exc
@@ -259,7 +263,12 @@ class ModelRunner(Worker):
         if step.new_blocks:  # never-written memory may hold NaN that padded reads would spread
             blocks = to_device(step.new_blocks, torch.int64, self.device)
             self.kv_cache.view(_BITS[self.kv_cache.dtype.itemsize]).index_fill_(2, blocks, 0)  # float8 has no fill
-        size = None if step.is_prefill or self.graphs is None else self.graphs.size_for(num_seqs)
+        size = prefill_size = None
+        if self.graphs is not None and not step.is_prefill:
+            size = self.graphs.size_for(num_seqs)
+        elif self.graphs is not None and self.graphs.prefill is not None and not (any(step.starts)
+                                                                                  or step.prompt_logprob_at):
+            prefill_size = self.graphs.prefill.size_for(len(step.input_ids), num_seqs)
         if not step.is_prefill:  # what the decode step runs as (StepStats)
             if size is not None:
                 self.stats.graph_replays += 1
@@ -271,7 +280,15 @@ class ModelRunner(Worker):
         if self.request_adapters is not None:
             ids = np.asarray(step.adapter_ids or [0] * num_seqs, dtype=np.int64)
             self.request_adapters.set_step(torch.from_numpy(np.repeat(ids, step.query_lens)))
-        if size is not None:
+        if prefill_size is not None:
+            self.stats.prefill_graph_replays += 1
+            graphs = self.graphs.prefill
+            inputs = plan_fresh_prefill(step, self.block_size, self.scratch_block, graphs.inputs(prefill_size),
+                                        prefill_size)
+            logits = graphs.replay(prefill_size, inputs)[:num_seqs]
+            if step.sample_rows != list(range(num_seqs)):
+                logits = logits[step.sample_rows]
+        elif size is not None:
             inputs = plan_inputs(step, self.block_size, self.scratch_block, out=self.graphs.inputs(size), rows=size)
             logits = self.graphs.replay(size, inputs, self.last_tokens)
             logits = logits[:num_seqs][step.sample_rows] if len(step.sample_rows) != num_seqs else logits[:num_seqs]
@@ -352,6 +369,10 @@ class ModelRunner(Worker):
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Every position's logits (the step context already set): what a graph captures."""
         return self.model.compute_logits(self.model(input_ids, positions))
+
+    def _prefill_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The logits at `rows` (each sequence's last token): what a captured prefill computes."""
+        return self.model.compute_logits(self.model(input_ids, positions).index_select(0, rows))
 
     def collect(self) -> StepResult | None:
         """Wait for the oldest launched step's tokens (rank 0; None on other ranks)."""

@@ -7,7 +7,9 @@ FlashAttention-4 (`flash_attn.cute`, package `flash-attn-4`: one `flash_attn_var
 queries for decode). Prefill without cached context attends
 over the new K/V themselves (no page indirection); chunked prefill, prefix-cache hits and decode
 read keys through the block tables. Causal masks align to the bottom right, which is exactly "new
-queries at the end of their context". No host sync, so decode runs inside CUDA graphs.
+queries at the end of their context". No host sync, so decode runs inside CUDA graphs, and so do
+small prefills without cached context (their kernels take `max_seqlen_q` as a bound: a captured one
+passes its bucket's token count).
 
 FlashAttention reads 16-bit caches only (FA4 asserts q, k, v share a 16-bit dtype; it has no fp8 path). A
 float8 cache (`kv_cache="fp8"`) is read by our Triton paged-decode kernel in decode steps
@@ -82,6 +84,7 @@ class FlashAttention(AttentionBackend):
     description = "FlashAttention-2 (flash-attn) or FlashAttention-4 (flash-attn-4), paged, CUDA graphs"
     priority = 100
     supports_cuda_graphs = True
+    supports_prefill_graphs = True
 
     @classmethod
     def unavailable(cls, target: Target) -> list[str]:

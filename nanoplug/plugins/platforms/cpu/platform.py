@@ -54,7 +54,7 @@ class CpuPlatform(Platform):
             cpu_kernels.log.info("cpu_kernels: the model has no layer that takes fused ops; it runs its own "
                                  "RMSNorm, SiLU and RoPE")
 
-    def capture_graphs(self, forward, ctx, limits, scratch_block):
+    def capture_graphs(self, forward, ctx, limits, scratch_block, prefill_forward=None):
         if self.kernels is None and self.graphs and self.require_graphs:
             raise GraphCaptureError("cpu: decode steps are recorded only with the C++ kernels, and they are off here "
                                     "(float32 only, and a C++ compiler; the log says why); use dtype='float32' "

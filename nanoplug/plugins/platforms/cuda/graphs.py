@@ -68,6 +68,7 @@ class DecodeGraphs(StepGraphs):
             self.captures += 1
             torch.cuda.synchronize(dev)
         self.graphs = dict(sorted(self.graphs.items()))
+        self.pool = pool  # prefill graphs capture into it too (one step runs at a time)
 
     def inputs(self, size: int) -> StepInputs:
         self._hosts.reverse()

@@ -19,6 +19,7 @@ import torch
 from nanoplug.api import (FusedOps, GraphCaptureError, Platform, ProcessGroup, SamplingBatch, StepBatch, StepLimits,
                           Target, add_rms_norm, apply_rope, rms_norm, silu_and_mul)
 from nanoplug.plugins.platforms.cuda.graphs import DecodeGraphs
+from nanoplug.plugins.platforms.cuda.prefill_graphs import CudaPrefillGraphs
 
 
 class CudaPlatform(Platform):
@@ -113,14 +114,21 @@ class CudaPlatform(Platform):
                           block_tables=[table], sample_rows=[0], sampling=greedy))
         torch.cuda.synchronize(self.device)
 
-    def capture_graphs(self, forward, ctx, limits: StepLimits, scratch_block: int):
-        """Capture decode for batch-size buckets. A backend whose kernels cannot be captured leaves
-        decode eager (the worker logs and records why), never broken."""
+    def capture_graphs(self, forward, ctx, limits: StepLimits, scratch_block: int, prefill_forward=None):
+        """Capture decode for batch-size buckets, and small fresh prefills for token-count buckets where
+        the prefill backend can be captured. A backend whose kernels cannot be captured leaves decode
+        eager (the worker logs and records why), never broken."""
         if self.enforce_eager:
             return None
         graphs = DecodeGraphs(forward, ctx, limits, scratch_block, self.device)
         try:
             graphs.capture()
+            if prefill_forward is not None:
+                prefill = CudaPrefillGraphs(prefill_forward, ctx, limits, scratch_block, self.device)
+                if prefill.sizes and prefill.max_seqs:
+                    prefill.capture(graphs.pool)
+                    graphs.prefill = prefill
+                    graphs.captures += len(prefill.graphs)
         except Exception as exc:  # any capture failure means: run eager (or stop, with require_graphs)
             torch.cuda.synchronize(self.device)
             raise GraphCaptureError(
