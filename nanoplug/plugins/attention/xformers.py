@@ -56,7 +56,8 @@ class XformersAttention(AttentionBackend):
             reasons.append(f"reads a cache of the model's dtype only, not {str(target.cache_dtype).removeprefix('torch.')}; "
                            "use kv_cache='torch' or 'triton'")
         if target.block_size % 64:  # triton_splitk's key tile
-            reasons.append(f"decode by xformers' triton_splitk needs kv_block_size a multiple of 64 (got {target.block_size})")
+            reasons.append(f"decode by xformers' triton_splitk needs kv_block_size a multiple of 64 "
+                           f"(got {target.block_size})")
         if importlib.util.find_spec("triton") is None:
             reasons.append("decode by xformers' triton_splitk needs triton; pip install triton")
         lib, why = load_xformers()
@@ -133,12 +134,11 @@ class XformersAttention(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, layer):
         n, h, d = q.shape
         qg = q.view(1, n, self.spec.num_kv_heads, self.group, d)
-        op = None  # xformers dispatches
+        op = self.decode_op if self.mode == "decode" else None  # None: xformers dispatches
         if self.mode == "fresh":
             keys, values = self._grouped(k), self._grouped(v)
         elif self.mode in ("paged", "decode"):
             keys, values = self._grouped(k_cache.view(-1, *k_cache.shape[2:])), self._grouped(v_cache.view(-1, *v_cache.shape[2:]))
-            op = self.decode_op if self.mode == "decode" else None
         else:
             flat_k, flat_v = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
             keys, values = self._grouped(flat_k[self.gather_idx]), self._grouped(flat_v[self.gather_idx])
