@@ -7,11 +7,10 @@ without (xformers 0.0.35 cannot import beside it); in each run the backend that 
 say why, naming the fix, and every other one must match."""
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
+from _two_processes import fa4_importable
 from nanoplug.checkpoints import write_random_checkpoint
 from nanoplug.cli import compare
 
@@ -19,13 +18,6 @@ pytestmark = pytest.mark.gpu
 BF16_REL_TOL = 2e-2
 GPU_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=128)
-
-
-def fa4_importable() -> bool:
-    try:
-        return importlib.util.find_spec("flash_attn.cute") is not None
-    except ModuleNotFoundError:
-        return False
 
 
 @pytest.fixture(scope="session")

@@ -1,22 +1,28 @@
 """No decode step of a graph-enabled CUDA engine runs eager: for each attention backend that claims
-`supports_cuda_graphs` (flash, triton; sdpa and xformers do not, so they decode eager by design), decode
+`supports_cuda_graphs` (flash, triton, xformers; sdpa does not, so it decodes eager by design), decode
 batches of 1, 7, 64 and 256 sequences (256: the largest of cuda/graphs.py's sizes that max_num_seqs allows)
 over mixed context lengths all replay graphs (the worker's `StepStats`, and the steps it launched), and
 their logits equal the eager engine's (`cuda.enforce_eager`) to the bf16 tolerance, position by position
-up to where the greedy tokens part.
+up to where the greedy tokens part. For xformers, the graph that serves each batch was captured around
+xformers' own paged decode op (its forward entry point, watched while graphs are captured), and the
+graph engine's decode steps call no xformers op from Python (they replay).
 
-Run on the GPU machine: `pytest -m gpu tests/gpu/test_gpu_graph_guard.py`."""
+Run on the GPU machine: `pytest -m gpu tests/gpu/test_gpu_graph_guard.py`, in both processes of
+tests/gpu/_two_processes.py; a backend that cannot load in one must say why (its error names the fix)."""
 from __future__ import annotations
 
 import dataclasses
 import random
+from collections import Counter
 
 import pytest
 import torch
 
 from _checkpoints import relative_error
 from _graph_guard import StepLog
+from _two_processes import reason_here
 from nanoplug.checkpoints import write_random_checkpoint
+from nanoplug.plugins.platforms.cuda.graphs import GRAPH_BATCH_SIZES
 
 pytestmark = pytest.mark.gpu
 GPU_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -25,6 +31,7 @@ BATCHES = (1, 7, 64, 256)
 MAX_TOKENS = 6
 # a fixed cache (no memory profiling against the other engine of this test): 256 contexts of up to 3 pages
 ENGINE = dict(device="cuda", dtype="bfloat16", max_model_len=1024, kv_block_size=256, num_kv_blocks=1024)
+XFORMERS_DECODE = ("triton_splitKF", "PagedBlockDiagonalCausalWithOffsetPaddedKeysMask")  # op and mask decode runs
 
 
 @pytest.fixture(scope="module")
@@ -40,50 +47,101 @@ def prompts(batch: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
-@pytest.fixture(scope="module", params=["flash", "triton"])
+class XformersCalls:
+    """Every call into xformers' forward (`xformers.ops.fmha._memory_efficient_attention_forward`, which
+    `memory_efficient_attention_forward` goes through): (the op named, or None when xformers dispatches;
+    the mask's type; query rows; whether a CUDA graph was being captured)."""
+
+    def __init__(self):
+        import xformers.ops.fmha as fmha
+
+        self.calls: list[tuple[str | None, str, int, bool]] = []
+        self._fmha, self._forward = fmha, fmha._memory_efficient_attention_forward
+        fmha._memory_efficient_attention_forward = self._called
+
+    def _called(self, inp, op):
+        self.calls.append((op.NAME if op is not None else None, type(inp.attn_bias).__name__, inp.query.shape[1],
+                           torch.cuda.is_current_stream_capturing()))
+        return self._forward(inp, op)
+
+    def close(self) -> None:
+        self._fmha._memory_efficient_attention_forward = self._forward
+
+    def decode(self) -> list[tuple[int, bool]]:
+        """(rows, captured) of the calls that ran xformers' decode op."""
+        return [(rows, capturing) for name, mask, rows, capturing in self.calls if (name, mask) == XFORMERS_DECODE]
+
+
+@pytest.fixture(scope="module", params=["flash", "triton", "xformers"])
 def runs(request, model):
-    """{eager: {batch: (outputs, stats of its steps, decode batch sizes)}} for one attention backend."""
-    from nanoplug import LLM, SamplingParams
+    """{eager: {batch: (outputs, stats of its steps, decode batch sizes, xformers decode calls)}, "captured":
+    xformers decode calls while graphs were captured, by query rows} for one attention backend; None in
+    place of that where it cannot load in this process (tests/gpu/_two_processes.py) and its error says why."""
     from nanoplug.core.errors import NanoplugError
 
     attention = request.param
+    watch = XformersCalls() if attention == "xformers" and reason_here(attention) is None else None
+    try:
+        return attention, run_engines(model, attention, watch)
+    except NanoplugError as exc:
+        why = reason_here(attention)
+        if why is None or why not in str(exc):
+            raise
+        return attention, None
+    finally:
+        if watch is not None:
+            watch.close()
+
+
+def run_engines(model, attention: str, watch: XformersCalls | None) -> dict:
+    from nanoplug import LLM, SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, output_logits=True)
     out = {}
     for eager in (True, False):
         cuda = {"enforce_eager": True} if eager else {"require_graphs": True}  # a failed capture stops here
-        try:
-            llm = LLM(model, attention=attention, cuda=cuda, **ENGINE)
-        except NanoplugError as exc:
-            if attention == "flash" and "pip install flash-attn" in str(exc):
-                pytest.skip("no FlashAttention build here")
-            raise
+        if watch is not None:
+            watch.calls.clear()
+        llm = LLM(model, attention=attention, cuda=cuda, **ENGINE)
         try:
             worker = llm.engine.worker
             assert (worker.graphs is None) == eager
             assert eager or worker.graph_limit == 256
+            if watch is not None and not eager:
+                out["captured"] = Counter(rows for rows, capturing in watch.decode() if capturing)
             steps = StepLog(worker)
             out[eager] = {}
             for batch in BATCHES:
                 before = worker.report().stats
                 steps.steps.clear()
+                if watch is not None:
+                    watch.calls.clear()
                 outputs = llm.generate(prompts(batch, llm.engine.facts.vocab_size), params, use_tqdm=False)
                 after = worker.report().stats
                 grew = {f.name: getattr(after, f.name) - getattr(before, f.name) for f in dataclasses.fields(after)}
-                out[eager][batch] = (outputs, grew, steps.decode_batches())
+                calls = watch.decode() if watch is not None else None
+                out[eager][batch] = (outputs, grew, steps.decode_batches(), calls)
         finally:
             llm.close()
-    return attention, out
+    return out
 
 
 @pytest.mark.parametrize("batch", BATCHES)
 def test_every_decode_step_replays_a_graph(runs, batch):
     attention, out = runs
-    _, grew, decodes = out[False][batch]
+    if out is None:
+        return  # cannot load in this process, and its error said why (the fixture)
+    _, grew, decodes, calls = out[False][batch]
     assert max(decodes) == batch, (attention, decodes)  # the whole batch decoded together
     assert grew["eager_decode_steps"] == 0 and grew["eager_decode_steps_by_design"] == 0, (attention, grew)
     assert grew["graph_replays"] == len(decodes) > 0, (attention, grew, decodes)
-    _, eager_grew, _ = out[True][batch]
+    _, eager_grew, eager_decodes, eager_calls = out[True][batch]
     assert eager_grew["graph_replays"] == 0 and eager_grew["eager_decode_steps_by_design"] > 0  # the reference
+    if attention == "xformers":  # every graph was captured around xformers' decode op, in every layer
+        layers = GPU_SHAPE["num_hidden_layers"]
+        assert out["captured"] == {size: layers for size in GRAPH_BATCH_SIZES if size <= 256}, out["captured"]
+        assert calls == [], calls  # and replays call nothing from Python
+        assert eager_calls == [(n, False) for n in eager_decodes for _ in range(layers)], eager_calls  # eager's too
 
 
 @pytest.mark.parametrize("batch", BATCHES)
@@ -92,6 +150,8 @@ def test_replayed_logits_equal_eager(runs, batch):
     # random model's near ties may then flip a greedy token, after which the inputs differ. So the logits are
     # compared position by position up to where the tokens part, to the bf16 tolerance.
     attention, out = runs
+    if out is None:
+        return  # cannot load in this process, and its error said why (the fixture)
     compared = 0
     for a, b in zip(out[True][batch][0], out[False][batch][0], strict=True):
         assert len(a.logits) == len(b.logits) == MAX_TOKENS

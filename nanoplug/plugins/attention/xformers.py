@@ -1,16 +1,25 @@
 """Attention `xformers`: `xformers.ops` memory-efficient attention.
 
 Prefill without cached context attends over the new K/V with a block-diagonal causal mask (one
-block per sequence). Decode, chunked prefill and prefix-cache hits read keys from the paged cache
-through xformers' paged mask (`PagedBlockDiagonalCausalWithOffsetPaddedKeysMask`); if no xformers
-operator on this GPU takes paged masks, the keys of each sequence are gathered from their pages
-and a bottom-right causal block-diagonal mask is used instead (same result, more copying).
-Masks hold host-side lengths, so decode does not run under CUDA graphs.
+block per sequence). Chunked prefill and prefix-cache hits read keys from the paged cache through
+xformers' paged mask (`PagedBlockDiagonalCausalWithOffsetPaddedKeysMask`); if no xformers operator
+on this GPU takes it for such queries, the keys of each sequence are gathered from their pages and a
+bottom-right causal block-diagonal mask is used instead (same result, more copying).
+
+Decode runs under CUDA graphs: its paged mask is built once per step layout over the metadata's own
+device tensors (sequence lengths, block tables), with fixed upper bounds as its host-side lengths, so
+a replay reads that step's lengths and tables. It runs one operator, named rather than dispatched:
+`triton_splitk.FwOp`, xformers' split-K decode kernel, because it reads paged keys natively with GQA
+and derives its launch from shapes alone (no host sync); FlashAttention's paged forward needs the
+flash-attn 2 package (PyTorch's own FlashAttention has no block tables) and flash3's the flash_attn_3
+package, and xformers' dispatch skips split-K for more than 32 queries.
 """
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
+import weakref
 
 import torch
 
@@ -31,8 +40,9 @@ def load_xformers():
 
 
 class XformersAttention(AttentionBackend):
-    description = "xformers memory-efficient attention (block-diagonal and paged masks)"
+    description = "xformers memory-efficient attention (block-diagonal and paged masks), CUDA graphs"
     priority = 80
+    supports_cuda_graphs = True
 
     @classmethod
     def unavailable(cls, target: Target) -> list[str]:
@@ -45,6 +55,11 @@ class XformersAttention(AttentionBackend):
         if target.cache_dtype != target.dtype:
             reasons.append(f"reads a cache of the model's dtype only, not {str(target.cache_dtype).removeprefix('torch.')}; "
                            "use kv_cache='torch' or 'triton'")
+        if target.block_size % 64:  # triton_splitk's key tile
+            reasons.append(f"decode by xformers' triton_splitk needs kv_block_size a multiple of 64 "
+                           f"(got {target.block_size})")
+        if importlib.util.find_spec("triton") is None:
+            reasons.append("decode by xformers' triton_splitk needs triton; pip install triton")
         lib, why = load_xformers()
         if lib is None:
             reasons.append(f"{why}; pip install xformers (a build matching this torch), and if flash_attn.cute "
@@ -54,14 +69,19 @@ class XformersAttention(AttentionBackend):
     def __init__(self, spec):
         super().__init__(spec)
         (self.xops, self.bias_mod), _ = load_xformers()
-        self.use_paged = True  # turned off once if no operator takes paged masks here
+        self.decode_op = self.xops.fmha.triton_splitk.FwOp  # what every decode step runs (the module's docstring)
+        self.use_paged = True  # turned off once if no operator takes paged masks for prefill queries here
         self.group = spec.num_heads // spec.num_kv_heads
+        self.decode_masks: dict[int, object] = {}  # id(meta) -> its decode mask, while that meta lives
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self.meta = meta
         b = self.bias_mod
         q_lens, seq_lens = meta.query_lens_host, meta.seq_lens_host
-        if meta.is_prefill and not meta.has_cached_context:
+        if not meta.is_prefill:
+            self.bias = self._decode_mask(meta)
+            self.mode = "decode"
+        elif not meta.has_cached_context:
             self.bias = b.BlockDiagonalCausalMask.from_seqlens(q_lens, device=meta.slot_mapping.device)
             self.mode = "fresh"
         elif self.use_paged:
@@ -71,6 +91,29 @@ class XformersAttention(AttentionBackend):
             self.mode = "paged"
         else:
             self._prepare_gather(meta)
+
+    def _decode_mask(self, meta: AttentionMetadata):
+        """The paged mask of a decode step over `meta`'s own tensors: one query per sequence, keys up to
+        `seq_lens`, pages from `block_tables`. Its host-side fields are fixed bounds (a query each, keys
+        padded to the table's width), not this step's lengths, so a graph replay with new values in the
+        same tensors is served by the mask captured. Kept as long as `meta` lives: a graph's meta comes
+        back on every replay, and the key starts it holds must outlive the graph."""
+        key = id(meta)
+        if key in self.decode_masks:
+            return self.decode_masks[key]
+        b, page = self.bias_mod, self.spec.block_size
+        rows, width = meta.block_tables.shape
+        pad = width * page
+        starts = list(range(rows + 1))
+        q_info = b._SeqLenInfo(seqstart=meta.cu_seqlens_q, max_seqlen=1, min_seqlen=1, seqstart_py=starts)
+        k_info = b._PaddedSeqLenInfo(seqstart=meta.cu_seqlens_q * pad, max_seqlen=pad, min_seqlen=1,
+                                     seqstart_py=[i * pad for i in starts], seqlen=meta.seq_lens,
+                                     seqlen_py=[pad] * rows, padding=pad)
+        mask = b.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask(q_seqinfo=q_info, k_seqinfo=k_info,
+                                                                   block_tables=meta.block_tables, page_size=page)
+        self.decode_masks[key] = mask
+        weakref.finalize(meta, self.decode_masks.pop, key, None)
+        return mask
 
     def _prepare_gather(self, meta: AttentionMetadata) -> None:
         """Flat indices of every context token of every sequence in the flattened cache."""
@@ -91,21 +134,22 @@ class XformersAttention(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, layer):
         n, h, d = q.shape
         qg = q.view(1, n, self.spec.num_kv_heads, self.group, d)
+        op = self.decode_op if self.mode == "decode" else None  # None: xformers dispatches
         if self.mode == "fresh":
             keys, values = self._grouped(k), self._grouped(v)
-        elif self.mode == "paged":
+        elif self.mode in ("paged", "decode"):
             keys, values = self._grouped(k_cache.view(-1, *k_cache.shape[2:])), self._grouped(v_cache.view(-1, *v_cache.shape[2:]))
         else:
             flat_k, flat_v = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
             keys, values = self._grouped(flat_k[self.gather_idx]), self._grouped(flat_v[self.gather_idx])
         try:
             out = self.xops.memory_efficient_attention_forward(qg, keys, values, attn_bias=self.bias,
-                                                               scale=self.spec.scale)
+                                                               scale=self.spec.scale, op=op)
         except (NotImplementedError, ValueError) as exc:
             if self.mode != "paged":
                 raise
-            log.warning("xformers: no operator takes paged masks here (%s); gathering keys instead",
-                        str(exc).splitlines()[0])
+            log.warning("xformers: no operator takes paged masks for these queries here (%s); gathering keys "
+                        "instead", str(exc).splitlines()[0])
             self.use_paged = False
             self._prepare_gather(self.meta)
             return self.forward(q, k, v, k_cache, v_cache, layer)
