@@ -1,9 +1,10 @@
 """No decode step of a graph-enabled CUDA engine runs eager: for each attention backend that claims
-`supports_cuda_graphs` (flash, triton; sdpa and xformers do not, so they decode eager by design), decode
+`supports_cuda_graphs` (flash, triton, sdpa; xformers does not, so it decodes eager by design), decode
 batches of 1, 7, 64 and 256 sequences (256: the largest of cuda/graphs.py's sizes that max_num_seqs allows)
 over mixed context lengths all replay graphs (the worker's `StepStats`, and the steps it launched), and
 their logits equal the eager engine's (`cuda.enforce_eager`) to the bf16 tolerance, position by position
-up to where the greedy tokens part.
+up to where the greedy tokens part. sdpa's decode steps run PyTorch's `varlen_attn`, never its padded
+fallback (the paths its backend counts).
 
 Run on the GPU machine: `pytest -m gpu tests/gpu/test_gpu_graph_guard.py`."""
 from __future__ import annotations
@@ -40,7 +41,7 @@ def prompts(batch: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
-@pytest.fixture(scope="module", params=["flash", "triton"])
+@pytest.fixture(scope="module", params=["flash", "triton", "sdpa"])
 def runs(request, model):
     """{eager: {batch: (outputs, stats of its steps, decode batch sizes)}} for one attention backend."""
     from nanoplug import LLM, SamplingParams
@@ -65,10 +66,13 @@ def runs(request, model):
             out[eager] = {}
             for batch in BATCHES:
                 before = worker.report().stats
+                paths = dict(getattr(worker.ctx.decode, "paths", {}))  # sdpa's steps by (kind, path)
                 steps.steps.clear()
                 outputs = llm.generate(prompts(batch, llm.engine.facts.vocab_size), params, use_tqdm=False)
                 after = worker.report().stats
                 grew = {f.name: getattr(after, f.name) - getattr(before, f.name) for f in dataclasses.fields(after)}
+                grew["paths"] = {k: n - paths.get(k, 0) for k, n in getattr(worker.ctx.decode, "paths", {}).items()
+                                 if n > paths.get(k, 0)}
                 out[eager][batch] = (outputs, grew, steps.decode_batches())
         finally:
             llm.close()
@@ -82,6 +86,9 @@ def test_every_decode_step_replays_a_graph(runs, batch):
     assert max(decodes) == batch, (attention, decodes)  # the whole batch decoded together
     assert grew["eager_decode_steps"] == 0 and grew["eager_decode_steps_by_design"] == 0, (attention, grew)
     assert grew["graph_replays"] == len(decodes) > 0, (attention, grew, decodes)
+    if attention == "sdpa":  # each decode step through varlen_attn (packed pages on torch 2.11), none padded
+        decode_paths = {path: n for (kind, path), n in grew["paths"].items() if kind == "decode"}
+        assert sum(decode_paths.values()) == len(decodes) and all(p.startswith("varlen") for p in decode_paths), grew
     _, eager_grew, _ = out[True][batch]
     assert eager_grew["graph_replays"] == 0 and eager_grew["eager_decode_steps_by_design"] > 0  # the reference
 
