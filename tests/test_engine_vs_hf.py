@@ -148,8 +148,9 @@ def test_preemption_with_sampling_keeps_seeded_outputs():
 
 
 def test_sdpa_padded_decode_equals_transformers():
-    """sdpa's decode steps take the padded path on CUDA (the gather-only one is for CPUs): the same
-    path, checked here on the CPU with the gather-only decode turned off."""
+    """sdpa's decode steps take the padded path on CUDA where varlen_attn cannot serve them (float32, a cache
+    of another dtype; the gather-only one is for CPUs): that path, checked here on the CPU with the
+    gather-only decode turned off."""
     llm = engine(attention="sdpa", max_num_batched_tokens=20)
     backend = llm.engine.worker.ctx.decode
     assert backend.paged_decode is not None  # CPU: gather-only decode by default

@@ -246,6 +246,7 @@ class AttentionSpec:
     dtype: torch.dtype  # of q, k, v and the output
     device: torch.device
     kv: KVCacheSpec | None = None  # the cache it reads; None: plain, of `dtype`
+    limits: StepLimits | None = None  # the engine's step sizes, for backends that allocate for them; None: unknown
 
     @property
     def cache_dtype(self) -> torch.dtype:

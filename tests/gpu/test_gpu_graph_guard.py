@@ -1,11 +1,12 @@
 """No decode step of a graph-enabled CUDA engine runs eager: for each attention backend that claims
-`supports_cuda_graphs` (flash, triton, xformers; sdpa does not, so it decodes eager by design), decode
-batches of 1, 7, 64 and 256 sequences (256: the largest of cuda/graphs.py's sizes that max_num_seqs allows)
-over mixed context lengths all replay graphs (the worker's `StepStats`, and the steps it launched), and
-their logits equal the eager engine's (`cuda.enforce_eager`) to the bf16 tolerance, position by position
-up to where the greedy tokens part. For xformers, the graph that serves each batch was captured around
-xformers' own paged decode op (its forward entry point, watched while graphs are captured), and the
-graph engine's decode steps call no xformers op from Python (they replay).
+`supports_cuda_graphs` (flash, triton, xformers, sdpa), decode batches of 1, 7, 64 and 256 sequences (256:
+the largest of cuda/graphs.py's sizes that max_num_seqs allows) over mixed context lengths all replay graphs
+(the worker's `StepStats`, and the steps it launched), and their logits equal the eager engine's
+(`cuda.enforce_eager`) to the bf16 tolerance, position by position up to where the greedy tokens part. For
+xformers, the graph that serves each batch was captured around xformers' own paged decode op (its forward
+entry point, watched while graphs are captured), and the graph engine's decode steps call no xformers op
+from Python (they replay). sdpa's decode steps run PyTorch's `varlen_attn`, never its padded fallback (the
+paths its backend counts).
 
 Run on the GPU machine: `pytest -m gpu tests/gpu/test_gpu_graph_guard.py`, in both processes of
 tests/gpu/_two_processes.py; a backend that cannot load in one must say why (its error names the fix)."""
@@ -72,7 +73,7 @@ class XformersCalls:
         return [(rows, capturing) for name, mask, rows, capturing in self.calls if (name, mask) == XFORMERS_DECODE]
 
 
-@pytest.fixture(scope="module", params=["flash", "triton", "xformers"])
+@pytest.fixture(scope="module", params=["flash", "triton", "xformers", "sdpa"])
 def runs(request, model):
     """{eager: {batch: (outputs, stats of its steps, decode batch sizes, xformers decode calls)}, "captured":
     xformers decode calls while graphs were captured, by query rows} for one attention backend; None in
@@ -113,12 +114,15 @@ def run_engines(model, attention: str, watch: XformersCalls | None) -> dict:
             out[eager] = {}
             for batch in BATCHES:
                 before = worker.report().stats
+                paths = dict(getattr(worker.ctx.decode, "paths", {}))  # sdpa's steps by (kind, path)
                 steps.steps.clear()
                 if watch is not None:
                     watch.calls.clear()
                 outputs = llm.generate(prompts(batch, llm.engine.facts.vocab_size), params, use_tqdm=False)
                 after = worker.report().stats
                 grew = {f.name: getattr(after, f.name) - getattr(before, f.name) for f in dataclasses.fields(after)}
+                grew["paths"] = {k: n - paths.get(k, 0) for k, n in getattr(worker.ctx.decode, "paths", {}).items()
+                                 if n > paths.get(k, 0)}
                 calls = watch.decode() if watch is not None else None
                 out[eager][batch] = (outputs, grew, steps.decode_batches(), calls)
         finally:
@@ -135,6 +139,9 @@ def test_every_decode_step_replays_a_graph(runs, batch):
     assert max(decodes) == batch, (attention, decodes)  # the whole batch decoded together
     assert grew["eager_decode_steps"] == 0 and grew["eager_decode_steps_by_design"] == 0, (attention, grew)
     assert grew["graph_replays"] == len(decodes) > 0, (attention, grew, decodes)
+    if attention == "sdpa":  # each decode step through varlen_attn (packed pages on torch 2.11), none padded
+        decode_paths = {path: n for (kind, path), n in grew["paths"].items() if kind == "decode"}
+        assert sum(decode_paths.values()) == len(decodes) and all(p.startswith("varlen") for p in decode_paths), grew
     _, eager_grew, eager_decodes, eager_calls = out[True][batch]
     assert eager_grew["graph_replays"] == 0 and eager_grew["eager_decode_steps_by_design"] > 0  # the reference
     if attention == "xformers":  # every graph was captured around xformers' decode op, in every layer

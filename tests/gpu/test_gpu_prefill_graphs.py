@@ -18,7 +18,7 @@ from nanoplug.checkpoints import write_random_checkpoint
 
 pytestmark = pytest.mark.gpu
 GPU_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=128)
+                 num_key_value_heads=2, head_dim=128, max_position_embeddings=4096)
 ENGINE = dict(device="cuda", dtype="bfloat16", max_model_len=4096, kv_block_size=256, num_kv_blocks=256,
               attention="flash", enable_prefix_caching=False)
 # (prompt lengths of one generate, whether its prefill fits a captured one)

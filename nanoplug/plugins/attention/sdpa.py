@@ -1,10 +1,16 @@
-"""Attention `sdpa`: PyTorch's `scaled_dot_product_attention` over a padded batch.
+"""Attention `sdpa`: PyTorch's own attention kernels.
 
-Keys are read from the paged cache through the block tables, so cached prefixes, chunked prefill
-and decode all work; the padding and the causal-with-offset mask are built once per step in
-`prepare`, not per layer.
+On CUDA in float16/bfloat16, PyTorch's varlen FlashAttention (`varlen_attn`, sdpa_cuda.py) serves
+prefill, and paged steps too where it can read the cache's pages (through torch's page tables, or
+packed by a Triton kernel): then decode reads no device value on the host and runs under CUDA graphs.
+Elsewhere `scaled_dot_product_attention` runs over a padded batch, with keys read from the paged cache
+through the block tables, so cached prefixes, chunked prefill and decode all work; the padding and the
+causal-with-offset mask are built once per step in `prepare`, not per layer. Decode steps on the CPU
+gather live tokens only (paged_decode.py). Each step's path is counted in `paths`, by (step kind, path).
 """
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +21,8 @@ from nanoplug.plugins.attention.sdpa_cuda import CudaVarlenAttention
 
 
 class SdpaAttention(AttentionBackend):
-    description = "torch.nn.functional.scaled_dot_product_attention (padded batch, paged keys)"
+    description = ("PyTorch's attention: varlen FlashAttention on CUDA (CUDA graphs where paged steps are served), "
+                   "else scaled_dot_product_attention over a padded batch")
     priority = 50
 
     @classmethod
@@ -28,6 +35,9 @@ class SdpaAttention(AttentionBackend):
         super().__init__(spec)
         # on CUDA in fp16/bf16, PyTorch's varlen FlashAttention serves the steps it can (sdpa_cuda.py)
         self.cuda = CudaVarlenAttention(spec) if CudaVarlenAttention.usable(spec) else None
+        if self.cuda is not None and self.cuda.pages:  # varlen serves every decode step: graphs can replay them
+            self.supports_cuda_graphs = True  # (a padded step builds its index and mask in `prepare`, not replayed)
+        self.paths: Counter[tuple[str, str]] = Counter()
         self.fast = False
         # decode steps on the CPU: gather live tokens only (on a GPU the padded path measured faster)
         self.paged_decode = PagedDecode(spec) if spec.device.type == "cpu" else None
@@ -37,11 +47,19 @@ class SdpaAttention(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         self.meta = meta
         self.fast = self.cuda is not None and self.cuda.serves(meta)
+        self.decoding = not self.fast and self.paged_decode is not None and self.paged_decode.serves(meta)
         if self.fast:
-            return
-        self.decoding = self.paged_decode is not None and self.paged_decode.serves(meta)
-        if self.decoding:
-            return self.paged_decode.prepare(meta)
+            self.cuda.prepare(meta)
+            path = self.cuda.path
+        elif self.decoding:
+            self.paged_decode.prepare(meta)
+            path = "gathered decode"
+        else:
+            self._prepare_padded(meta)
+            path = "padded"
+        self.paths["prefill" if meta.is_prefill else "decode", path] += 1
+
+    def _prepare_padded(self, meta: AttentionMetadata) -> None:
         dev = meta.slot_mapping.device
         q_lens = torch.tensor(meta.query_lens_host, device=dev)
         seq_lens = meta.seq_lens.long()
@@ -63,7 +81,7 @@ class SdpaAttention(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, layer):
         if self.fast:
-            return self.cuda.forward(q, k, v, k_cache, v_cache, self.meta)
+            return self.cuda.forward(q, k, v, k_cache, v_cache)
         if self.decoding:
             return self.paged_decode.forward(q, k_cache, v_cache, layer)
         num_seqs = self.blocks.shape[0]
