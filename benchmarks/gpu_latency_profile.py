@@ -68,6 +68,7 @@ def main() -> None:
         steps = timed_steps(core, p, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=24))
         torch.cuda.synchronize()
     events = prof.key_averages()
+    print(events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
     print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
     llm.close()
 
