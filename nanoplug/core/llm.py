@@ -11,7 +11,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Sequence as Seq
+from typing import Any, Iterator, Sequence as Seq
 
 from nanoplug.core.config import DEPRECATED_OPTIONS, EngineConfig, SamplingParams
 from nanoplug.core.engine_core import EngineCore, EngineRequest

@@ -16,10 +16,9 @@ path loads any GGUF file.
 """
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open

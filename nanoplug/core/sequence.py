@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from itertools import count
+from typing import Any
 from nanoplug.core.config import SamplingParams
 
 

@@ -7,7 +7,6 @@ so nothing hangs; a second Ctrl-C still forces the exit.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import socket
 import sys

@@ -10,10 +10,9 @@ run only under TRITON_INTERPRET=1 (the tests), with larger blocks (the interpret
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from nanoplug.api import interpreting
 from nanoplug.plugins.adapters.gguf_blocks import Packed
 
 try:
@@ -97,10 +96,6 @@ else:
         out = tl.sum(tl.sum(acc, axis=2), axis=1)
         optr = out_ptr + tl.program_id(1).to(tl.int64) * stride_o + rows
         tl.store(optr, out.to(out_ptr.dtype.element_ty), mask=rmask)
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
 # (BLOCK_N, BLOCK_G, num_warps) per format for the GEMV: the fastest of `benchmarks/gpu_gguf.py kernels`'s

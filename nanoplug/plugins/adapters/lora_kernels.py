@@ -18,12 +18,11 @@ On a CPU they run only under TRITON_INTERPRET=1 set before this module is import
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import torch
 
-from nanoplug.api import AdapterError
+from nanoplug.api import AdapterError, interpreting, triton_reasons
 
 try:
     import triton
@@ -110,22 +109,18 @@ BLOCK_M = 16    # tokens of one adapter per tile: tl.dot's smallest M; decode st
 BLOCK_IN = 64   # input features per shrink iteration
 CHUNK_IN = 256  # input features per shrink program: a layer's shrink splits its input into this many (more programs)
 BLOCK_N = 64    # output rows per expand program
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"  # how the kernels above were defined
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
+INTERPRETED = interpreting()  # how the kernels above were defined
 
 
 def unavailable(device: torch.device, dtype: torch.dtype) -> list[str]:
     """Why the kernels cannot serve a model on `device` in `dtype` (empty: they can)."""
     if triton is None:
-        return [f"triton is not importable ({TRITON_ERROR}); pip install triton"]
+        return triton_reasons(TRITON_ERROR, device.type)
     if device.type == "cuda":
         return [] if dtype in (torch.float16, torch.bfloat16, torch.float32) else [f"no kernels for {dtype}"]
     if device.type == "cpu" and INTERPRETED and interpreting():
         return [] if dtype == torch.float32 else ["under the Triton interpreter they compute in float32 only"]
-    return [f"they need CUDA (device is {device.type}); on CPU only with TRITON_INTERPRET=1, for tests"]
+    return triton_reasons(None, device.type)
 
 
 def max_tiles(num_tokens: int, num_adapters: int) -> int:

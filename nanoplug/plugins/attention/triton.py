@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoplug.api import AttentionMetadata, Target
+from nanoplug.api import AttentionMetadata, Target, triton_reasons
 from nanoplug.plugins.attention import triton_decode
 from nanoplug.plugins.attention.sdpa import SdpaAttention
 
@@ -21,12 +21,7 @@ class TritonAttention(SdpaAttention):
 
     @classmethod
     def unavailable(cls, target: Target) -> list[str]:
-        reasons = super().unavailable(target)
-        if triton_decode.triton is None:
-            reasons.append(f"triton is not importable ({triton_decode.TRITON_ERROR}); pip install triton")
-        if target.device.type != "cuda" and not triton_decode.interpreting():
-            reasons.append(f"needs CUDA (device is {target.device.type}); on CPU only with TRITON_INTERPRET=1 "
-                           "set before triton is imported, for tests")
+        reasons = super().unavailable(target) + triton_reasons(triton_decode.TRITON_ERROR, target.device.type)
         if target.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             reasons.append(f"needs dtype float16, bfloat16 or float32 (got {target.dtype})")
         if target.cache_dtype not in (target.dtype, torch.float8_e4m3fn):

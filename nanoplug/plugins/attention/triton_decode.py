@@ -17,10 +17,11 @@ float32 (`IEEE`), and the bfloat16 path is tested on the GPU only (tests/gpu/tes
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
+
+from nanoplug.api import interpreting
 
 try:
     import triton
@@ -145,10 +146,6 @@ else:
 
 
 LOG2E = 1.4426950408889634
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
 @dataclass(frozen=True)

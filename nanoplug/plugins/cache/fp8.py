@@ -16,11 +16,10 @@ measured worse on SmolLM2 (benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
-from nanoplug.api import KVCacheSpec, KVCacheStore, Target
+from nanoplug.api import KVCacheSpec, KVCacheStore, Target, triton_reasons
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -94,12 +93,7 @@ class Fp8Store(KVCacheStore):
 
     @classmethod
     def unavailable(cls, target: Target) -> list[str]:
-        reasons = []
-        if triton is None:
-            reasons.append(f"triton is not importable ({TRITON_ERROR}); pip install triton")
-        if target.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "") != "1":
-            reasons.append(f"needs CUDA (device is {target.device.type}); on CPU only with TRITON_INTERPRET=1 "
-                           "set before triton is imported, for tests")
+        reasons = triton_reasons(TRITON_ERROR, target.device.type)
         if target.device.type == "cuda" and torch.cuda.is_available() \
                 and torch.cuda.get_device_capability(target.device) < (8, 9):
             cap = torch.cuda.get_device_capability(target.device)

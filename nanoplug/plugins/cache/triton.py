@@ -6,9 +6,8 @@ kernel instead of on the host. On CPU it runs only under `TRITON_INTERPRET=1` (f
 """
 from __future__ import annotations
 
-import os
 
-from nanoplug.api import KVCacheStore, Target
+from nanoplug.api import KVCacheStore, Target, triton_reasons
 
 try:
     import triton
@@ -34,22 +33,13 @@ else:
         tl.store(v_cache_ptr + slot * ROW + cols, v)
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
-
-
 class TritonStore(KVCacheStore):
     description = "fused Triton slot-mapping store (K and V in one launch, slot -1 skipped)"
     priority = 20
 
     @classmethod
     def unavailable(cls, target: Target) -> list[str]:
-        reasons = []
-        if triton is None:
-            reasons.append(f"triton is not importable ({TRITON_ERROR}); pip install triton")
-        if target.device.type != "cuda" and not interpreting():
-            reasons.append(f"needs CUDA (device is {target.device.type}); on CPU only with TRITON_INTERPRET=1 "
-                           "set before triton is imported, for tests")
+        reasons = triton_reasons(TRITON_ERROR, target.device.type)
         model = target.model
         if model is not None:
             row = model.num_kv_heads * model.head_dim // max(target.tensor_parallel_size, 1)

@@ -2,10 +2,11 @@
 
 - the KV cache takes what is left of `cuda.memory_utilization` of the GPU's memory after the largest
   step has run once (memory profiling), and is allocated zeroed;
-- the small fused ops are torch.compile'd, every kind of step runs once at start-up (kernels that
-  compile on first use compile then), and decode runs under CUDA graphs (`graphs.py`), unless
-  `cuda.enforce_eager`; a failed capture leaves decode eager (the worker records why), or stops
-  start-up with `cuda.require_graphs`;
+- the small ops of every layer are one Triton kernel each (`fused_kernels.py`; torch.compile'd where
+  triton does not import), every kind of step runs once at start-up (kernels that compile on first use
+  compile then), and decode and small fresh prefills run under CUDA graphs (`graphs.py`,
+  `prefill_graphs.py`), unless `cuda.enforce_eager`; a failed capture leaves them eager (the worker
+  records why), or stops start-up with `cuda.require_graphs`;
 - steps overlap by default: the host prepares step N+1 while the GPU computes step N, and sampled
   tokens come back by a non-blocking copy the next step waits for.
 """
@@ -18,12 +19,13 @@ import torch
 
 from nanoplug.api import (FusedOps, GraphCaptureError, Platform, ProcessGroup, SamplingBatch, StepBatch, StepLimits,
                           Target, add_rms_norm, apply_rope, rms_norm, silu_and_mul)
+from nanoplug.plugins.platforms.cuda import fused_kernels
 from nanoplug.plugins.platforms.cuda.graphs import DecodeGraphs
 from nanoplug.plugins.platforms.cuda.prefill_graphs import CudaPrefillGraphs
 
 
 class CudaPlatform(Platform):
-    description = "NVIDIA GPUs: memory-sized KV cache, CUDA graphs, torch.compile'd fused ops, overlapped steps"
+    description = "NVIDIA GPUs: memory-sized KV cache, CUDA graphs, Triton fused ops, overlapped steps"
     priority = 100
     device_type = "cuda"
 
@@ -90,14 +92,17 @@ class CudaPlatform(Platform):
 
     # ---------------------------------------------------------------------- model and steps
     def prepare_model(self, model: torch.nn.Module) -> None:
-        """torch.compile the small elementwise ops (add + RMSNorm, SiLU-and-mul, RoPE) into one kernel
-        each: on a GPU each eager op is a launch and a pass over memory. Dynamic shapes, so one compile
-        serves every batch; CUDA graphs capture the compiled kernels as they capture eager ones."""
+        """One kernel for each small op (add + RMSNorm, SiLU-and-mul, RoPE): on a GPU each eager op is
+        several launches and passes over memory. Our Triton kernels where triton imports (plain launches:
+        no compiled region's guards per call, no Dynamo or Inductor at start-up), else torch.compile'd ops
+        (dynamic shapes, one compile for every batch). CUDA graphs capture either."""
         if self.enforce_eager or not self.compile_fused_ops:
             return
-        compile_ = functools.partial(torch.compile, dynamic=True, fullgraph=True)
-        model.install_fused_ops(FusedOps(compile_(rms_norm), compile_(add_rms_norm), compile_(silu_and_mul),
-                                         compile_(apply_rope)))
+        ops = fused_kernels.fused_ops()
+        if ops is None:
+            compile_ = functools.partial(torch.compile, dynamic=True, fullgraph=True)
+            ops = FusedOps(compile_(rms_norm), compile_(add_rms_norm), compile_(silu_and_mul), compile_(apply_rope))
+        model.install_fused_ops(ops)
 
     def warm_up(self, run, limits: StepLimits, num_blocks: int) -> None:
         """Run each kind of step once on the first blocks: fresh prefills and prefill chunks over

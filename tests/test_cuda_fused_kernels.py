@@ -1,0 +1,90 @@
+"""The CUDA platform's Triton kernels for the small ops (plugins/platforms/cuda/fused_kernels.py), on CPU through
+the Triton interpreter, against the layer library's plain ops on the same inputs: RMSNorm over 2-D rows and over
+the heads of a strided [T, H, D] view (Qwen3's q/k norms), add + RMSNorm (both outputs), SiLU-and-mul with a
+width that is not a power of two, and RoPE on strided q and k, in float32 (within float32 noise) and bfloat16
+(within one rounding step: the interpreter truncates float32 to bfloat16 where a GPU rounds to nearest, so
+bit equality can only be asked of float32 here).
+
+TRITON_INTERPRET=1 must be set before the kernels are defined: the fixture sets it, reloads the module, and
+afterwards restores the variable and reloads it again, so no later test inherits the interpreter.
+"""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from nanoplug.api import add_rms_norm, apply_rope, rms_norm, silu_and_mul
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    import nanoplug.plugins.platforms.cuda.fused_kernels as module
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        module = importlib.reload(module)
+        assert module.triton is not None, f"triton does not import: {module.TRITON_ERROR}"
+        yield module
+    importlib.reload(module)
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    return dict(rtol=1.6e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+
+
+def data(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).mul(3).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_rows_and_strided_heads(kernels, dtype):
+    x, w = data(5, 96, dtype=dtype), data(96, dtype=dtype, seed=1)
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6), **tolerance(dtype))
+    qkv = data(7, (4 + 2 * 2) * 16, dtype=dtype, seed=2)
+    q = qkv[:, :64].view(7, 4, 16)  # a view of a wider projection: token stride 128, head stride 16
+    wq = data(16, dtype=dtype, seed=3)
+    got = kernels.rms_norm(q, wq, 1e-6)
+    assert got.shape == q.shape and got.is_contiguous()
+    torch.testing.assert_close(got, rms_norm(q, wq, 1e-6), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_gives_the_sum_and_its_norm(kernels, dtype):
+    x, res, w = data(6, 80, dtype=dtype), data(6, 80, dtype=dtype, seed=1), data(80, dtype=dtype, seed=2)
+    out, summed = kernels.add_rms_norm(x, res, w, 1e-5)
+    ref_out, ref_summed = add_rms_norm(x, res, w, 1e-5)
+    torch.testing.assert_close(summed, ref_summed, **tolerance(dtype))  # one rounding of the same sum
+    if dtype == torch.float32:
+        assert torch.equal(summed, ref_summed)
+    torch.testing.assert_close(out, ref_out, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(kernels, dtype):
+    x = data(4, 2 * 3072, dtype=dtype)  # 3072: two blocks of the kernel's loop, the second partly masked
+    torch.testing.assert_close(kernels.silu_and_mul(x), silu_and_mul(x), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_on_strided_q_and_k(kernels, dtype):
+    t, heads, kv_heads, dim, max_pos = 5, 4, 2, 32, 64
+    qkv = data(t, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    q = qkv[:, :heads * dim].view(t, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(t, kv_heads, dim)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    positions = torch.tensor([0, 7, 63, 7, 30])
+    got_q, got_k = kernels.apply_rope(positions, q, k, cos, sin)
+    ref_q, ref_k = apply_rope(positions, q, k, cos, sin)
+    torch.testing.assert_close(got_q, ref_q, **tolerance(dtype))
+    torch.testing.assert_close(got_k, ref_k, **tolerance(dtype))
+
+
+def test_a_weight_of_another_dtype_takes_the_plain_op(kernels):
+    x, w = data(3, 32, dtype=torch.bfloat16), data(32, dtype=torch.float32)
+    got = kernels.rms_norm(x, w, 1e-6)
+    assert got.dtype == torch.float32 and torch.equal(got, rms_norm(x, w, 1e-6))
