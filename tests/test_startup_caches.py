@@ -1,4 +1,5 @@
-"""Start-up work a machine does once: FlashAttention-4's JIT kernels persist under nanoplug's cache root."""
+"""Start-up work a machine does once: FlashAttention-4's JIT kernels and Triton's compiled kernels persist under
+nanoplug's cache root."""
 from __future__ import annotations
 
 import os
@@ -24,3 +25,15 @@ def test_a_users_own_fa4_cache_setting_wins(monkeypatch, tmp_path):
     flash.persist_fa4_kernels()
     assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "0"
     assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+def test_the_cuda_platform_keeps_triton_kernels_in_nanoplugs_cache(monkeypatch, tmp_path):
+    from nanoplug.plugins.platforms.cuda.platform import persist_triton_kernels
+
+    monkeypatch.setenv("NANOPLUG_CACHE", str(tmp_path))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    persist_triton_kernels()
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "triton")
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere/the/user/chose")
+    persist_triton_kernels()  # a setting of the user's wins
+    assert os.environ["TRITON_CACHE_DIR"] == "/somewhere/the/user/chose"

@@ -14,14 +14,23 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
 
 import torch
 
 from nanoplug.api import (FusedOps, GraphCaptureError, Platform, ProcessGroup, SamplingBatch, StepBatch, StepLimits,
                           Target, add_rms_norm, apply_rope, rms_norm, silu_and_mul)
+from nanoplug.api.cache import cache_root
 from nanoplug.plugins.platforms.cuda import fused_kernels
 from nanoplug.plugins.platforms.cuda.graphs import DecodeGraphs
 from nanoplug.plugins.platforms.cuda.prefill_graphs import CudaPrefillGraphs
+
+
+def persist_triton_kernels() -> None:
+    """Triton keeps every kernel it compiles on disk, keyed by its source, the Triton version and the GPU
+    target, so a later process loads instead of compiling; the folder goes under nanoplug's cache (with
+    FlashAttention-4's), where one place holds what nanoplug builds per machine. A setting of the user's wins."""
+    os.environ.setdefault("TRITON_CACHE_DIR", str(cache_root() / "triton"))
 
 
 class CudaPlatform(Platform):
@@ -46,6 +55,7 @@ class CudaPlatform(Platform):
 
     def __init__(self, options, target: Target):
         super().__init__(options, target)
+        persist_triton_kernels()  # before any plugin's kernel compiles (they do in warm-up)
         self.memory_utilization = getattr(options, "memory_utilization", 0.9)
         self.enforce_eager = getattr(options, "enforce_eager", False)
         self.compile_fused_ops = getattr(options, "compile_fused_ops", True)
