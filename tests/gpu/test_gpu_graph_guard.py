@@ -2,11 +2,13 @@
 `supports_cuda_graphs` (flash, triton, xformers, sdpa), decode batches of 1, 7, 64 and 256 sequences (256:
 the largest of cuda/graphs.py's sizes that max_num_seqs allows) over mixed context lengths all replay graphs
 (the worker's `StepStats`, and the steps it launched), and their logits equal the eager engine's
-(`cuda.enforce_eager`) to the bf16 tolerance, position by position up to where the greedy tokens part. For
-xformers, the graph that serves each batch was captured around xformers' own paged decode op (its forward
-entry point, watched while graphs are captured), and the graph engine's decode steps call no xformers op
-from Python (they replay). sdpa's decode steps run PyTorch's `varlen_attn`, never its padded fallback (the
-paths its backend counts).
+(`cuda.enforce_eager`) to the bf16 tolerance, position by position up to where the greedy tokens part. The graph
+that serves each batch was captured around the backend's own decode op, in every layer (watched while
+graphs are captured: xformers' forward entry point, FlashAttention's decode call, our Triton kernel's
+launcher), and the graph engine's decode steps call none of them from Python (they replay; flash and
+xformers, whose ops serve decode steps only). sdpa's decode steps run PyTorch's `varlen_attn`, never its
+padded fallback (the paths its backend counts). The flash and triton watchers were added after the
+session's last GPU run (not yet run there).
 
 Run on the GPU machine: `pytest -m gpu tests/gpu/test_gpu_graph_guard.py`, in both processes of
 tests/gpu/_two_processes.py; a backend that cannot load in one must say why (its error names the fix)."""
@@ -73,6 +75,60 @@ class XformersCalls:
         return [(rows, capturing) for name, mask, rows, capturing in self.calls if (name, mask) == XFORMERS_DECODE]
 
 
+class FlashCalls:
+    """Every decode call into FlashAttention (flash.py's `load_kernels` answers with the same build, its entry
+    points watched): FA4's `flash_attn_varlen_func` given one-token query batches [B, 1, H, D], or FA2's
+    `flash_attn_with_kvcache`; as (query rows, whether a CUDA graph was being captured)."""
+
+    def __init__(self):
+        from nanoplug.plugins.attention import flash
+
+        self.calls: list[tuple[int, bool]] = []
+        self._flash, self._load = flash, flash.load_kernels
+        kernels, errors = flash.load_kernels()
+        watched = dataclasses.replace(kernels, varlen=self._watch(kernels.varlen, lambda q: q.dim() == 4),
+                                      with_kvcache=kernels.with_kvcache and self._watch(kernels.with_kvcache,
+                                                                                        lambda q: True))
+        flash.load_kernels = lambda: (watched, errors)
+
+    def _watch(self, fn, is_decode):
+        def call(q, *args, **kwargs):
+            if is_decode(q):
+                self.calls.append((q.shape[0], torch.cuda.is_current_stream_capturing()))
+            return fn(q, *args, **kwargs)
+        return call
+
+    def close(self) -> None:
+        self._flash.load_kernels = self._load
+
+    def decode(self) -> list[tuple[int, bool]]:
+        return list(self.calls)
+
+
+class TritonCalls:
+    """Every call of our Triton paged-decode kernel's launcher (triton_decode.paged_decode): (rows, capturing)."""
+
+    def __init__(self):
+        from nanoplug.plugins.attention import triton_decode
+
+        self.calls: list[tuple[int, bool]] = []
+        self._module, self._launch = triton_decode, triton_decode.paged_decode
+        triton_decode.paged_decode = self._called
+
+    def _called(self, q, *args, **kwargs):
+        self.calls.append((q.shape[0], torch.cuda.is_current_stream_capturing()))
+        return self._launch(q, *args, **kwargs)
+
+    def close(self) -> None:
+        self._module.paged_decode = self._launch
+
+    def decode(self) -> list[tuple[int, bool]]:
+        return list(self.calls)
+
+
+WATCHERS = {"xformers": XformersCalls, "flash": FlashCalls, "triton": TritonCalls}  # sdpa counts its own paths
+
+
 @pytest.fixture(scope="module", params=["flash", "triton", "xformers", "sdpa"])
 def runs(request, model):
     """{eager: {batch: (outputs, stats of its steps, decode batch sizes, xformers decode calls)}, "captured":
@@ -81,7 +137,7 @@ def runs(request, model):
     from nanoplug.core.errors import NanoplugError
 
     attention = request.param
-    watch = XformersCalls() if attention == "xformers" and reason_here(attention) is None else None
+    watch = WATCHERS[attention]() if attention in WATCHERS and reason_here(attention) is None else None
     try:
         return attention, run_engines(model, attention, watch)
     except NanoplugError as exc:
@@ -94,7 +150,7 @@ def runs(request, model):
             watch.close()
 
 
-def run_engines(model, attention: str, watch: XformersCalls | None) -> dict:
+def run_engines(model, attention: str, watch) -> dict:
     from nanoplug import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, output_logits=True)
@@ -144,11 +200,12 @@ def test_every_decode_step_replays_a_graph(runs, batch):
         assert sum(decode_paths.values()) == len(decodes) and all(p.startswith("varlen") for p in decode_paths), grew
     _, eager_grew, eager_decodes, eager_calls = out[True][batch]
     assert eager_grew["graph_replays"] == 0 and eager_grew["eager_decode_steps_by_design"] > 0  # the reference
-    if attention == "xformers":  # every graph was captured around xformers' decode op, in every layer
+    if attention in WATCHERS:  # every graph was captured around the backend's own decode op, in every layer
         layers = GPU_SHAPE["num_hidden_layers"]
         assert out["captured"] == {size: layers for size in GRAPH_BATCH_SIZES if size <= 256}, out["captured"]
-        assert calls == [], calls  # and replays call nothing from Python
-        assert eager_calls == [(n, False) for n in eager_decodes for _ in range(layers)], eager_calls  # eager's too
+        if attention != "triton":  # (triton's kernel also serves prefill steps of one-token queries, eager)
+            assert calls == [], calls  # and replays call nothing from Python
+            assert eager_calls == [(n, False) for n in eager_decodes for _ in range(layers)], eager_calls
 
 
 @pytest.mark.parametrize("batch", BATCHES)
