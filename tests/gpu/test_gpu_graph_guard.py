@@ -7,8 +7,7 @@ that serves each batch was captured around the backend's own decode op, in every
 graphs are captured: xformers' forward entry point, FlashAttention's decode call, our Triton kernel's
 launcher), and the graph engine's decode steps call none of them from Python (they replay; flash and
 xformers, whose ops serve decode steps only). sdpa's decode steps run PyTorch's `varlen_attn`, never its
-padded fallback (the paths its backend counts). The flash and triton watchers were added after the
-session's last GPU run (not yet run there).
+padded fallback (the paths its backend counts).
 
 Run on the GPU machine: `pytest -m gpu tests/gpu/test_gpu_graph_guard.py`, in both processes of
 tests/gpu/_two_processes.py; a backend that cannot load in one must say why (its error names the fix)."""
