@@ -48,7 +48,7 @@ class StartupTimes:
 
     load_s: float  # the platform, the model built and its weights loaded
     kv_cache_s: float  # sizing (a profiling step, where the platform sizes by memory) and allocating the cache
-    compile_s: float  # the platform's `prepare_model` (torch.compile is lazy: it compiles in the warm-up's steps)
+    compile_s: float  # the platform's `prepare_model` (kernels that compile lazily do so in the warm-up's steps)
     warm_up_s: float  # the platform's `warm_up` steps
     graphs_s: float  # capturing decode graphs
     total_s: float

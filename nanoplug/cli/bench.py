@@ -51,7 +51,7 @@ def add_parser(sub) -> None:
                    help="sequences run at once (default: the engine's, 256)")
     p.add_argument("--kv-block-size", type=int, default=256, help="tokens per KV block (page)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no torch.compile")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no fused small-op kernels")
     p.add_argument("--no-overlap", action="store_true",
                    help="run steps one after another (default: the host prepares the next step while the GPU computes)")
     p.add_argument("--device", default="auto")

@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="share of GPU memory the engine may use (default: 0.9)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no torch.compile")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no fused small-op kernels")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
 

@@ -101,7 +101,7 @@ class CudaOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
     memory_utilization: Float = Field(0.9, gt=0, le=1, description="share of GPU memory the engine may use")
-    enforce_eager: Bool = Field(False, description="no CUDA graphs, no torch.compile")
+    enforce_eager: Bool = Field(False, description="no CUDA graphs, no fused small-op kernels")
     compile_fused_ops: Bool = Field(True, description="one kernel for each small op (Triton; torch.compile where "
                                     "triton does not import); off: the plain ops, to measure without")
     require_graphs: Bool = Field(False, description="stop start-up when decode cannot be captured as CUDA graphs, "

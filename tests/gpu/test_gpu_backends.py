@@ -1,6 +1,6 @@
 """Every attention backend and KV store on CUDA in bf16, against the plain ones on identical inputs
 (`nanoplug compare`'s scenario: prefill, decode, prefix-cache hits, chunked prefill), decode under
-CUDA graphs + torch.compile against eager, and the Triton store against the torch store.
+CUDA graphs + fused small-op kernels against eager, and the Triton store against the torch store.
 
 Run on the GPU machine: `pytest -m gpu tests/gpu`, once with flash_attn.cute importable and once
 without (xformers 0.0.35 cannot import beside it); in each run the backend that cannot load must

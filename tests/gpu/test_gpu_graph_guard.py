@@ -209,7 +209,7 @@ def test_every_decode_step_replays_a_graph(runs, batch):
 
 @pytest.mark.parametrize("batch", BATCHES)
 def test_replayed_logits_equal_eager(runs, batch):
-    # a graph's kernels (and torch.compile's fused ops, which eager runs without) sum in another order; this
+    # a graph's kernels (and the fused small-op kernels, which eager runs without) sum in another order; this
     # random model's near ties may then flip a greedy token, after which the inputs differ. So the logits are
     # compared position by position up to where the tokens part, to the bf16 tolerance.
     attention, out = runs

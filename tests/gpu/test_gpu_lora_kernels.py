@@ -131,7 +131,7 @@ def test_engine_decodes_per_request_adapters_under_graphs(model):
             if a.token_ids[:i] != b.token_ids[:i]:
                 break  # a near tie flipped a greedy token; the inputs differ from here on
             # 3e-2: the sixth token's logits carry five steps of bf16 rounding summed in two orders (graphs
-            # run torch.compile's fused ops, eager the plain ones) plus the adapters' two extra products
+            # run the fused small-op kernels, eager the plain ops) plus the adapters' two extra products
             assert relative_error(lb.float(), la.float()) < 3e-2, (i, a.token_ids, b.token_ids)
             compared += 1
     assert compared >= len(prompts) * MAX_TOKENS // 2, compared

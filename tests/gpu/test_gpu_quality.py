@@ -1,7 +1,7 @@
 """A quality gate on real weights for the GPU's fast path (every other GPU figure uses random weights).
 
 The default model, SmolLM2-135M-Instruct (the embedded GGUF's weights, dequantized to float32 by gguf-py),
-in bfloat16 on CUDA with everything on (flash attention, CUDA graphs, torch.compile, overlapped steps):
+in bfloat16 on CUDA with everything on (flash attention, CUDA graphs, fused small-op kernels, overlapped steps):
 - its perplexity of benchmarks/data/apache-2.0.txt (the Apache License 2.0 text, 2,224 tokens) within 1%
   of transformers' in float32 on the same weights;
 - its greedy tokens equal to nanoplug's own float32 engine's for at least 90% of 32 prompts x 64 tokens

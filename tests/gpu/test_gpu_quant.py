@@ -118,7 +118,7 @@ def greedy(llm, prompts=PROMPTS, n=16):
 def test_gguf_engine_graphs_match_eager_and_the_dequantized_engine(mixed_gguf):
     options = dict(device="cuda", dtype="bfloat16", max_model_len=512, cuda={"memory_utilization": 0.3})
     results = {}
-    # graphs without torch.compile'd fused ops, so that only the capture differs from eager
+    # graphs without the fused small-op kernels, so that only the capture differs from eager
     for name, extra in (("eager", dict(cuda={"enforce_eager": True, "memory_utilization": 0.3})),
                         ("graphs", dict(cuda={"compile_fused_ops": False, "memory_utilization": 0.3})),
                         ("dense", dict(quantization=None))):

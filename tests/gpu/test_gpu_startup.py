@@ -1,5 +1,5 @@
 """The start-up guarantees on CUDA in bfloat16, for `flash` and `triton` decode under CUDA graphs with
-torch.compile'd fused ops: `LLM(...)` logs one line splitting its start-up into phases, and after it returns
+fused small-op kernels: `LLM(...)` logs one line splitting its start-up into phases, and after it returns
 nothing is compiled (torch.compile graphs, Triton JIT kernels) or captured again over 100 mixed requests,
 greedy and sampled, batched and streamed from threads; every decode step replays a graph
 (`cuda={"require_graphs": True}`: a capture that fails stops start-up, saying why). The CPU version is

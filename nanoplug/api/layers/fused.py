@@ -1,4 +1,4 @@
-"""Other implementations of the layer library's small ops (a platform's C++ kernels, torch.compile'd
+"""Other implementations of the layer library's small ops (a platform's C++ or Triton kernels, torch.compile'd
 versions), put into a model's RMSNorm, SiluAndMul and RotaryEmbedding layers in one walk."""
 from __future__ import annotations
 
