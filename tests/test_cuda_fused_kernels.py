@@ -5,16 +5,14 @@ width that is not a power of two, and RoPE on strided q and k, in float32 (withi
 (within one rounding step: the interpreter truncates float32 to bfloat16 where a GPU rounds to nearest, so
 bit equality can only be asked of float32 here).
 
-TRITON_INTERPRET=1 must be set before the kernels are defined: the fixture sets it, reloads the module, and
-afterwards restores the variable and reloads it again, so no later test inherits the interpreter.
+The kernels run under the interpreter for this module's tests only (tests/_triton_interpreter.py).
 """
 from __future__ import annotations
-
-import importlib
 
 import pytest
 import torch
 
+from _triton_interpreter import interpreted
 from nanoplug.api import add_rms_norm, apply_rope, rms_norm, silu_and_mul
 
 
@@ -22,12 +20,8 @@ from nanoplug.api import add_rms_norm, apply_rope, rms_norm, silu_and_mul
 def kernels():
     import nanoplug.plugins.platforms.cuda.fused_kernels as module
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        module = importlib.reload(module)
-        assert module.triton is not None, f"triton does not import: {module.TRITON_ERROR}"
-        yield module
-    importlib.reload(module)
+    with interpreted(module) as reloaded:
+        yield reloaded
 
 
 def tolerance(dtype: torch.dtype) -> dict:

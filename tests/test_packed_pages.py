@@ -6,32 +6,26 @@ prefill with cached context) whose packed K/V and offsets give each sequence's c
 sdpa backend's whole packed path in an engine, with a torch reference in place of the CUDA-only
 `varlen_attn`, against attention `manual`.
 
-TRITON_INTERPRET=1 must be set before the kernel is defined: the fixture sets it, reloads the module, and
-afterwards restores the variable and reloads the module again, so no later test inherits the interpreter.
+The kernel runs under the interpreter for this module's tests only (tests/_triton_interpreter.py).
 """
 from __future__ import annotations
 
-import importlib
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from _triton_interpreter import interpreted
 from nanoplug.api import AttentionMetadata
-
 
 
 @pytest.fixture(scope="module")
 def packed():
     import nanoplug.plugins.attention.packed_pages as module
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        module = importlib.reload(module)
-        assert module.triton is not None, f"triton does not import: {module.TRITON_ERROR}"
-        yield module
-    importlib.reload(module)
+    with interpreted(module) as reloaded:
+        yield reloaded
 
 
 def layout(lengths: list[int], page: int, seed: int):
