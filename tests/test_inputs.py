@@ -239,3 +239,26 @@ def test_prefill_replays_on_padded_buffers_give_the_eager_engines_outputs(regist
     stats = graphs.engine.worker.report().stats
     assert stats.prefill_graph_replays == len(prefill.replayed) == 3  # the 5-sequence prefill ran eager
     assert all(size > n for size, n in prefill.replayed)  # padded: a padding sequence took the rest
+
+
+def test_prefix_cache_hits_and_prompt_logprobs_run_their_prefill_eager(registry):
+    """A prefill that starts past position 0 (a prefix-cache hit) or scores its prompt is never a captured one."""
+    options = dict(kv_block_size=16, kv_cache="torch", max_model_len=256, device="cpu", dtype="float32",
+                   max_num_seqs=8, max_num_batched_tokens=512, overlap_steps=False)
+    eager = LLM(checkpoint(), registry=registry, attention="sdpa", num_kv_blocks=64, **options)
+    graphs = LLM(checkpoint(), registry=registry, attention="sdpa_graphs", platform="cpu_graphs", **options)
+    prefill = graphs.engine.worker.graphs.prefill
+    prompt = PROMPTS[2] * 2  # two full blocks and more: a second run finds them cached
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, output_logits=True)
+    scored = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=1)
+    runs = []
+    for llm in (eager, graphs):
+        first, again = (llm.generate([prompt], params, use_tqdm=False)[0] for _ in range(2))
+        assert again.num_cached_tokens >= 32  # the second prefill started past position 0
+        runs.append((first, again, llm.generate([PROMPTS[0]], scored, use_tqdm=False)[0]))
+    for a, b in zip(*runs):
+        assert a.token_ids == b.token_ids
+    for la, lb in zip(runs[0][1].logits, runs[1][1].logits, strict=True):
+        torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
+    assert runs[0][2].prompt_logprobs == runs[1][2].prompt_logprobs
+    assert len(prefill.replayed) == 1  # only the first, fresh prefill replayed
