@@ -78,7 +78,49 @@ def test_rope_on_strided_q_and_k(kernels, dtype):
     torch.testing.assert_close(got_k, ref_k, **tolerance(dtype))
 
 
-def test_a_weight_of_another_dtype_takes_the_plain_op(kernels):
+def test_layouts_the_kernels_do_not_take_go_to_the_plain_ops(kernels):
     x, w = data(3, 32, dtype=torch.bfloat16), data(32, dtype=torch.float32)
-    got = kernels.rms_norm(x, w, 1e-6)
+    got = kernels.rms_norm(x, w, 1e-6)  # a weight of another dtype: the plain result is float32
     assert got.dtype == torch.float32 and torch.equal(got, rms_norm(x, w, 1e-6))
+    x4 = data(2, 3, 4, 32, dtype=torch.float32)  # 4-D
+    assert torch.equal(kernels.rms_norm(x4, w, 1e-6), rms_norm(x4, w, 1e-6))
+    assert torch.equal(kernels.silu_and_mul(x4), silu_and_mul(x4))
+
+
+def test_a_model_with_the_kernels_installed_equals_the_plain_model_and_never_falls_back(kernels, monkeypatch):
+    """Qwen3 (q/k norms on strided head views, RoPE, add + RMSNorm, SiLU-and-mul) on a test platform that
+    installs these kernels as the cuda platform does: the same logits as the plain ops, and not one call of
+    the decoders' layouts taken by a plain op (a silent fallback would cost the GPU its fused kernels)."""
+    import types
+
+    from _checkpoints import PROMPTS, checkpoint
+    from nanoplug import LLM, SamplingParams
+    from nanoplug.api import PLUGIN_API_VERSION, hookimpl
+    from nanoplug.core.registry import Registry
+    from nanoplug.plugins.platforms.cpu.platform import CpuPlatform
+
+    class TritonOpsOnCpu(CpuPlatform):
+        description = "test-only: the cuda platform's Triton small-op kernels, under the interpreter"
+
+        def prepare_model(self, model):
+            model.install_fused_ops(kernels.fused_ops())
+
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("a decoder layout went to the plain op")
+
+    for name in ("plain_rms_norm", "plain_add_rms_norm", "plain_silu_and_mul", "plain_apply_rope"):
+        monkeypatch.setattr(kernels, name, no_fallback)
+    module = types.ModuleType("triton_ops_on_cpu")
+    module.NANOPLUG_API_VERSION = PLUGIN_API_VERSION
+    module.nanoplug_register_platform = hookimpl(lambda register: register.add("cpu_triton_ops", TritonOpsOnCpu))
+    registry = Registry(load_entry_points=False)
+    registry.add_plugin_module(module, "test")
+    options = dict(device="cpu", dtype="float32", attention="sdpa", kv_cache="torch", max_model_len=128,
+                   cpu={"kernels": False, "graphs": False}, registry=registry)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, output_logits=True)
+    plain = LLM(checkpoint(), **options).generate(PROMPTS[:2], params, use_tqdm=False)
+    fused = LLM(checkpoint(), platform="cpu_triton_ops", **options).generate(PROMPTS[:2], params, use_tqdm=False)
+    for a, b in zip(plain, fused, strict=True):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logits, b.logits, strict=True):
+            torch.testing.assert_close(lb, la, rtol=1e-4, atol=1e-4)

@@ -13,7 +13,9 @@ import torch
 
 from nanoplug.api import FusedOps
 from nanoplug.api import add_rms_norm as plain_add_rms_norm
+from nanoplug.api import apply_rope as plain_apply_rope
 from nanoplug.api import rms_norm as plain_rms_norm
+from nanoplug.api import silu_and_mul as plain_silu_and_mul
 
 try:
     import triton
@@ -82,34 +84,35 @@ else:
         tl.store(out + HALF + cols, (x2 * cos2 + x1f * sin2).to(x1.dtype), mask=ok)
 
 
-def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
-    """(rows, rows per outer index, outer stride, inner stride) of x's rows along its last dim, which must be
-    contiguous: 2-D [T, N] or 3-D [T, H, N] (a view of a wider projection, as q and k are)."""
+def _rows(x: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """(rows, rows per outer index, outer stride, inner stride) of x's rows along its last dim: 2-D [T, N] or
+    3-D [T, H, N] (a view of a wider projection, as q and k are) with a contiguous last dim; else None."""
     if x.stride(-1) != 1 or x.dim() not in (2, 3):
-        raise ValueError("fused kernels take 2-D or 3-D tensors with a contiguous last dim")
+        return None
     if x.dim() == 2:
         return x.shape[0], 1, x.stride(0), 0
     return x.shape[0] * x.shape[1], x.shape[1], x.stride(0), x.stride(1)
 
 
+# Each op takes the layouts the layer library's decoders give it; any other (a weight of another dtype, whose
+# plain result takes the wider dtype; other ranks; partial rotary tables) goes to the plain op.
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if weight.dtype != x.dtype:  # the plain op's result then takes the wider dtype
+    layout = _rows(x)
+    if weight.dtype != x.dtype or layout is None:
         return plain_rms_norm(x, weight, eps)
-    n = x.shape[-1]
-    rows, per_outer, outer, inner = _rows(x)
+    rows, per_outer, outer, inner = layout
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if rows:
-        _rms_norm_kernel[(rows,)](x, x, weight, out, out, per_outer, outer, inner, 0, eps, N=n,
-                                  BLOCK=triton.next_power_of_2(n), ADD=False)
+        _rms_norm_kernel[(rows,)](x, x, weight, out, out, per_outer, outer, inner, 0, eps, N=x.shape[-1],
+                                  BLOCK=triton.next_power_of_2(x.shape[-1]), ADD=False)
     return out
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    if weight.dtype != x.dtype or residual.dtype != x.dtype:
+    if (weight.dtype != x.dtype or residual.dtype != x.dtype or x.dim() != 2 or residual.shape != x.shape
+            or x.stride(-1) != 1 or residual.stride(-1) != 1):
         return plain_add_rms_norm(x, residual, weight, eps)
     n = x.shape[-1]
-    if x.dim() != 2 or residual.stride(-1) != 1:
-        raise ValueError("add_rms_norm takes [T, N] tensors with a contiguous last dim")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.shape[0]:
@@ -119,9 +122,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    d = x.shape[-1] // 2
     if x.dim() != 2 or x.stride(-1) != 1:
-        raise ValueError("silu_and_mul takes [T, 2D] tensors with a contiguous last dim")
+        return plain_silu_and_mul(x)
+    d = x.shape[-1] // 2
     out = torch.empty((x.shape[0], d), dtype=x.dtype, device=x.device)
     if x.shape[0]:
         _silu_and_mul_kernel[(x.shape[0],)](x, out, x.stride(0), D=d, BLOCK=min(triton.next_power_of_2(d), 2048))
@@ -138,9 +141,10 @@ def _rope_one(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
 
 
 def apply_rope(positions, q, k, cos_table, sin_table):
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or cos_table.shape[-1] != q.shape[-1] or not cos_table.is_contiguous() \
-            or not sin_table.is_contiguous():
-        raise ValueError("rope takes [T, H, D] q and k with a contiguous last dim, and full-width contiguous tables")
+    if (q.dim() != 3 or k.dim() != 3 or q.stride(-1) != 1 or k.stride(-1) != 1 or positions.dim() != 1
+            or cos_table.shape[-1] != q.shape[-1] or k.shape[-1] != q.shape[-1] or not cos_table.is_contiguous()
+            or not sin_table.is_contiguous()):
+        return plain_apply_rope(positions, q, k, cos_table, sin_table)
     return _rope_one(q, positions, cos_table, sin_table), _rope_one(k, positions, cos_table, sin_table)
 
 
