@@ -3,7 +3,8 @@ the Triton interpreter, against the layer library's plain ops on the same inputs
 the heads of a strided [T, H, D] view (Qwen3's q/k norms), add + RMSNorm (both outputs), SiLU-and-mul with a
 width that is not a power of two, and RoPE on strided q and k, in float32 (within float32 noise) and bfloat16
 (within one rounding step: the interpreter truncates float32 to bfloat16 where a GPU rounds to nearest, so
-bit equality can only be asked of float32 here).
+bit equality can only be asked of float32 here); layouts they do not take go to the plain ops; and a whole
+Qwen3 engine with them installed equals the plain one without a single fallback.
 
 The kernels run under the interpreter for this module's tests only (tests/_triton_interpreter.py).
 """
