@@ -266,8 +266,9 @@ class ModelRunner(Worker):
         size = prefill_size = None
         if self.graphs is not None and not step.is_prefill:
             size = self.graphs.size_for(num_seqs)
-        elif self.graphs is not None and self.graphs.prefill is not None and not (any(step.starts)
-                                                                                  or step.prompt_logprob_at):
+        elif self.graphs is not None and self.graphs.prefill is not None and not (
+                any(step.starts) or step.prompt_logprob_at or step.from_previous_at):
+            # fresh prefills only: no cached context, no prompt scoring, every token known on the host
             prefill_size = self.graphs.prefill.size_for(len(step.input_ids), num_seqs)
         if not step.is_prefill:  # what the decode step runs as (StepStats)
             if size is not None:
