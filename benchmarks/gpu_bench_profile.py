@@ -1,0 +1,126 @@
+"""Where one run of the bench workload goes (issue 16 item 5): the GPU's busy fraction, and per engine step
+the host's own time, the time it waits for the device, the GPU time of the step it launched and of its
+sampler, and the host-device synchronizations.
+
+usage: python benchmarks/gpu_bench_profile.py [--attention flash] [--kv-cache triton] [--num-seqs 256]
+           [--model DIR] [--device cuda]
+
+The engine runs the workload once unprofiled (its wall time, as `nanoplug bench` measures it), then once
+under torch.profiler with the worker's launch, sampler and wait marked (record_function), which adds host
+time of its own: read the host figures as upper bounds and the GPU figures as they are. `--device cpu
+--model DIR` runs the same analysis on a CPU (no GPU figures) to check the script itself.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from nanoplug import LLM, SamplingParams
+from nanoplug.bench import workload, write_checkpoint
+
+SYNCS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")  # blocking calls
+
+
+def marked(name_of, fn):
+    """fn, run inside a profiler range named name_of(*args)."""
+    def call(*args, **kwargs):
+        with record_function(name_of(*args)):
+            return fn(*args, **kwargs)
+    return call
+
+
+def mark_worker(llm) -> None:
+    """Ranges around what a step does on the worker (the engine's own `single` worker: the runner itself)."""
+    core = llm.engine
+    runner = core.worker
+    runner._launch = marked(lambda step, *a: f"launch {'prefill' if step.is_prefill else 'decode'}", runner._launch)
+    sampler = runner.sampler
+    runner.sampler = marked(lambda *a: "sample", sampler)
+    runner.sampler.logprobs = sampler.logprobs
+    runner.platform.wait = marked(lambda *a: "wait", runner.platform.wait)
+    core.step = marked(lambda *a: "engine step", core.step)
+
+
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def median(values) -> float:
+    values = list(values)
+    return statistics.median(values) if values else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--attention", default="flash")
+    parser.add_argument("--kv-cache", default="triton")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--max-output-len", type=int, default=1024)
+    parser.add_argument("--model", default=None, help="a checkpoint folder (default: the bench checkpoint)")
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    options = dict(attention=args.attention, kv_cache=args.kv_cache, max_model_len=4096, device=args.device)
+    if args.device == "cpu":
+        options.update(max_model_len=2048, dtype="float32")
+    llm = LLM(str(args.model or write_checkpoint()), **options)
+    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+    prompts, params = workload(args.num_seqs, max_output_len=args.max_output_len)
+    t = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t
+    tokens = sum(len(o.token_ids) for o in outputs)
+    print(f"unprofiled: {wall:.2f} s, {tokens / wall:,.0f} output tok/s")
+
+    mark_worker(llm)
+    cuda = args.device == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        if cuda:
+            torch.cuda.synchronize()
+        profiled = time.perf_counter() - t
+    events = prof.events()
+    steps = [e for e in events if e.name == "engine step"]
+    launches = [e for e in events if e.name.startswith("launch ")]
+    waits = [e for e in events if e.name == "wait"]
+    samples = [e for e in events if e.name == "sample"]
+    syncs = [e for e in events if e.name in SYNCS]
+    kernels = [(e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]
+    window = (min(e.time_range.start for e in steps), max(e.time_range.end for e in steps))
+    print(f"profiled: {profiled:.2f} s, {len(steps)} engine steps, {len(launches)} launches "
+          f"({sum(e.name == 'launch prefill' for e in launches)} prefill)")
+
+    def inside(e, s):
+        return s.time_range.start <= e.time_range.start and e.time_range.end <= s.time_range.end
+
+    rows = []
+    for s in steps:
+        wait = sum(w.cpu_time_total for w in waits if inside(w, s))
+        rows.append((s.cpu_time_total, wait, sum(1 for e in syncs if inside(e, s))))
+    print(f"engine step, median: wall {median(r[0] for r in rows) / 1e3:.3f} ms, waiting for the device "
+          f"{median(r[1] for r in rows) / 1e3:.3f} ms, host's own {median(r[0] - r[1] for r in rows) / 1e3:.3f} ms; "
+          f"host-device syncs per step {sum(r[2] for r in rows) / max(len(rows), 1):.2f}")
+    if cuda:
+        busy = union_us(kernels) / (window[1] - window[0])
+        for kind in ("decode", "prefill"):
+            own = [e.device_time_total for e in launches if e.name == f"launch {kind}"]
+            print(f"launch {kind}: {len(own)} steps, GPU time per step median {median(own) / 1e3:.3f} ms, "
+                  f"total {sum(own) / 1e6:.2f} s")
+        print(f"sampler: GPU time per step median {median(e.device_time_total for e in samples) / 1e3:.3f} ms, "
+              f"total {sum(e.device_time_total for e in samples) / 1e6:.2f} s")
+        print(f"GPU busy {busy:.1%} of the {(window[1] - window[0]) / 1e6:.2f} s from the first step to the last")
+    llm.close()
+
+
+if __name__ == "__main__":
+    main()
