@@ -22,6 +22,19 @@ def fill_rows(table: np.ndarray, rows: list[list[int]]) -> None:
     table[: len(rows)][np.arange(table.shape[1]) < lens[:, None]] = flat
 
 
+def padded_tables(batch: StepBatch, scratch_block: int) -> np.ndarray:
+    """The batch's block tables as one int32 array, each row padded with the scratch block."""
+    tables = np.full((len(batch.block_tables), max(len(t) for t in batch.block_tables)), scratch_block, dtype=np.int32)
+    fill_rows(tables, batch.block_tables)
+    return tables
+
+
+def token_slots(tables: np.ndarray, q_lens: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """The cache slot of every token: its sequence's block for its position, and the row within it."""
+    rows = np.repeat(np.arange(len(q_lens)), q_lens)
+    return tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+
+
 def plan_inputs(batch: StepBatch, block_size: int, scratch_block: int, out: StepInputs | None = None,
                 rows: int | None = None) -> StepInputs:
     """The inputs of `batch`. With `out` (a graph's host buffers, one token per sequence), they are
@@ -37,10 +50,8 @@ def plan_inputs(batch: StepBatch, block_size: int, scratch_block: int, out: Step
     seq_lens = starts + q_lens
     k = len(batch.from_previous_at)
     if out is None:
-        width = max(len(t) for t in batch.block_tables)
-        tables = np.full((n, width), scratch_block, dtype=np.int32)
-        fill_rows(tables, batch.block_tables)
-        slots = tables[np.repeat(np.arange(n), q_lens), positions // bs].astype(np.int64) * bs + positions % bs
+        tables = padded_tables(batch, scratch_block)
+        slots = token_slots(tables, q_lens, positions, bs)
         cu_k = np.zeros(n + 1, dtype=np.int32)
         np.cumsum(seq_lens, out=cu_k[1:])
         return StepInputs(
@@ -58,7 +69,7 @@ def plan_inputs(batch: StepBatch, block_size: int, scratch_block: int, out: Step
     fill_rows(tables, batch.block_tables)
     out.input_ids[:n], out.input_ids[n:rows] = batch.input_ids, 0
     out.positions[:n], out.positions[n:rows] = positions, 0
-    out.slot_mapping[:n] = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
+    out.slot_mapping[:n] = token_slots(tables, q_lens, positions, bs)
     out.slot_mapping[n:rows] = scratch_block * bs
     out.seq_lens[:n], out.seq_lens[n:rows] = seq_lens, 1
     np.cumsum(out.seq_lens[:rows], out=out.cu_seqlens_k[1:rows + 1])
@@ -87,14 +98,10 @@ def plan_fresh_prefill(batch: StepBatch, block_size: int, scratch_block: int, ou
     cu = np.zeros(seqs + 2, dtype=np.int64)
     np.cumsum(q_lens, out=cu[1:n + 1])
     cu[n + 1:] = size
-    starts = np.repeat(cu[:n], q_lens)
-    positions = np.arange(total) - starts
-    width = max(len(t) for t in batch.block_tables)
-    tables = np.full((n, width), scratch_block, dtype=np.int64)
-    fill_rows(tables, batch.block_tables)
+    positions = np.arange(total) - np.repeat(cu[:n], q_lens)
     out.input_ids[:total], out.input_ids[total:size] = batch.input_ids, 0
     out.positions[:total], out.positions[total:size] = positions, 0
-    out.slot_mapping[:total] = tables[np.repeat(np.arange(n), q_lens), positions // bs] * bs + positions % bs
+    out.slot_mapping[:total] = token_slots(padded_tables(batch, scratch_block), q_lens, positions, bs)
     out.slot_mapping[total:size] = scratch_block * bs
     lens = np.diff(cu)
     out.cu_seqlens_q[:], out.cu_seqlens_k[:], out.seq_lens[:] = cu, cu, lens

@@ -286,13 +286,10 @@ class ModelRunner(Worker):
             graphs = self.graphs.prefill
             inputs = plan_fresh_prefill(step, self.block_size, self.scratch_block, graphs.inputs(prefill_size),
                                         prefill_size)
-            logits = graphs.replay(prefill_size, inputs)[:num_seqs]
-            if step.sample_rows != list(range(num_seqs)):
-                logits = logits[step.sample_rows]
+            logits = _sampled_rows(graphs.replay(prefill_size, inputs), step.sample_rows, num_seqs)
         elif size is not None:
             inputs = plan_inputs(step, self.block_size, self.scratch_block, out=self.graphs.inputs(size), rows=size)
-            logits = self.graphs.replay(size, inputs, self.last_tokens)
-            logits = logits[:num_seqs][step.sample_rows] if len(step.sample_rows) != num_seqs else logits[:num_seqs]
+            logits = _sampled_rows(self.graphs.replay(size, inputs, self.last_tokens), step.sample_rows, num_seqs)
         else:
             inputs = plan_inputs(step, self.block_size, self.scratch_block)
             input_ids, positions, meta = self._to_device(step.is_prefill, inputs)
@@ -406,6 +403,13 @@ class ModelRunner(Worker):
         self.ctx.kv = []
         self.kv_cache = self.model = None
         self.platform.release()
+
+
+def _sampled_rows(logits: torch.Tensor, sample_rows: list[int], num_seqs: int) -> torch.Tensor:
+    """A replay's logits (one row per sequence, then padding rows) in the order the step samples them."""
+    if sample_rows == list(range(num_seqs)):
+        return logits[:num_seqs]  # a view: no gather on the common path
+    return logits[:num_seqs][sample_rows]
 
 
 def _unpack_logprobs(flat: torch.Tensor, step: StepBatch) -> tuple[LogprobsTensors | None, LogprobsTensors | None]:
