@@ -18,6 +18,17 @@ from nanoplug.api import AttentionMetadata, StepGraphs, StepInputs, StepLimits
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
+def capture(run: Callable[[], torch.Tensor], pool: Any, device: torch.device) -> tuple[Any, torch.Tensor, Any]:
+    """`run` once outside a graph (kernels that set up or compile on first use do it there), then captured into
+    `pool` (graphs captured in turn share one pool: one step runs at a time): (graph, its output, the pool)."""
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool):
+        out = run()
+    torch.cuda.synchronize(device)
+    return graph, out, graph.pool()
+
+
 class DecodeGraphs(StepGraphs):
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], ctx: Any, limits: StepLimits,
                  scratch_block: int, device: torch.device):
@@ -59,14 +70,9 @@ class DecodeGraphs(StepGraphs):
             )
             self.ctx.set_step(meta)
             ids, pos = st["input_ids"][:size], st["positions"][:size]
-            self.forward(ids, pos)  # warm up outside the graph
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                logits = self.forward(ids, pos)
-            pool = graph.pool()
+            graph, logits, pool = capture(lambda: self.forward(ids, pos), pool, dev)
             self.graphs[size] = (graph, meta, logits)
             self.captures += 1
-            torch.cuda.synchronize(dev)
         self.graphs = dict(sorted(self.graphs.items()))
         self.pool = pool  # prefill graphs capture into it too (one step runs at a time)
 

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from nanoplug.api import AttentionMetadata, PrefillGraphs, StepInputs, StepLimits
+from nanoplug.plugins.platforms.cuda.graphs import capture
 
 PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 PREFILL_GRAPH_SEQS = 8
@@ -53,13 +54,8 @@ class CudaPrefillGraphs(PrefillGraphs):
                 seq_lens_host=list(host_lens),
             )
             self.ctx.set_step(meta)
-            self.forward(ids[:size], pos[:size], rows)  # warm up outside the graph
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                logits = self.forward(ids[:size], pos[:size], rows)
-            pool = graph.pool()
+            graph, logits, pool = capture(lambda: self.forward(ids[:size], pos[:size], rows), pool, self.device)
             self.graphs[size] = (graph, meta, logits)
-            torch.cuda.synchronize(self.device)
         self.graphs = dict(sorted(self.graphs.items()))
         return pool
 
