@@ -7,9 +7,14 @@ import argparse
 
 # dest -> the flag, for the options that apply to one kind of run only
 WORKLOAD_OPTIONS = {"num_seqs": "--num-seqs", "max_input_len": "--max-input-len", "max_output_len": "--max-output-len"}
-LATENCY_OPTIONS = {"ttft_prompts": "--latency-prompts", "ttft_prompt_len": "--ttft-prompt-len",
-                   "decode_prompt_len": "--decode-prompt-len", "decode_tokens": "--decode-tokens",
-                   "prefill_prompts": "--prefill-prompts", "prefill_prompt_len": "--prefill-prompt-len"}
+# (flag, dest, what it sizes) of --latency's sizes; each default is nanoplug/bench_latency.py's dest.upper()
+LATENCY_SIZES = [("--latency-prompts", "ttft_prompts", "time-to-first-token prompts"),
+                 ("--ttft-prompt-len", "ttft_prompt_len", "tokens of each of them"),
+                 ("--decode-prompt-len", "decode_prompt_len", "prompt tokens of the batch-1 decode"),
+                 ("--decode-tokens", "decode_tokens", "tokens it generates"),
+                 ("--prefill-prompts", "prefill_prompts", "prompts of the prefill run, sent at once"),
+                 ("--prefill-prompt-len", "prefill_prompt_len", "tokens of each of them")]
+LATENCY_OPTIONS = {dest: flag for flag, dest, _ in LATENCY_SIZES}
 
 
 def add_parser(sub) -> None:
@@ -36,16 +41,9 @@ def add_parser(sub) -> None:
                    help=f"longest workload prompt (default {bench.MAX_INPUT_LEN}, at least 100)")
     p.add_argument("--max-output-len", type=int, metavar="N",
                    help=f"longest workload answer (default {bench.MAX_OUTPUT_LEN}, at least 100)")
-    lat_sizes = [("--latency-prompts", "ttft_prompts", lat.TTFT_PROMPTS, "time-to-first-token prompts"),
-                 ("--ttft-prompt-len", "ttft_prompt_len", lat.TTFT_PROMPT_LEN, "tokens of each of them"),
-                 ("--decode-prompt-len", "decode_prompt_len", lat.DECODE_PROMPT_LEN,
-                  "prompt tokens of the batch-1 decode"),
-                 ("--decode-tokens", "decode_tokens", lat.DECODE_TOKENS, "tokens it generates"),
-                 ("--prefill-prompts", "prefill_prompts", lat.PREFILL_PROMPTS,
-                  "prompts of the prefill run, sent at once"),
-                 ("--prefill-prompt-len", "prefill_prompt_len", lat.PREFILL_PROMPT_LEN, "tokens of each of them")]
-    for flag, dest, default, text in lat_sizes:
-        p.add_argument(flag, dest=dest, type=int, metavar="N", help=f"--latency: {text} (default {default})")
+    for flag, dest, text in LATENCY_SIZES:
+        p.add_argument(flag, dest=dest, type=int, metavar="N",
+                       help=f"--latency: {text} (default {getattr(lat, dest.upper())})")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, metavar="N", default=None,
                    help="sequences run at once (default: the engine's, 256)")
