@@ -94,13 +94,14 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def prompt_logprobs(llm, ids: list[int]) -> torch.Tensor:
     """log-softmax rows [len(ids) - 1, vocab] (float64) predicting ids[1:]: the hidden state of every prompt
-    position, captured as the prefill computes it, through the model's own LM head (256 rows at a time)."""
+    position, captured as the prefill computes it, through the model's own LM head (256 rows at a time).
+    The request asks for prompt logprobs so that its prefill runs eager (a replayed CUDA graph calls no hooks)."""
     from nanoplug import SamplingParams
 
     model, hidden = llm.engine.worker.model, []
     hook = model.register_forward_hook(lambda m, args, out: hidden.append(out.detach().clone()))
     try:
-        llm.generate([ids], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     finally:
         hook.remove()
     rows = torch.cat(hidden)[: len(ids) - 1]

@@ -297,6 +297,12 @@ class Platform(Plugin):
         """A faster `logits.argmax(dim=-1)` here (same ties: the first maximum), or None."""
         return None
 
+    def temperature_sampler(self) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None:
+        """A faster draw for rows sampled at a temperature alone (no top-k, top-p, min-p or seed), or None:
+        `(logits [rows, vocab], temperatures [rows] float32 > 0, seed: int) -> tokens [rows] int64`, each row's
+        token drawn from softmax(logits / temperature), its noise keyed by `seed` (a new one every step)."""
+        return None
+
     def num_kv_blocks(self, block_bytes: int, profile: Callable[[], None], release: Callable[[], None]) -> int:
         """How many KV blocks of `block_bytes` fit. `profile()` runs the largest step once on a small
         temporary cache, `release()` frees that cache, for platforms that size the cache from memory."""

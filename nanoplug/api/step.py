@@ -62,6 +62,12 @@ class SamplingBatch:
     def all_greedy(self) -> bool:
         return all(t == 0.0 for t in self.temperatures)
 
+    @property
+    def temperature_only(self) -> bool:
+        """No row filters its distribution (top-k, top-p, min-p) or asks for seeded noise."""
+        return (all(k <= 0 for k in self.top_ks) and all(p >= 1.0 for p in self.top_ps)
+                and all(p <= 0.0 for p in self.min_ps) and all(s is None for s in self.seeds))
+
     @classmethod
     def greedy(cls, rows: int) -> "SamplingBatch":
         """`rows` greedy rows (warm-ups, profiling, comparisons)."""

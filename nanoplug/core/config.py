@@ -101,9 +101,11 @@ class CudaOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
     memory_utilization: Float = Field(0.9, gt=0, le=1, description="share of GPU memory the engine may use")
-    enforce_eager: Bool = Field(False, description="no CUDA graphs, no fused small-op kernels")
+    enforce_eager: Bool = Field(False, description="no CUDA graphs, no fused small-op or small-batch GEMM kernels")
     compile_fused_ops: Bool = Field(True, description="one kernel for each small op (Triton; torch.compile where "
-                                    "triton does not import); off: the plain ops, to measure without")
+                                    "triton does not import), a Triton kernel for one- and two-row linear "
+                                    "layers and one for temperature sampling; off: the plain ops, cuBLAS and the "
+                                    "plain sampler, to measure without")
     require_graphs: Bool = Field(False, description="stop start-up when decode cannot be captured as CUDA graphs, "
                                  "instead of running it eager with a warning")
 

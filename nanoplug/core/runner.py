@@ -124,7 +124,8 @@ class ModelRunner(Worker):
             self.model, per_request, group, max(config.max_num_batched_tokens, config.max_num_seqs)
         ) if per_request else None
         self.model.eval()
-        self.sampler = Sampler(device, config.seed, greedy=self.platform.greedy_sampler())
+        self.sampler = Sampler(device, config.seed, greedy=self.platform.greedy_sampler(),
+                               temperature=self.platform.temperature_sampler())
         self.pending: deque = deque()  # launched steps whose tokens are not collected yet
         self.last_tokens: torch.Tensor | None = None
         self.stats = StepStats()

@@ -9,6 +9,8 @@ Penalties and logit bias (core/logits_processors.py) change the logits first, an
 """
 from __future__ import annotations
 
+import random
+
 import torch
 
 from nanoplug.api import LogprobsTensors, SamplingBatch, to_device  # noqa: F401  (SamplingBatch: the step's settings)
@@ -27,12 +29,15 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0, greedy=None):
-        """greedy: a faster `logits.argmax(dim=-1)` for this device, if there is one (same ties: first max)."""
+    def __init__(self, device: torch.device, seed: int = 0, greedy=None, temperature=None):
+        """greedy: a faster `logits.argmax(dim=-1)` for this device, if there is one (same ties: first max);
+        temperature: a faster draw for batches sampled at a temperature alone (Platform.temperature_sampler)."""
         self.device = device
         self.greedy = greedy or _argmax
+        self.temperature = temperature
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.step_seeds = random.Random(seed)  # the temperature sampler's noise key, one per step
         self.processors = LogitsProcessors(device)
 
     @torch.no_grad()
@@ -56,12 +61,18 @@ class Sampler:
             return self.greedy(logits)
         dev = logits.device
         temps = to_device(batch.temperatures, torch.float32, dev)
+        if self.temperature is not None and batch.temperature_only:
+            sampled = self.temperature(logits, torch.where(temps > 0, temps, 1.0), self.step_seeds.getrandbits(31))
+            return self._greedy_where_cold(logits, batch, temps, sampled)
         probs = self.probabilities(logits, batch, temps)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, seed in enumerate(batch.seeds):
             if seed is not None:
                 noise[row] = _seeded_noise(seed, batch.positions[row], probs.shape[1], dev)
-        sampled = probs.div_(noise).argmax(dim=-1)
+        return self._greedy_where_cold(logits, batch, temps, probs.div_(noise).argmax(dim=-1))
+
+    def _greedy_where_cold(self, logits, batch: SamplingBatch, temps: torch.Tensor, sampled: torch.Tensor):
+        """`sampled`, with the greedy token in rows at temperature 0."""
         if any(t == 0.0 for t in batch.temperatures):
             sampled = torch.where(temps == 0, self.greedy(logits), sampled)
         return sampled

@@ -76,3 +76,34 @@ def test_cuda_engine_matches_the_cpu_engine_and_transformers(cpu_outputs, eager)
             rows = want[len(ids) - 1:-1].gather(1, torch.tensor(sample.token_ids).view(-1, 1)).squeeze(1)
             torch.testing.assert_close(got, rows, rtol=0, atol=1e-3)
     assert outs[2].prompt_logprobs is not None and len(outs[2].prompt_logprobs) == len(prompt_ids()[2])
+
+
+def test_the_temperature_kernel_draws_from_softmax_and_never_syncs():
+    """The cuda platform's one-pass temperature sampler on a full Qwen3 vocabulary: the frequencies of 20,000
+    draws (bf16 logits, mass spread over a few tokens and a long tail) follow softmax(logits / T), and a
+    temperature-only batch through the engine's Sampler makes the host wait for nothing."""
+    from nanoplug.plugins.platforms.cuda import sampling_kernel
+
+    dev, vocab, rows, temperature = torch.device("cuda"), 151936, 20000, 0.6
+    base = torch.randn(vocab, generator=torch.Generator().manual_seed(0)) * 2
+    base[[5, 77_000, vocab - 1]] = torch.tensor([9.0, 8.5, 8.0])
+    logits = base.to(dev, torch.bfloat16).expand(rows, vocab)
+    tokens = sampling_kernel.sample(logits, torch.full((rows,), temperature, device=dev), seed=99)
+    want = torch.softmax(base.to(torch.bfloat16).double() / temperature, dim=-1)
+    top = [5, 77_000, vocab - 1]
+    freq = torch.bincount(tokens.cpu(), minlength=vocab).double() / rows
+    sigma = (want[top] * (1 - want[top]) / rows).sqrt()
+    assert ((freq[top] - want[top]).abs() <= 4.5 * sigma).all(), (freq[top], want[top])
+    tail = 1 - want[top].sum()
+    assert abs((1 - freq[top].sum()) - tail) <= 4.5 * float((tail * (1 - tail) / rows).sqrt()) + 1e-4
+
+    sampler = Sampler(dev, temperature=sampling_kernel.sample)
+    batch = SamplingBatch([0.8, 0.0, 1.1], [0] * 3, [1.0] * 3, [0.0] * 3, [None] * 3, [3] * 3)
+    small = torch.randn(3, vocab, device=dev, dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = sampler(small, batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert int(out[1]) == int(small[1].float().argmax())

@@ -7,6 +7,9 @@
   compile then), and decode and small fresh prefills run under CUDA graphs (`graphs.py`,
   `prefill_graphs.py`), unless `cuda.enforce_eager`; a failed capture leaves them eager (the worker
   records why), or stops start-up with `cuda.require_graphs`;
+- linear layers take one- and two-row products (batch-1 and batch-2 decode) by a Triton kernel
+  (`small_gemm.py`), and batches sampled at a temperature alone draw their tokens in one Triton pass over
+  the logits (`sampling_kernel.py`), unless `cuda.enforce_eager` or `cuda.compile_fused_ops=False`;
 - steps overlap by default: the host prepares step N+1 while the GPU computes step N, and sampled
   tokens come back by a non-blocking copy the next step waits for.
 """
@@ -21,7 +24,7 @@ import torch
 from nanoplug.api import (FusedOps, GraphCaptureError, Platform, ProcessGroup, SamplingBatch, StepBatch, StepLimits,
                           Target, add_rms_norm, apply_rope, rms_norm, silu_and_mul)
 from nanoplug.api.cache import cache_root
-from nanoplug.plugins.platforms.cuda import fused_kernels
+from nanoplug.plugins.platforms.cuda import fused_kernels, sampling_kernel, small_gemm
 from nanoplug.plugins.platforms.cuda.graphs import DecodeGraphs
 from nanoplug.plugins.platforms.cuda.prefill_graphs import CudaPrefillGraphs
 
@@ -101,6 +104,17 @@ class CudaPlatform(Platform):
         return torch.zeros(shape, dtype=dtype, device=device)
 
     # ---------------------------------------------------------------------- model and steps
+    def linear_method(self):
+        if self.enforce_eager or not self.compile_fused_ops or small_gemm.triton is None:
+            return super().linear_method()
+        return small_gemm.SmallBatchLinearMethod()
+
+    def temperature_sampler(self):
+        """Temperature-only batches (the usual chat and bench request) drawn in one pass over the logits."""
+        if self.enforce_eager or not self.compile_fused_ops or sampling_kernel.triton is None:
+            return None
+        return sampling_kernel.sample
+
     def prepare_model(self, model: torch.nn.Module) -> None:
         """One kernel for each small op (add + RMSNorm, SiLU-and-mul, RoPE): on a GPU each eager op is
         several launches and passes over memory. Our Triton kernels where triton imports (plain launches:

@@ -1,0 +1,92 @@
+"""Dense linear layers on CUDA: `x @ W.T + b` by a Triton kernel when x has one or two rows (batch-1 and
+batch-2 decode), by cuBLAS otherwise.
+
+At one or two rows a linear layer only streams its weight; cuBLAS's kernels for these shapes leave much of
+the GPU's memory bandwidth unused on the small matrices of a decoder layer (benchmarks/RESULTS.md). The
+kernel gives each program a few output rows, reads their weight rows once in wide coalesced chunks along K,
+and accumulates in float32 for every row of x at once.
+On a CPU the kernel runs only under TRITON_INTERPRET=1 (the tests).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoplug.api import DenseLinearMethod, interpreting
+
+try:
+    import triton
+    import triton.language as tl
+except Exception as exc:  # triton missing or broken: every layer stays on cuBLAS
+    triton = None
+    TRITON_ERROR = f"{type(exc).__name__}: {exc}"
+else:
+    TRITON_ERROR = None
+
+    @triton.jit
+    def _small_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                           M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """Rows [pid * BLOCK_N, +BLOCK_N) of y's columns for all M (<= M_PAD) rows of x, in float32."""
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, M_PAD)
+        rk = tl.arange(0, BLOCK_K)
+        n_ok = rn < N
+        m_ok = rm < M
+        acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+        w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
+        x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            if EVEN_K:
+                w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0)
+                x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
+            else:
+                k_ok = kk < K
+                w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+MAX_ROWS = 2  # from three rows on, cuBLAS is as fast or faster on a decoder layer's shapes
+MAX_N_AT_TWO_ROWS = 32768  # an LM head's weight at two rows: cuBLAS wins
+BLOCK_N, MAX_BLOCK_K = 4, 1024
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the kernel computes this product (else cuBLAS): one or two rows of a half-precision x, a weight
+    of the same dtype with contiguous rows."""
+    if triton is None or x.dim() != 2 or weight.dim() != 2 or (x.device.type != "cuda" and not interpreting()):
+        return False
+    rows, n = x.shape[0], weight.shape[0]
+    return (0 < rows <= MAX_ROWS and (rows == 1 or n <= MAX_N_AT_TWO_ROWS) and x.dtype == weight.dtype
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.stride(1) == 1
+            and weight.stride(1) == 1 and x.shape[1] == weight.shape[1]
+            and (bias is None or (bias.dim() == 1 and bias.is_contiguous() and bias.shape[0] == n)))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), by the kernel where `takes` says so."""
+    if not takes(x, weight, bias):
+        return F.linear(x, weight, bias)
+    (rows, k), n = x.shape, weight.shape[0]
+    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    block_k = min(MAX_BLOCK_K, triton.next_power_of_2(k))
+    _small_gemm_kernel[(triton.cdiv(n, BLOCK_N),)](
+        x, weight, bias if bias is not None else weight, y, rows, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        M_PAD=triton.next_power_of_2(rows), BLOCK_N=BLOCK_N, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        HAS_BIAS=bias is not None, num_warps=4, num_stages=2)
+    return y
+
+
+class SmallBatchLinearMethod(DenseLinearMethod):
+    """Dense weights as the default method holds them; one- and two-row products by the kernel above."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.dim() == 2:
+            return linear(x, layer.weight, bias)
+        return linear(x.reshape(-1, x.shape[-1]), layer.weight, bias).reshape(*x.shape[:-1], -1)

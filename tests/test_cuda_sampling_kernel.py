@@ -1,0 +1,87 @@
+"""The CUDA platform's one-pass temperature sampler (plugins/platforms/cuda/sampling_kernel.py), on CPU through the
+Triton interpreter: its draws follow softmax(logits / T) as the plain sampler's do, a token far above the rest is
+found in whichever slice of the row it lies, -inf logits are never drawn, the same seed gives the same tokens;
+and the engine's Sampler sends temperature-only batches to a platform's temperature sampler (rows at
+temperature 0 greedy) and every other batch to its plain path.
+
+The kernel runs under the interpreter for this module's tests only (tests/_triton_interpreter.py), which runs its
+programs one by one: the distribution test cuts each row into one slice to keep the count of programs low.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _triton_interpreter import interpreted
+from nanoplug.api import SamplingBatch
+from nanoplug.core.sampler import Sampler
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    import nanoplug.plugins.platforms.cuda.sampling_kernel as module
+
+    with interpreted(module) as reloaded:
+        yield reloaded
+
+
+def test_draws_follow_softmax_of_logits_over_temperature(kernel, monkeypatch):
+    monkeypatch.setattr(kernel, "SPLITS", 1)
+    rows, temperature = 1500, 0.7
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5, -3.0, 1.5, float("-inf")]]).repeat(rows, 1)
+    tokens = kernel.sample(logits.to(torch.bfloat16), torch.full((rows,), temperature), seed=123)
+    assert tokens.dtype == torch.int64 and tokens.shape == (rows,)
+    freq = torch.bincount(tokens, minlength=8).double() / rows
+    want = torch.softmax(logits[0].double() / temperature, dim=-1)
+    sigma = (want * (1 - want) / rows).sqrt()
+    assert freq[7] == 0, "a -inf logit was drawn"
+    assert ((freq - want).abs() <= 4.5 * sigma + 1e-3).all(), (freq, want)
+    # a different seed draws differently; the same seed the same
+    other = kernel.sample(logits, torch.full((rows,), temperature), seed=124)
+    assert (other != tokens).float().mean() > 0.2
+    again = kernel.sample(logits.to(torch.bfloat16), torch.full((rows,), temperature), seed=123)
+    assert torch.equal(again, tokens)
+
+
+def test_a_dominant_token_is_found_in_any_slice_of_a_long_row(kernel):
+    vocab, rows = 3000, 4
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))
+    places = [0, 1023, 1700, vocab - 1]  # first slice, a block's edge, a middle slice, the last column
+    for row, place in enumerate(places):
+        logits[row, place] = 80.0
+    tokens = kernel.sample(logits, torch.tensor([1.0, 0.5, 2.0, 1.0]), seed=7)
+    assert tokens.tolist() == places
+
+
+class Recording:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, logits, temperatures, seed):
+        self.calls.append((temperatures.clone(), seed))
+        return torch.full((logits.shape[0],), 5, dtype=torch.int64)
+
+
+def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None) -> SamplingBatch:
+    def each(value):
+        return list(value) if isinstance(value, list) else [value] * n
+
+    return SamplingBatch(each(temperature), each(top_k), each(top_p), each(min_p), each(seed), list(range(n)))
+
+
+def test_the_sampler_routes_temperature_only_batches_to_the_platform_sampler():
+    fast = Recording()
+    sampler = Sampler(torch.device("cpu"), seed=3, temperature=fast)
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(1))
+    tokens = sampler(logits, rows(3, temperature=[0.8, 0.0, 1.2]))
+    assert len(fast.calls) == 1
+    temps, seed = fast.calls[0]
+    assert temps.tolist() == pytest.approx([0.8, 1.0, 1.2]) and isinstance(seed, int)
+    assert tokens.tolist() == [5, int(logits[1].argmax()), 5], "a row at temperature 0 is greedy"
+    sampler(logits, rows(3))
+    assert fast.calls[1][1] != seed, "each step keys its noise anew"
+    for filtered in (rows(3, top_k=4), rows(3, top_p=0.9), rows(3, min_p=0.1), rows(3, seed=[None, 11, None])):
+        sampler(logits, filtered)
+    assert len(fast.calls) == 2, "a batch with a filter or a seeded row took the fast path"
+    sampler(logits, rows(3, temperature=0.0))
+    assert len(fast.calls) == 2, "an all-greedy batch took the sampler"
