@@ -75,8 +75,9 @@ class StepLog:
 
 def _request(rng: random.Random, vocab: int, max_prompt: int) -> tuple[list[int], SamplingParams]:
     length = rng.choice([n for n in (1, 2, 3, 5, 8, 13, 16, 17, 31, 32, 33, 47, 64, 100, 160) if n <= max_prompt])
+    seed = rng.randrange(1 << 16)
     params = SamplingParams(max_tokens=rng.randint(1, 24), ignore_eos=True, temperature=rng.choice([0.0, 0.8]),
-                            seed=rng.randrange(1 << 16))
+                            seed=rng.choice([seed, None]))  # unseeded sampled rows take a platform's fast sampler
     return [rng.randrange(vocab) for _ in range(length)], params
 
 

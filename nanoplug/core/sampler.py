@@ -2,7 +2,9 @@
 
 Greedy at temperature 0; otherwise temperature, top-k, top-p and min-p filter the distribution and
 one exponential-race draw picks the token. A request with a seed draws its noise from a generator
-seeded by (seed, its token position), so it gets the same tokens whatever else is in the batch.
+seeded by (seed, its token position), so it gets the same tokens whatever else is in the batch. A
+platform may draw batches sampled at a temperature alone itself (`Platform.temperature_sampler`, one
+pass over the logits), keyed by a seed the sampler gives it every step.
 
 Penalties and logit bias (core/logits_processors.py) change the logits first, and logprobs
 (core/logprobs.py) are read from the raw logits; a batch with neither takes the plain path.

@@ -130,17 +130,19 @@ class CudaPlatform(Platform):
 
     def warm_up(self, run, limits: StepLimits, num_blocks: int) -> None:
         """Run each kind of step once on the first blocks: fresh prefills and prefill chunks over
-        cached context, with short and long queries, and a decode. Kernels that compile on first use
-        (FlashAttention-4 builds one per variant, seconds each, and a query longer than one tile is
-        another variant) then compile here, not inside the first requests' steps. The blocks are
+        cached context, with short and long queries, and a decode, greedy and at a temperature. Kernels
+        that compile on first use (FlashAttention-4 builds one per variant, seconds each, and a query
+        longer than one tile is another variant) then compile here, not inside the first requests' steps. The blocks are
         cleared before the block manager first hands them out (`take_new_blocks`)."""
         bs = limits.block_size
         long = max(2, min(512, limits.max_model_len - 2, limits.max_num_batched_tokens))
         table = [min(i, num_blocks) for i in range((long + 1 + bs - 1) // bs)]
         greedy = SamplingBatch.greedy(1)
-        for is_prefill, start, n in ((True, 0, 2), (True, 0, long), (True, 1, 2), (True, 1, long), (False, 1, 1)):
+        warm = SamplingBatch([1.0], [0], [1.0], [0.0], [None], [0])  # the temperature sampler's kernel
+        for is_prefill, start, n, sampling in ((True, 0, 2, greedy), (True, 0, long, greedy), (True, 1, 2, greedy),
+                                               (True, 1, long, greedy), (False, 1, 1, greedy), (False, 1, 1, warm)):
             run(StepBatch(is_prefill=is_prefill, input_ids=[0] * n, starts=[start], query_lens=[n],
-                          block_tables=[table], sample_rows=[0], sampling=greedy))
+                          block_tables=[table], sample_rows=[0], sampling=sampling))
         torch.cuda.synchronize(self.device)
 
     def capture_graphs(self, forward, ctx, limits: StepLimits, scratch_block: int, prefill_forward=None):

@@ -20,7 +20,7 @@ except Exception as exc:  # triton missing or broken: the engine's plain sampler
 else:
     TRITON_ERROR = None
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["seed"])  # a new seed each step must not pick another compiled variant
     def _gumbel_max_kernel(logits_ptr, inv_temp_ptr, best_ptr, where_ptr, seed, vocab, stride_row, per_split,
                            SPLITS: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
