@@ -92,12 +92,9 @@ def test_a_model_with_the_kernels_installed_equals_the_plain_model_and_never_fal
     """Qwen3 (q/k norms on strided head views, RoPE, add + RMSNorm, SiLU-and-mul) on a test platform that
     installs these kernels as the cuda platform does: the same logits as the plain ops, and not one call of
     the decoders' layouts taken by a plain op (a silent fallback would cost the GPU its fused kernels)."""
-    import types
-
     from _checkpoints import PROMPTS, checkpoint
+    from _test_platforms import registry_with_platform
     from nanoplug import LLM, SamplingParams
-    from nanoplug.api import PLUGIN_API_VERSION, hookimpl
-    from nanoplug.core.registry import Registry
     from nanoplug.plugins.platforms.cpu.platform import CpuPlatform
 
     class TritonOpsOnCpu(CpuPlatform):
@@ -111,11 +108,7 @@ def test_a_model_with_the_kernels_installed_equals_the_plain_model_and_never_fal
 
     for name in ("plain_rms_norm", "plain_add_rms_norm", "plain_silu_and_mul", "plain_apply_rope"):
         monkeypatch.setattr(kernels, name, no_fallback)
-    module = types.ModuleType("triton_ops_on_cpu")
-    module.NANOPLUG_API_VERSION = PLUGIN_API_VERSION
-    module.nanoplug_register_platform = hookimpl(lambda register: register.add("cpu_triton_ops", TritonOpsOnCpu))
-    registry = Registry(load_entry_points=False)
-    registry.add_plugin_module(module, "test")
+    registry = registry_with_platform("cpu_triton_ops", TritonOpsOnCpu)
     options = dict(device="cpu", dtype="float32", attention="sdpa", kv_cache="torch", max_model_len=128,
                    cpu={"kernels": False, "graphs": False}, registry=registry)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, output_logits=True)

@@ -72,12 +72,9 @@ def test_an_engine_decoding_through_the_kernel_equals_the_plain_engine(gemm, mon
     """Qwen3 on a test platform whose linear method is the cuda platform's: decode of two sequences runs every
     linear layer (and the LM head) through the kernel, and the tokens and logits are the plain engine's. (Two
     decode steps: the interpreter runs the LM head's thousands of programs one by one.)"""
-    import types
-
     from _checkpoints import PROMPTS, checkpoint
+    from _test_platforms import registry_with_platform
     from nanoplug import LLM, SamplingParams
-    from nanoplug.api import PLUGIN_API_VERSION, hookimpl
-    from nanoplug.core.registry import Registry
     from nanoplug.plugins.platforms.cpu.platform import CpuPlatform
 
     calls = []
@@ -96,11 +93,7 @@ def test_an_engine_decoding_through_the_kernel_equals_the_plain_engine(gemm, mon
         def linear_method(self):
             return gemm.SmallBatchLinearMethod()
 
-    module = types.ModuleType("small_gemm_on_cpu")
-    module.NANOPLUG_API_VERSION = PLUGIN_API_VERSION
-    module.nanoplug_register_platform = hookimpl(lambda register: register.add("cpu_small_gemm", SmallGemmOnCpu))
-    registry = Registry(load_entry_points=False)
-    registry.add_plugin_module(module, "test")
+    registry = registry_with_platform("cpu_small_gemm", SmallGemmOnCpu)
     options = dict(device="cpu", dtype="float32", attention="sdpa", kv_cache="torch", max_model_len=128,
                    cpu={"kernels": False, "graphs": False, "weight_packing": False}, registry=registry)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, output_logits=True)

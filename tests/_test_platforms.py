@@ -1,0 +1,18 @@
+"""A registry holding one test-only platform (a CPU platform that borrows a CUDA kernel under the Triton
+interpreter), registered as a third-party plugin module would register it."""
+from __future__ import annotations
+
+import types
+
+from nanoplug.api import PLUGIN_API_VERSION, hookimpl
+from nanoplug.core.registry import Registry
+
+
+def registry_with_platform(name: str, platform: type) -> Registry:
+    """A registry without entry points that knows the built-ins and `platform` under `name`."""
+    module = types.ModuleType(f"test_platform_{name}")
+    module.NANOPLUG_API_VERSION = PLUGIN_API_VERSION
+    module.nanoplug_register_platform = hookimpl(lambda register: register.add(name, platform))
+    registry = Registry(load_entry_points=False)
+    registry.add_plugin_module(module, "test")
+    return registry
