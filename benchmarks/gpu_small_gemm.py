@@ -26,7 +26,8 @@ def gemv_dot(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
         w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=nmask[:, None], other=0.0)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=mmask[:, None], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
 
 def run_reduce(x, w, y, bn, bk, warps, stages):
     M, K = x.shape; N = w.shape[0]
@@ -89,16 +90,19 @@ for name, (N, K) in shapes.items():
                     print("ERR", kind, c, type(e).__name__, str(e)[:100])
         res.sort()
         gbs = N * K * 2 / (res[0][0] * 1e-6) / 1e12
-        print(f"{name:8s} m={m:2d} cublas {t_cublas:6.2f} us ({N*K*2/(t_cublas*1e-6)/1e12:.2f} TB/s) | best {res[0][0]:6.2f} us ({gbs:.2f} TB/s) {res[0][1]} {res[0][2]} | "
+        print(f"{name:8s} m={m:2d} cublas {t_cublas:6.2f} us ({N*K*2/(t_cublas*1e-6)/1e12:.2f} TB/s) | "
+              f"best {res[0][0]:6.2f} us ({gbs:.2f} TB/s) {res[0][1]} {res[0][2]} | "
               + " ".join(f"{t:.2f}:{k[0]}{c}" for t, k, c in res[1:5]), flush=True)
         total_best.setdefault(m, [0, 0]); total_best[m][0] += t_cublas; total_best[m][1] += res[0][0]
 for m, (a, b) in total_best.items():
-    print(f"m={m}: per layer cublas {a:.2f} us, triton best {b:.2f} us; x28 layers: {28*a/1000:.3f} vs {28*b/1000:.3f} ms")
+    print(f"m={m}: per layer cublas {a:.2f} us, triton best {b:.2f} us; "
+          f"x28 layers: {28*a/1000:.3f} vs {28*b/1000:.3f} ms")
 # lm head
 N, K = 151936, 1024
 w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) / 32
 for m in ms:
     x = torch.randn(m, K, device=dev, dtype=torch.bfloat16); y = torch.empty(m, N, device=dev, dtype=torch.bfloat16)
     t_c = bench_graph(lambda i: F.linear(x, w), reps=4)
-    t_r = min(bench_graph(lambda i: run_reduce(x, w, y, *c), reps=4) for c in [(8, 1024, 4, 2), (16, 512, 4, 2), (4, 1024, 4, 1), (8, 512, 4, 3)])
-    print(f"lm_head m={m}: cublas {t_c:.1f} us, triton {t_r:.1f} us (l2-resident-ish)")
+    configs = [(8, 1024, 4, 2), (16, 512, 4, 2), (4, 1024, 4, 1), (8, 512, 4, 3)]
+    t_r = min(bench_graph(lambda i: run_reduce(x, w, y, *c), reps=4) for c in configs)
+    print(f"lm_head m={m}: cublas {t_c:.1f} us, triton {t_r:.1f} us (one weight copy: partly L2-resident)")

@@ -132,8 +132,8 @@ class CudaPlatform(Platform):
         """Run each kind of step once on the first blocks: fresh prefills and prefill chunks over
         cached context, with short and long queries, and a decode, greedy and at a temperature. Kernels
         that compile on first use (FlashAttention-4 builds one per variant, seconds each, and a query
-        longer than one tile is another variant) then compile here, not inside the first requests' steps. The blocks are
-        cleared before the block manager first hands them out (`take_new_blocks`)."""
+        longer than one tile is another variant) then compile here, not inside the first requests' steps.
+        The blocks are cleared before the block manager first hands them out (`take_new_blocks`)."""
         bs = limits.block_size
         long = max(2, min(512, limits.max_model_len - 2, limits.max_num_batched_tokens))
         table = [min(i, num_blocks) for i in range((long + 1 + bs - 1) // bs)]
