@@ -20,7 +20,7 @@ PINNED = [
     "LinearMethod", "DenseLinearMethod", "check_shape", "copy_weight", "Layers", "LinearBase", "VocabParallelEmbedding",
     "ParallelLMHead", "RMSNorm", "rms_norm", "add_rms_norm", "RotaryEmbedding", "apply_rope", "rope_inv_freq",
     "SiluAndMul", "silu_and_mul", "FusedOps", "install_fused_ops", "PagedAttention", "StepContext",
-    "interpreting", "triton_reasons",
+    "import_triton", "interpreting", "triton_reasons",
     "NanoplugError", "AdapterError", "ModelLoadError", "PluginLoadError", "PluginUnavailableError",
     "RequestError", "UnknownPluginError", "WeightShapeError", "GraphCaptureError",
 ]

@@ -16,7 +16,7 @@ from nanoplug.api.layers import (FusedOps, Layers, LinearBase, PagedAttention, P
                                  RotaryEmbedding, SiluAndMul, StepContext, VocabParallelEmbedding, add_rms_norm,
                                  apply_rope, install_fused_ops, rms_norm, rope_inv_freq, silu_and_mul)
 from nanoplug.api.linear import DenseLinearMethod, LinearMethod, check_shape, copy_weight
-from nanoplug.api.triton_support import interpreting, triton_reasons
+from nanoplug.api.triton_support import import_triton, interpreting, triton_reasons
 from nanoplug.api.step import (AttentionMetadata, AttentionSpec, KVCacheSpec, KVLayer, LogitsProcessingBatch,
                                LogprobsTensors, SamplingBatch, SlotInit, StepBatch, StepInputs, StepLimits, StepResult,
                                to_device)
@@ -39,7 +39,7 @@ __all__ = [
     "ParallelLMHead", "RMSNorm", "rms_norm", "add_rms_norm", "RotaryEmbedding", "apply_rope", "rope_inv_freq",
     "SiluAndMul", "silu_and_mul", "FusedOps", "install_fused_ops", "PagedAttention", "StepContext",
     # where Triton kernels can run
-    "interpreting", "triton_reasons",
+    "import_triton", "interpreting", "triton_reasons",
     # errors a plugin raises
     "NanoplugError", "AdapterError", "ModelLoadError", "PluginLoadError", "PluginUnavailableError",
     "RequestError", "UnknownPluginError", "WeightShapeError", "GraphCaptureError",

@@ -4,6 +4,18 @@ set before triton is imported). One wording for the reasons, so `nanoplug plugin
 from __future__ import annotations
 
 import os
+from types import ModuleType
+
+
+def import_triton() -> tuple[ModuleType | None, ModuleType | None, str | None]:
+    """(triton, triton.language, None), or (None, None, why) where triton is missing or broken: a plugin module
+    defines its kernels only when triton imported, and hands `why` to `triton_reasons`, never crashing."""
+    try:
+        import triton
+        import triton.language as tl
+    except Exception as exc:
+        return None, None, f"{type(exc).__name__}: {exc}"
+    return triton, tl, None
 
 
 def interpreting() -> bool:

@@ -12,17 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from nanoplug.api import interpreting
+from nanoplug.api import import_triton, interpreting
 from nanoplug.plugins.adapters.gguf_blocks import Packed
 
-try:
-    import triton
-    import triton.language as tl
-except Exception as exc:  # triton missing or broken: the plugin says why, never a crash
-    triton = None
-    TRITON_ERROR = f"{type(exc).__name__}: {exc}"
-else:
-    TRITON_ERROR = None
+# where triton is missing or broken (TRITON_ERROR says why): the plugin says why, never a crash
+triton, tl, TRITON_ERROR = import_triton()
+if triton is not None:
 
     @triton.jit
     def _halves(q_ptr, s_ptr, m_ptr, rows, rmask, g, gmask, G,

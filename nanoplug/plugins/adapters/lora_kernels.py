@@ -22,16 +22,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nanoplug.api import AdapterError, interpreting, triton_reasons
+from nanoplug.api import AdapterError, import_triton, interpreting, triton_reasons
 
-try:
-    import triton
-    import triton.language as tl
-except Exception as exc:  # triton missing or broken: per-request LoRA keeps its plain path, never a crash
-    triton = None
-    TRITON_ERROR = f"{type(exc).__name__}: {exc}"
-else:
-    TRITON_ERROR = None
+# where triton is missing or broken (TRITON_ERROR says why): per-request LoRA keeps its plain path, never a crash
+triton, tl, TRITON_ERROR = import_triton()
+if triton is not None:
 
     @triton.jit
     def _tile(tiles_ptr, order_ptr, BLOCK_M: tl.constexpr):

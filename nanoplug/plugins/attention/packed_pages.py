@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except Exception as exc:  # triton missing or broken: the sdpa backend then keeps paged steps padded
-    triton = None
-    TRITON_ERROR = f"{type(exc).__name__}: {exc}"
-else:
-    TRITON_ERROR = None
+from nanoplug.api import import_triton
+
+# where triton is missing or broken (TRITON_ERROR says why): the sdpa backend then keeps paged steps padded
+triton, tl, TRITON_ERROR = import_triton()
+if triton is not None:
 
     @triton.jit(do_not_specialize=["first", "num_seqs", "stride_tb"])
     def _pack_kernel(

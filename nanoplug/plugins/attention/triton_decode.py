@@ -21,16 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoplug.api import interpreting
+from nanoplug.api import import_triton, interpreting
 
-try:
-    import triton
-    import triton.language as tl
-except Exception as exc:  # triton missing or broken: backends report the reason
-    triton = None
-    TRITON_ERROR = f"{type(exc).__name__}: {exc}"
-else:
-    TRITON_ERROR = None
+# where triton is missing or broken (TRITON_ERROR says why): backends report the reason
+triton, tl, TRITON_ERROR = import_triton()
+if triton is not None:
 
     @triton.jit
     def _decode_split_kernel(

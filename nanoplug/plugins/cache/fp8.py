@@ -19,19 +19,14 @@ from __future__ import annotations
 
 import torch
 
-from nanoplug.api import KVCacheSpec, KVCacheStore, Target, triton_reasons
+from nanoplug.api import KVCacheSpec, KVCacheStore, Target, import_triton, triton_reasons
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
-try:
-    import triton
-    import triton.language as tl
-except Exception as exc:  # triton missing or broken: the reason reaches the user, never a crash
-    triton = None
-    TRITON_ERROR = f"{type(exc).__name__}: {exc}"
-else:
-    TRITON_ERROR = None
+# where triton is missing or broken (TRITON_ERROR says why): the reason reaches the user, never a crash
+triton, tl, TRITON_ERROR = import_triton()
+if triton is not None:
 
     @triton.jit
     def quantize_e4m3(x, scale):

@@ -7,16 +7,11 @@ kernel instead of on the host. On CPU it runs only under `TRITON_INTERPRET=1` (f
 from __future__ import annotations
 
 
-from nanoplug.api import KVCacheStore, Target, triton_reasons
+from nanoplug.api import KVCacheStore, Target, import_triton, triton_reasons
 
-try:
-    import triton
-    import triton.language as tl
-except Exception as exc:  # triton missing or broken: the reason reaches the user, never a crash
-    triton = None
-    TRITON_ERROR = f"{type(exc).__name__}: {exc}"
-else:
-    TRITON_ERROR = None
+# where triton is missing or broken (TRITON_ERROR says why): the reason reaches the user, never a crash
+triton, tl, TRITON_ERROR = import_triton()
+if triton is not None:
 
     @triton.jit
     def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,

@@ -11,20 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from nanoplug.api import FusedOps
+from nanoplug.api import FusedOps, import_triton
 from nanoplug.api import add_rms_norm as plain_add_rms_norm
 from nanoplug.api import apply_rope as plain_apply_rope
 from nanoplug.api import rms_norm as plain_rms_norm
 from nanoplug.api import silu_and_mul as plain_silu_and_mul
 
-try:
-    import triton
-    import triton.language as tl
-except Exception as exc:  # triton missing or broken: the platform keeps torch.compile'd ops
-    triton = None
-    TRITON_ERROR = f"{type(exc).__name__}: {exc}"
-else:
-    TRITON_ERROR = None
+# where triton is missing or broken (TRITON_ERROR says why): the platform keeps torch.compile'd ops
+triton, tl, TRITON_ERROR = import_triton()
+if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rows_per_outer, stride_outer, stride_inner,

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except Exception as exc:  # triton missing or broken: the engine's plain sampler
-    triton = None
-    TRITON_ERROR = f"{type(exc).__name__}: {exc}"
-else:
-    TRITON_ERROR = None
+from nanoplug.api import import_triton
+
+# where triton is missing or broken (TRITON_ERROR says why): the engine's plain sampler
+triton, tl, TRITON_ERROR = import_triton()
+if triton is not None:
 
     @triton.jit(do_not_specialize=["seed"])  # a new seed each step must not pick another compiled variant
     def _gumbel_max_kernel(logits_ptr, inv_temp_ptr, best_ptr, where_ptr, seed, vocab, stride_row, per_split,

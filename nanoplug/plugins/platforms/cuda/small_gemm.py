@@ -13,16 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoplug.api import DenseLinearMethod, interpreting
+from nanoplug.api import DenseLinearMethod, import_triton, interpreting
 
-try:
-    import triton
-    import triton.language as tl
-except Exception as exc:  # triton missing or broken: every layer stays on cuBLAS
-    triton = None
-    TRITON_ERROR = f"{type(exc).__name__}: {exc}"
-else:
-    TRITON_ERROR = None
+# where triton is missing or broken (TRITON_ERROR says why): every layer stays on cuBLAS
+triton, tl, TRITON_ERROR = import_triton()
+if triton is not None:
 
     @triton.jit
     def _small_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
