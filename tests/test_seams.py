@@ -159,3 +159,35 @@ def test_backends_that_cannot_read_the_cache_dtype_say_so(bf16_registry):
     target = Target(device=torch.device("cpu"), dtype=torch.float32, model=facts, kv_cache_dtype=torch.bfloat16)
     assert any("reads a float32 or float16 cache, not bfloat16" in r for r in CpuAttention.unavailable(target))
     assert bf16_registry.reasons("attention", "sdpa", target) == []
+
+
+# ----------------------------------------------------------------------- platform: a zeroed KV cache
+def test_a_platform_that_zeroes_its_cache_spares_the_step_the_clearing_of_new_blocks(monkeypatch):
+    """A platform whose allocate_kv_cache returns zeros says so (`kv_cache_zeroed`), and the engine then
+    clears no block before its first use; the default (uninitialized memory, NaN here) still clears them."""
+    from _test_platforms import registry_with_platform
+    from nanoplug.plugins.platforms.cpu.platform import CpuPlatform
+
+    class ZeroedCpu(CpuPlatform):
+        description = "test-only: a CPU platform that allocates its KV cache zeroed"
+        kv_cache_zeroed = True
+
+        def allocate_kv_cache(self, shape, dtype, device):
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+    allocate = CpuPlatform.allocate_kv_cache
+    monkeypatch.setattr(CpuPlatform, "allocate_kv_cache",
+                        lambda self, shape, dtype, device: allocate(self, shape, dtype, device).fill_(float("nan")))
+    fills = []
+    index_fill = torch.Tensor.index_fill_
+    monkeypatch.setattr(torch.Tensor, "index_fill_", lambda self, *a: fills.append(a) or index_fill(self, *a))
+    options = dict(OPTIONS, attention="sdpa", kv_cache="torch", registry=registry_with_platform("zeroed", ZeroedCpu))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM(checkpoint(), **options) as llm:
+        plain = [o.token_ids for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
+    assert fills, "the default platform's NaN-filled cache was not cleared before use"
+    fills.clear()
+    with LLM(checkpoint(), platform="zeroed", **options) as llm:
+        zeroed = [o.token_ids for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
+    assert not fills, "blocks of a zeroed cache were cleared again"
+    assert zeroed == plain

@@ -308,8 +308,13 @@ class Platform(Plugin):
         temporary cache, `release()` frees that cache, for platforms that size the cache from memory."""
         raise NotImplementedError(f"platform {type(self).__name__} cannot size the KV cache; pass num_kv_blocks")
 
+    # True where allocate_kv_cache returns zeroed memory: every block then holds finite values from the start,
+    # and the engine skips clearing each block before its first use (a launch in the step otherwise)
+    kv_cache_zeroed = False
+
     def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The whole cache's memory (uninitialized is fine: each block is cleared before its first use)."""
+        """The whole cache's memory (uninitialized is fine: each block is cleared before its first use,
+        unless `kv_cache_zeroed`)."""
         return torch.empty(shape, dtype=dtype, device=device)
 
     def prepare_model(self, model: torch.nn.Module) -> None:

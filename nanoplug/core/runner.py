@@ -261,7 +261,8 @@ class ModelRunner(Worker):
     @torch.inference_mode()
     def _launch(self, step: StepBatch, share_tokens: bool) -> None:
         num_seqs = len(step.query_lens)
-        if step.new_blocks:  # never-written memory may hold NaN that padded reads would spread
+        # never-written memory may hold NaN that padded reads would spread, unless the platform zeroed it
+        if step.new_blocks and not self.platform.kv_cache_zeroed:
             blocks = to_device(step.new_blocks, torch.int64, self.device)
             self.kv_cache.view(_BITS[self.kv_cache.dtype.itemsize]).index_fill_(2, blocks, 0)  # float8 has no fill
         size = prefill_size = None

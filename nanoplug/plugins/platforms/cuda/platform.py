@@ -98,9 +98,12 @@ class CudaPlatform(Platform):
                 "(LLM.close()), raise cuda={'memory_utilization': ...} or lower max_num_batched_tokens")
         return num_blocks
 
+    # zeros, not empty: kernels that load whole pages (FlashAttention-4 by TMA) read the unused rows of a
+    # sequence's last page, and NaN garbage there would turn into NaN outputs (0 * NaN); one memset at start-up
+    # then spares the step loop clearing each block before its first use
+    kv_cache_zeroed = True
+
     def allocate_kv_cache(self, shape, dtype, device) -> torch.Tensor:
-        # zeros, not empty: kernels that load whole pages (FlashAttention-4 by TMA) read the unused rows of
-        # a sequence's last page, and NaN garbage there would turn into NaN outputs (0 * NaN)
         return torch.zeros(shape, dtype=dtype, device=device)
 
     # ---------------------------------------------------------------------- model and steps
