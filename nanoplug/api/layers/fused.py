@@ -14,12 +14,15 @@ from nanoplug.api.layers.rotary import RotaryEmbedding
 
 @dataclass(frozen=True)
 class FusedOps:
-    """Same signatures as `rms_norm`, `add_rms_norm`, `silu_and_mul` and `apply_rope`."""
+    """Same signatures as `rms_norm`, `add_rms_norm`, `silu_and_mul` and `apply_rope`; `norm_rope`, optional,
+    is `(positions, q, k, cos, sin, q_weight, k_weight, eps) -> (q, k)`: the q and k norms and the rotation in
+    one op (without it the RotaryEmbedding runs the norms then `rope`)."""
 
     rms_norm: Callable
     add_rms_norm: Callable
     silu_and_mul: Callable
     rope: Callable
+    norm_rope: Callable | None = None
 
 
 def install_fused_ops(model: nn.Module, ops: FusedOps) -> int:
@@ -31,7 +34,7 @@ def install_fused_ops(model: nn.Module, ops: FusedOps) -> int:
         elif isinstance(m, SiluAndMul):
             m.fused = ops.silu_and_mul
         elif isinstance(m, RotaryEmbedding):
-            m.fused = ops.rope
+            m.fused, m.fused_norm = ops.rope, ops.norm_rope
         else:
             continue
         count += 1

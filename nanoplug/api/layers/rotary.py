@@ -6,6 +6,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from nanoplug.api.layers.norm import RMSNorm
+
 
 def rope_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and scaling for the checkpoint's rope type (llama3, yarn, linear, ...)."""
@@ -36,9 +38,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class RotaryEmbedding(nn.Module):
-    """`forward(positions, q, k) -> (q, k)` rotated; tables cover `max_positions` positions."""
+    """`forward(positions, q, k) -> (q, k)` rotated; tables cover `max_positions` positions. Given the q and k
+    norms (Qwen3's RMSNorm over each head), q and k are normalized first: through one fused op where one is
+    installed (normalizing and rotating every head of a token in one pass), else the norms then the rotation."""
 
-    fused = None  # set by install_fused_ops
+    fused = None  # set by install_fused_ops: FusedOps.rope
+    fused_norm = None  # and FusedOps.norm_rope, when the ops have one
 
     def __init__(self, hf_config: Any, head_dim: int, max_positions: int):
         super().__init__()
@@ -48,5 +53,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm | None = None,
+                k_norm: RMSNorm | None = None):
+        if q_norm is not None or k_norm is not None:
+            if self.fused_norm is not None and q_norm is not None and k_norm is not None and q_norm.eps == k_norm.eps:
+                return self.fused_norm(positions, q, k, self.cos, self.sin, q_norm.weight, k_norm.weight, q_norm.eps)
+            q = q if q_norm is None else q_norm(q)
+            k = k if k_norm is None else k_norm(k)
         return (self.fused or apply_rope)(positions, q, k, self.cos, self.sin)

@@ -1,5 +1,6 @@
-"""The small ops of every layer (RMSNorm with and without the residual add, SiLU-and-mul, RoPE) as one
-Triton kernel each, with the layer library's exact float32 math and roundings (nanoplug.api.layers).
+"""The small ops of every layer (RMSNorm with and without the residual add, SiLU-and-mul, RoPE on q and k,
+and Qwen3's q and k norms with the RoPE after them) as one Triton kernel each, with the layer library's exact
+float32 math and roundings (nanoplug.api.layers).
 
 On a GPU each eager op is several launches and passes over memory; one kernel each is what torch.compile
 would make of them too, but a compiled region costs its guards and wrappers on every call (a prefill step
@@ -56,27 +57,48 @@ if triton is not None:
             tl.store(out_ptr + r * D + cols, (silu * up).to(gate.dtype), mask=ok)
 
     @triton.jit
-    def _rope_kernel(x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, heads, stride_t, stride_h,
-                     HALF: tl.constexpr, BLOCK: tl.constexpr):
-        """Head h of token t rotated (rotate-half form) in float32 by its position's cos/sin rows."""
-        r = tl.program_id(0)
-        t = (r // heads).to(tl.int64)
-        h = r % heads
-        cols = tl.arange(0, BLOCK)
-        ok = cols < HALF
-        base = x_ptr + t * stride_t + h * stride_h
-        x1 = tl.load(base + cols, mask=ok, other=0.0)
-        x2 = tl.load(base + HALF + cols, mask=ok, other=0.0).to(tl.float32)
-        pos = tl.load(pos_ptr + t)
-        row = pos * (2 * HALF)
-        cos1 = tl.load(cos_ptr + row + cols, mask=ok, other=0.0)
-        cos2 = tl.load(cos_ptr + row + HALF + cols, mask=ok, other=0.0)
-        sin1 = tl.load(sin_ptr + row + cols, mask=ok, other=0.0)
-        sin2 = tl.load(sin_ptr + row + HALF + cols, mask=ok, other=0.0)
+    def _norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, pos_ptr, cos_ptr, sin_ptr, q_heads,
+                          k_heads, stride_qt, stride_qh, stride_kt, stride_kh, eps, HALF: tl.constexpr,
+                          BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr):
+        """BLOCK_H head rows of token t (its q heads, then its k heads), each loaded as its two halves (the
+        rotate-half pairs): when NORM, normalized with rms_norm's roundings (q's weight or k's); then rotated in
+        float32 by the position's cos/sin rows and rounded once, as apply_rope does. One launch for what were
+        two norms and two rotations."""
+        t = tl.program_id(0).to(tl.int64)
+        rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        cols = tl.arange(0, BLOCK_D)
+        col_ok = (cols < HALF)[None, :]
+        is_q = (rows < q_heads)[:, None]
+        q_ok = is_q & col_ok
+        k_ok = (rows >= q_heads)[:, None] & (rows < q_heads + k_heads)[:, None] & col_ok
+        q_at = t * stride_qt + rows[:, None] * stride_qh + cols[None, :]
+        k_at = t * stride_kt + (rows - q_heads)[:, None] * stride_kh + cols[None, :]
+        x1 = tl.where(is_q, tl.load(q_ptr + q_at, mask=q_ok, other=0.0), tl.load(k_ptr + k_at, mask=k_ok, other=0.0))
+        x2 = tl.where(is_q, tl.load(q_ptr + q_at + HALF, mask=q_ok, other=0.0),
+                      tl.load(k_ptr + k_at + HALF, mask=k_ok, other=0.0))
         x1f = x1.to(tl.float32)
-        out = out_ptr + r.to(tl.int64) * (2 * HALF)
-        tl.store(out + cols, (x1f * cos1 - x2 * sin1).to(x1.dtype), mask=ok)
-        tl.store(out + HALF + cols, (x2 * cos2 + x1f * sin2).to(x1.dtype), mask=ok)
+        x2f = x2.to(tl.float32)
+        if NORM:
+            inv = tl.rsqrt((tl.sum(x1f * x1f, axis=1) + tl.sum(x2f * x2f, axis=1)) / (2 * HALF) + eps)[:, None]
+            w1 = tl.where(is_q, tl.load(qw_ptr + cols, mask=cols < HALF, other=0.0)[None, :],
+                          tl.load(kw_ptr + cols, mask=cols < HALF, other=0.0)[None, :]).to(tl.float32)
+            w2 = tl.where(is_q, tl.load(qw_ptr + HALF + cols, mask=cols < HALF, other=0.0)[None, :],
+                          tl.load(kw_ptr + HALF + cols, mask=cols < HALF, other=0.0)[None, :]).to(tl.float32)
+            x1f = (w1 * (x1f * inv).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
+            x2f = (w2 * (x2f * inv).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
+        row = tl.load(pos_ptr + t) * (2 * HALF)
+        cos1 = tl.load(cos_ptr + row + cols, mask=cols < HALF, other=0.0)[None, :]
+        cos2 = tl.load(cos_ptr + row + HALF + cols, mask=cols < HALF, other=0.0)[None, :]
+        sin1 = tl.load(sin_ptr + row + cols, mask=cols < HALF, other=0.0)[None, :]
+        sin2 = tl.load(sin_ptr + row + HALF + cols, mask=cols < HALF, other=0.0)[None, :]
+        y1 = (x1f * cos1 - x2f * sin1).to(x1.dtype)
+        y2 = (x2f * cos2 + x1f * sin2).to(x1.dtype)
+        q_out = q_out_ptr + (t * q_heads + rows[:, None]) * (2 * HALF) + cols[None, :]
+        k_out = k_out_ptr + (t * k_heads + (rows - q_heads)[:, None]) * (2 * HALF) + cols[None, :]
+        tl.store(q_out, y1, mask=q_ok)
+        tl.store(q_out + HALF, y2, mask=q_ok)
+        tl.store(k_out, y1, mask=k_ok)
+        tl.store(k_out + HALF, y2, mask=k_ok)
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int, int, int] | None:
@@ -126,25 +148,54 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _rope_one(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    t, heads, dim = x.shape
-    out = torch.empty((t, heads, dim), dtype=x.dtype, device=x.device)
-    if t:
-        _rope_kernel[(t * heads,)](x, out, positions, cos, sin, heads, x.stride(0), x.stride(1), HALF=dim // 2,
-                                   BLOCK=triton.next_power_of_2(dim // 2))
-    return out
+def _norm_rope_takes(positions, q, k, cos_table, sin_table, q_weight, k_weight) -> bool:
+    """Whether the kernel takes these: [T, H, D] q and k of one float dtype with contiguous rows, D even and at
+    most 512, full float32 tables, and weights (when given) of q's dtype and size D."""
+    dim = q.shape[-1] if q.dim() == 3 else 0
+    if (q.dim() != 3 or k.dim() != 3 or dim % 2 or not 0 < dim <= 512 or k.shape[::2] != q.shape[::2]
+            or q.dtype != k.dtype or q.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+            or q.stride(-1) != 1 or k.stride(-1) != 1 or positions.dim() != 1 or positions.shape[0] != q.shape[0]
+            or positions.dtype not in (torch.int64, torch.int32)):
+        return False
+    for table in (cos_table, sin_table):
+        if table.dtype != torch.float32 or table.dim() != 2 or table.shape[-1] != dim or not table.is_contiguous():
+            return False
+    return q_weight is None or all(w.dtype == q.dtype and w.shape == (dim,) and w.is_contiguous()
+                                   for w in (q_weight, k_weight))
+
+
+def norm_rope(positions, q, k, cos_table, sin_table, q_weight=None, k_weight=None, eps=0.0):
+    """`apply_rope(positions, rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), ...)` in one launch; with
+    no weights, RoPE alone (q and k in one launch)."""
+    if not _norm_rope_takes(positions, q, k, cos_table, sin_table, q_weight, k_weight):
+        if q_weight is not None:
+            q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+        return plain_apply_rope(positions, q, k, cos_table, sin_table)
+    t, q_heads, dim = q.shape
+    k_heads = k.shape[1]
+    q_out = torch.empty((t, q_heads, dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((t, k_heads, dim), dtype=k.dtype, device=k.device)
+    if t and q_heads + k_heads:
+        # a program takes a block of head rows (about a thousand elements; of all heads in one block, a large
+        # batch's programs ran slower, and at batch 1 one program did the whole step's work in sequence), the
+        # same block at every batch size, so a token's result does not depend on the batch it is in;
+        # fp fusion off: an FMA in the rotation would round differently from the plain op's multiply then add
+        block_d = triton.next_power_of_2(dim // 2)
+        block_h = max(1, 512 // block_d)
+        norm = q_weight is not None
+        _norm_rope_kernel[(t, triton.cdiv(q_heads + k_heads, block_h))](
+            q, k, q_out, k_out, q_weight if norm else q, k_weight if norm else k, positions, cos_table, sin_table,
+            q_heads, k_heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1), eps, HALF=dim // 2,
+            BLOCK_D=block_d, BLOCK_H=block_h, NORM=norm, num_warps=4, enable_fp_fusion=False)
+    return q_out, k_out
 
 
 def apply_rope(positions, q, k, cos_table, sin_table):
-    if (q.dim() != 3 or k.dim() != 3 or q.stride(-1) != 1 or k.stride(-1) != 1 or positions.dim() != 1
-            or cos_table.shape[-1] != q.shape[-1] or k.shape[-1] != q.shape[-1] or not cos_table.is_contiguous()
-            or not sin_table.is_contiguous()):
-        return plain_apply_rope(positions, q, k, cos_table, sin_table)
-    return _rope_one(q, positions, cos_table, sin_table), _rope_one(k, positions, cos_table, sin_table)
+    return norm_rope(positions, q, k, cos_table, sin_table)
 
 
 def fused_ops() -> FusedOps | None:
-    """The four ops as Triton kernels, or None where triton does not import."""
+    """The ops as Triton kernels, or None where triton does not import."""
     if triton is None:
         return None
-    return FusedOps(rms_norm, add_rms_norm, silu_and_mul, apply_rope)
+    return FusedOps(rms_norm, add_rms_norm, silu_and_mul, apply_rope, norm_rope=norm_rope)
