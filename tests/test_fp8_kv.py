@@ -125,6 +125,59 @@ def test_decode_reads_a_plain_cache_too():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dim", [64, 48])  # a Hadamard matrix, and a random orthogonal one (padded to 64)
+def test_decode_over_a_rotated_cache_turns_q_and_the_output(splits, dim):
+    """The kernel given the cache's rotation R equals attention of q R over the cache, turned back by R^T."""
+    seq_lens = [1, 17, 100, 40]
+    q, kc, vc, tables, lens = _decode_case(seq_lens, heads=6, kv_heads=2, dim=dim)
+    r, ks, vs = fp8.hadamard(dim), torch.tensor(0.8), torch.tensor(1.7)
+    out = triton_decode.paged_decode(q, kc, vc, tables, lens, 0.125, splits, ks, vs,
+                                     triton_decode.DecodeConfig(block_n=16), rotation=r)
+    ref = reference_decode(q @ r, kc, vc, tables, lens, 0.125, ks, vs) @ r.T
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_turns_k_and_v_into_the_rotated_basis_then_quantizes(dtype):
+    """K R and V R in float32 (one rounding: the quantization), as torch would compute and round them; a
+    value within float32 rounding of a tie may round the other way, so at most one e4m3 step apart."""
+    torch.manual_seed(0)
+    n, heads, dim = 7, 3, 64
+    qkv = (torch.randn(n, (4 + 2 * heads) * dim) * 40).to(dtype)
+    _, k, v = qkv.split([4 * dim, heads * dim, heads * dim], dim=-1)
+    k, v = k.view(n, heads, dim), v.view(n, heads, dim)
+    slots = torch.tensor([0, 5, -1, 12, 13, 2, 3])
+    r = fp8.hadamard(dim).to(dtype)
+    layer = KVLayer(0, torch.tensor(0.5), torch.tensor(2.0), r)
+    kc = torch.zeros(4, 4, heads, dim, dtype=FP8)
+    vc = kc.clone()
+    fp8.Fp8Store().store(k, v, kc, vc, slots, layer)
+    keep = slots >= 0
+    for cache, x, scale in ((kc, k, layer.k_scale), (vc, v, layer.v_scale)):
+        want = fp8.quantize_reference(x[keep].float() @ r.float(), scale).float()
+        got = cache.view(-1, heads, dim)[slots[keep]].float()
+        step = want.abs().clamp(min=2 ** -6) / 8  # e4m3: 3 mantissa bits
+        assert ((got - want).abs() <= step * 1.01).all()
+        assert (got == want).float().mean() > 0.99
+    assert cache.view(-1, heads, dim)[1].float().abs().sum() == 0  # a slot no token names is untouched
+
+
+def test_a_rotating_store_and_backend_leave_no_turning_to_paged_attention(monkeypatch):
+    """fp8 store + `triton` (both turn in their kernels): PagedAttention does no rotation GEMM; with `manual`
+    (reads the cache as stored) it turns q, the new K/V and the output itself. Same greedy tokens."""
+    import nanoplug.api.layers.attention as attention
+
+    calls = []
+    rotate = attention._rotate
+    monkeypatch.setattr(attention, "_rotate", lambda x, r: calls.append(x.shape) or rotate(x, r))
+    _, fused = _generate("triton", "fp8")
+    assert calls == []
+    _, plain = _generate("manual", "fp8")
+    assert calls
+    assert [o.token_ids for o in fused] == [o.token_ids for o in plain]
+
+
 def test_num_splits_depends_on_host_sizes_only():
     cfg = triton_decode.DecodeConfig()
     assert triton_decode.num_splits(256, 8, 2048, 132, cfg) == 1  # 2048 programs already fill the GPU

@@ -45,6 +45,11 @@ class AttentionBackend(Plugin, ABC):
     """True when prefill steps without cached context can be captured too: `forward` reads the step's
     lengths from the metadata's tensors and takes `max_seqlen_q` as an upper bound (a captured step runs
     with its bucket's token count, the tokens past the batch forming one padding sequence)."""
+    handles_rotation: bool = False
+    """True when the backend reads a rotated cache (KVLayer.rotation) itself, through `layer.dequantize` or a
+    kernel that turns q and its output: it then gets q, k, v in the model's basis. Else PagedAttention turns
+    q, k, v into the cache's basis, hands it a layer without rotation, and turns the output back (two more
+    GEMMs a layer)."""
 
     def __init__(self, spec: AttentionSpec):
         self.spec = spec
@@ -75,6 +80,10 @@ class KVCacheStore(Plugin, ABC):
     def rotation(self, head_dim: int) -> torch.Tensor | None:
         """An orthogonal [head_dim, head_dim] matrix to keep K and V in (KVLayer.rotation), or None."""
         return None
+
+    rotates: ClassVar[bool] = False
+    """True when `store` turns K and V into the rotated basis itself (in its kernel): it then gets them in
+    the model's basis. Else PagedAttention turns them first."""
 
     @abstractmethod
     def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -10,6 +10,8 @@ a block table names a real block, and no backend clamps or masks table entries.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -230,14 +232,26 @@ class KVLayer:
     k_scale: torch.Tensor | None = None  # 0-d float32, for quantized caches
     v_scale: torch.Tensor | None = None
     # an orthogonal [head_dim, head_dim] matrix R (the model's dtype), for caches that hold K and V in a
-    # rotated basis: attention sees q R, k R, v R (dot products unchanged), its output is turned back by R^T
+    # rotated basis (k R, v R): dot products are unchanged when q is turned alike (q R), and the output is
+    # turned back by R^T (AttentionBackend.handles_rotation says who does it)
     rotation: torch.Tensor | None = None
 
     def dequantize(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V read from this layer's cache as `dtype`, scales applied (the plain way to read any cache)."""
+        """K and V read from this layer's cache as `dtype`, scales applied and turned back into the model's
+        basis (the plain way to read any cache)."""
         if self.k_scale is None:
-            return k.to(dtype), v.to(dtype)
-        return (k.float() * self.k_scale).to(dtype), (v.float() * self.v_scale).to(dtype)
+            k, v = k.to(dtype), v.to(dtype)
+        else:
+            k, v = (k.float() * self.k_scale).to(dtype), (v.float() * self.v_scale).to(dtype)
+        if self.rotation is not None:  # one GEMM in `dtype` each (float32 accumulation), as the rotation was applied
+            back = self.rotation.T.to(dtype)
+            k, v = torch.matmul(k, back), torch.matmul(v, back)
+        return k, v
+
+    @functools.cached_property
+    def unrotated(self) -> KVLayer:
+        """This layer as a backend sees it when PagedAttention does the turning: no rotation to undo."""
+        return dataclasses.replace(self, rotation=None)
 
 
 @dataclass(frozen=True)

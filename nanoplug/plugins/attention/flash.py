@@ -125,6 +125,9 @@ class FlashAttention(AttentionBackend):
         self.fp8_decode = triton_decode.TritonDecode(spec) if self.fp8 else None
         self.fp8_pages = DequantizedPages() if self.fp8 else None
         self.fp8_step = False
+        # it reads a float8 cache only through the Triton kernel (which turns q and the output) and dequantized
+        # pages (turned back as they are read): a rotated float8 cache costs no GEMMs of PagedAttention's
+        self.handles_rotation = self.fp8
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self.meta = meta  # padding in the block tables names the scratch block: every entry is a real page

@@ -7,10 +7,11 @@ become NaN). The rounding is done in float32 arithmetic and only an exact e4m3 v
 hardware cast rounds the same way, but Triton's CPU interpreter rounds some values wrong, and one path
 everywhere keeps the interpreter tests about the code the GPU runs.
 
-K and V are kept in a rotated basis (`rotation`: a normalized Hadamard matrix per head, QuaRot's idea).
+K and V are kept in a rotated basis (`rotation`: a normalized Hadamard matrix per head, QuaRot's idea),
+turned in the store kernel itself (`rotates`).
 e4m3 rounds each value to 3 mantissa bits, and a q.k product carried by a few large channels inherits
 their rounding almost whole; rotated, every channel carries a share and the errors average out. Attention
-is unchanged by it (PagedAttention rotates q, k and v alike and turns the output back). Scales stay 1.0
+is unchanged by it (q is turned alike and the output back: KVLayer.rotation). Scales stay 1.0
 (vLLM's default): rotation spreads outliers, and per-layer scales calibrated from the first request
 measured worse on SmolLM2 (benchmarks/RESULTS.md).
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoplug.api import KVCacheSpec, KVCacheStore, Target, import_triton, triton_reasons
+from nanoplug.api import KVCacheSpec, KVCacheStore, Target, import_triton, interpreting, triton_reasons
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -56,6 +57,38 @@ if triton is not None:
         v = tl.load(v_ptr + i * v_stride + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(k_cache_ptr + slot * ROW + cols, quantize_e4m3(k, tl.load(k_scale_ptr)), mask=mask)
         tl.store(v_cache_ptr + slot * ROW + cols, quantize_e4m3(v, tl.load(v_scale_ptr)), mask=mask)
+
+    @triton.jit(do_not_specialize=["n"])  # a step's token count must not pick another compiled variant
+    def _store_fp8_rotated_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, rot_ptr,
+                                  n, k_stride, v_stride, HEADS: tl.constexpr, DIM: tl.constexpr, DIM_P: tl.constexpr,
+                                  ROWS: tl.constexpr, IEEE: tl.constexpr):
+        """ROWS head rows (token * HEADS + head) of K and V times the rotation (one dot each, float32
+        accumulation, no rounding before the quantization), quantized into their tokens' slots."""
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        token = rows // HEADS
+        head = rows % HEADS
+        slot = tl.load(slot_ptr + token, mask=token < n, other=-1)
+        dims = tl.arange(0, DIM_P)
+        dim_ok = dims < DIM
+        mask = ((token < n) & (slot != -1))[:, None] & dim_ok[None, :]
+        src = token[:, None].to(tl.int64) * k_stride + head[:, None] * DIM + dims[None, :]
+        r = tl.load(rot_ptr + dims[:, None] * DIM + dims[None, :], mask=dim_ok[:, None] & dim_ok[None, :], other=0.0)
+        k = tl.load(k_ptr + src, mask=mask, other=0.0)
+        v = tl.load(v_ptr + token[:, None].to(tl.int64) * v_stride + head[:, None] * DIM + dims[None, :], mask=mask,
+                    other=0.0)
+        if IEEE:
+            r = r.to(tl.float32)
+            k = tl.dot(k.to(tl.float32), r, input_precision="ieee")
+            v = tl.dot(v.to(tl.float32), r, input_precision="ieee")
+        else:
+            r = r.to(k.dtype)
+            k, v = tl.dot(k, r), tl.dot(v, r)
+        dst = slot[:, None] * (HEADS * DIM) + head[:, None] * DIM + dims[None, :]
+        tl.store(k_cache_ptr + dst, quantize_e4m3(k, tl.load(k_scale_ptr)), mask=mask)
+        tl.store(v_cache_ptr + dst, quantize_e4m3(v, tl.load(v_scale_ptr)), mask=mask)
+
+
+ROTATED_ROWS = 16  # head rows a program: tl.dot's least M, and enough programs to fill the GPU at batch 256
 
 
 def quantize_reference(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -107,9 +140,23 @@ class Fp8Store(KVCacheStore):
     def rotation(self, head_dim: int) -> torch.Tensor:
         return hadamard(head_dim)
 
+    rotates = True  # the store kernel turns K and V into the rotated basis itself
+
     def store(self, k, v, k_cache, v_cache, slot_mapping, layer) -> None:
         n, heads, dim = k.shape
         row = heads * dim
+        if layer.rotation is not None:
+            if k.stride(-1) != 1 or k.stride(1) != dim:
+                k = k.contiguous()
+            if v.stride(-1) != 1 or v.stride(1) != dim:
+                v = v.contiguous()
+            # float32 dots for float32 models and in the CPU interpreter (its bfloat16 tl.dot is wrong)
+            ieee = k.dtype == torch.float32 or interpreting()
+            _store_fp8_rotated_kernel[(triton.cdiv(n * heads, ROTATED_ROWS),)](
+                k, v, k_cache, v_cache, slot_mapping, layer.k_scale, layer.v_scale, layer.rotation.contiguous(), n,
+                k.stride(0), v.stride(0), HEADS=heads, DIM=dim, DIM_P=max(16, triton.next_power_of_2(dim)),
+                ROWS=ROTATED_ROWS, IEEE=ieee)
+            return
         k, v = k.reshape(n, row), v.reshape(n, row)
         if k.stride(-1) != 1:
             k = k.contiguous()
