@@ -13,6 +13,7 @@ time of its own: read the host figures as upper bounds and the GPU figures as th
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import time
 
@@ -60,6 +61,24 @@ def median(values) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def kernel_table(kernels, top: int, launchers: dict) -> None:
+    """The GPU's time by kernel name (graph replays included), largest first, with the host ops that launched
+    a kernel outside a graph."""
+    total, by_name = 0.0, {}
+    for e in kernels:
+        us = e.time_range.end - e.time_range.start
+        total += us
+        name = e.name[:90]
+        t, n = by_name.get(name, (0.0, 0))
+        by_name[name] = (t + us, n + 1)
+    print(f"kernels: {total / 1e6:.3f} s in all; the {top} largest:")
+    print(f"{'s':>7} {'share':>6} {'calls':>8} {'us/call':>8}  kernel")
+    for name, (t, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"{t / 1e6:7.3f} {t / total:6.1%} {n:8d} {t / n:8.2f}  {name}")
+        if name in launchers:
+            print(f"{'':33}launched by {', '.join(f'{op} x{c}' for op, c in launchers[name].most_common(3))}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--attention", default="flash")
@@ -68,6 +87,7 @@ def main() -> None:
     parser.add_argument("--max-output-len", type=int, default=1024)
     parser.add_argument("--model", default=None, help="a checkpoint folder (default: the bench checkpoint)")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--kernels", type=int, default=25, help="rows of the table of GPU time by kernel")
     args = parser.parse_args()
     options = dict(attention=args.attention, kv_cache=args.kv_cache, max_model_len=4096, device=args.device)
     if args.device == "cpu":
@@ -126,6 +146,17 @@ def main() -> None:
         drawn = [span(e) for e in spans if e.name == "sample"]
         print(f"sampler: GPU span per step median {median(drawn) / 1e3:.3f} ms, total {sum(drawn) / 1e6:.2f} s")
         print(f"GPU busy {busy:.1%} of the {(window[1] - window[0]) / 1e6:.2f} s from the first step to the last")
+        thirds = [(window[0] + i * (window[1] - window[0]) / 3, window[0] + (i + 1) * (window[1] - window[0]) / 3)
+                  for i in range(3)]
+        for i, (a, b) in enumerate(thirds):  # the batch shrinks over the run: the last third is its tail
+            clipped = [(max(s, a), min(e, b)) for s, e in kernels if e > a and s < b]
+            print(f"  third {i + 1} of the run: GPU busy {union_us(clipped) / (b - a):.1%}")
+        launchers: dict = {}
+        for e in events:
+            if e.device_type == DeviceType.CPU:
+                for k in getattr(e, "kernels", []):
+                    launchers.setdefault(k.name[:90], collections.Counter())[e.name] += 1
+        kernel_table([e for e in events if e.device_type == DeviceType.CUDA], args.kernels, launchers)
     llm.close()
 
 
