@@ -298,8 +298,13 @@ def write_checkpoint(gguf: GGUFFile, out: Path, config: Any, tokenizer: Any, eos
     from transformers import GenerationConfig
 
     out.mkdir(parents=True, exist_ok=True)
-    config.quantization_config = {"quant_method": QUANT_METHOD, "file": gguf.path.name}
     config.save_pretrained(str(out))
+    # written into the file, not as a config attribute: whether save_pretrained keeps such an attribute
+    # depends on the transformers release
+    path = out / "config.json"
+    saved = json.loads(path.read_text())
+    saved["quantization_config"] = {"quant_method": QUANT_METHOD, "file": gguf.path.name}
+    path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
     tokenizer.save_pretrained(str(out))
     GenerationConfig(bos_token_id=getattr(config, "bos_token_id", None), eos_token_id=list(eos_token_ids),
                      pad_token_id=tokenizer.pad_token_id).save_pretrained(str(out))

@@ -83,7 +83,10 @@ def test_checkpoint_layout(model_dir, float32_dir):
     for folder in (model_dir, float32_dir):
         config = json.loads((folder / "config.json").read_text())
         assert config["architectures"] == ["LlamaForCausalLM"]
-        assert "quantization_config" not in config
+        if folder == model_dir:  # the GGUF folder names its weight format; the float32 folder has plain weights
+            assert config["quantization_config"] == {"quant_method": "gguf", "file": dm.GGUF_NAME}
+        else:
+            assert "quantization_config" not in config
         assert config["tie_word_embeddings"] is True
         assert config["rms_norm_eps"] == 1e-5  # not the float32 9.9999997e-06 the GGUF stores
         assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (576, 30, 49152)
