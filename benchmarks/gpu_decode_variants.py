@@ -13,6 +13,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from _cuda_timing import cuda_ms
+from gpu_fp8_kv import DECODE_SHAPE, decode_case
 from nanoplug.plugins.attention import triton_decode as td
 
 
@@ -72,18 +73,9 @@ def tma_decode(q, k_cache, v_cache, tables, lens, scale, k_scale, v_scale, block
 
 
 def main() -> None:
-    torch.manual_seed(0)
     dev = torch.device("cuda")
-    batch, heads, kv_heads, dim, page = 256, 16, 8, 128, 256
-    lens = torch.randint(1024, 2049, (batch,), dtype=torch.int32)
-    per = (lens + page - 1) // page
-    num_blocks = batch * int(per.max())
-    tables = torch.randperm(num_blocks).view(batch, -1).int().to(dev)
-    lens = lens.to(dev)
-    q = torch.randn(batch, heads, dim, device=dev, dtype=torch.bfloat16)
-    k16 = torch.randn(num_blocks, page, kv_heads, dim, device=dev, dtype=torch.bfloat16)
-    v16 = torch.randn_like(k16)
-    k8, v8 = k16.to(torch.float8_e4m3fn), v16.to(torch.float8_e4m3fn)
+    kv_heads, dim = DECODE_SHAPE["kv_heads"], DECODE_SHAPE["dim"]
+    q, k16, v16, k8, v8, tables, lens = decode_case(**DECODE_SHAPE)
     one = torch.tensor(1.0, device=dev)
     tokens = int(lens.sum())
     scale = dim ** -0.5

@@ -92,22 +92,29 @@ def perplexity():
                  f"{ppl['fp8']:.4f} ({100 * change:+.3f}%)"))
 
 
-def decode_kernels():
-    from nanoplug.plugins.attention import triton_decode as td
+DECODE_SHAPE = dict(batch=256, heads=16, kv_heads=8, dim=128, page=256)
 
+
+def decode_case(batch, heads, kv_heads, dim, page):
+    """One decode step of 1-2k-token contexts on scattered pages: (q, bf16 K/V, their fp8 copies, tables, lens)."""
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    batch, heads, kv_heads, dim, page = 256, 16, 8, 128, 256
     lens = torch.randint(1024, 2049, (batch,), dtype=torch.int32)
-    per = (lens + page - 1) // page
-    width = int(per.max())
+    width = int(((lens + page - 1) // page).max())
     num_blocks = batch * width
-    tables = torch.randperm(num_blocks).view(batch, width).int()  # distinct pages, scattered
-    tables, lens = tables.to(dev), lens.to(dev)
+    tables = torch.randperm(num_blocks).view(batch, width).int().to(dev)  # distinct pages, scattered
     q = torch.randn(batch, heads, dim, device=dev, dtype=torch.bfloat16)
     k16 = torch.randn(num_blocks, page, kv_heads, dim, device=dev, dtype=torch.bfloat16)
     v16 = torch.randn_like(k16)
-    k8, v8 = k16.to(torch.float8_e4m3fn), v16.to(torch.float8_e4m3fn)
+    return q, k16, v16, k16.to(torch.float8_e4m3fn), v16.to(torch.float8_e4m3fn), tables, lens.to(dev)
+
+
+def decode_kernels():
+    from nanoplug.plugins.attention import triton_decode as td
+
+    dev = torch.device("cuda")
+    batch, kv_heads, dim = DECODE_SHAPE["batch"], DECODE_SHAPE["kv_heads"], DECODE_SHAPE["dim"]
+    q, k16, v16, k8, v8, tables, lens = decode_case(**DECODE_SHAPE)
     one = torch.tensor(1.0, device=dev)
     tokens = int(lens.sum())
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
