@@ -16,6 +16,7 @@ import torch
 
 from nanoplug.api import GraphCaptureError, LinearMethod, Platform, Target
 from nanoplug.plugins.platforms.cpu import kernels as cpu_kernels
+from nanoplug.plugins.platforms.cpu import sampling
 from nanoplug.plugins.platforms.cpu.graphs import CaptureError, CpuDecodeGraphs
 from nanoplug.plugins.platforms.cpu.packed_linear import PackedLinearMethod
 
@@ -40,6 +41,10 @@ class CpuPlatform(Platform):
 
     def greedy_sampler(self):
         return self.kernels.argmax if self.kernels is not None else None
+
+    def temperature_sampler(self):
+        """One uniform number a row instead of an exponential one per logit (sampling.py)."""
+        return sampling.sample
 
     def num_kv_blocks(self, block_bytes, profile, release) -> int:
         return max(int(self.kv_cache_gb * 2**30 // block_bytes), 1)
