@@ -48,8 +48,8 @@ class AttentionBackend(Plugin, ABC):
     handles_rotation: bool = False
     """True when the backend reads a rotated cache (KVLayer.rotation) itself, through `layer.dequantize` or a
     kernel that turns q and its output: it then gets q, k, v in the model's basis. Else PagedAttention turns
-    q, k, v into the cache's basis, hands it a layer without rotation, and turns the output back (two more
-    GEMMs a layer)."""
+    q, k, v into the cache's basis, hands it a layer without rotation, and turns the output back (a GEMM
+    each, every layer)."""
 
     def __init__(self, spec: AttentionSpec):
         self.spec = spec
