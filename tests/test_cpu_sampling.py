@@ -6,22 +6,13 @@ from __future__ import annotations
 import torch
 
 from _checkpoints import PROMPTS, checkpoint
+from _sampling import check_temperature_sampler
 from nanoplug import LLM, SamplingParams
 from nanoplug.plugins.platforms.cpu import sampling
 
 
 def test_draws_follow_softmax_of_logits_over_temperature():
-    rows, temperature = 20000, 0.7
-    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5, -3.0, 1.5, float("-inf")]]).repeat(rows, 1)
-    tokens = sampling.sample(logits.to(torch.bfloat16), torch.full((rows,), temperature), seed=123)
-    assert tokens.dtype == torch.int64 and tokens.shape == (rows,)
-    freq = torch.bincount(tokens, minlength=8).double() / rows
-    want = torch.softmax(logits[0].double() / temperature, dim=-1)
-    sigma = (want * (1 - want) / rows).sqrt()
-    assert freq[7] == 0, "a -inf logit was drawn"
-    assert ((freq - want).abs() <= 4.5 * sigma + 1e-4).all(), (freq, want)
-    assert torch.equal(sampling.sample(logits, torch.full((rows,), temperature), seed=123), tokens)
-    assert (sampling.sample(logits, torch.full((rows,), temperature), seed=124) != tokens).float().mean() > 0.2
+    check_temperature_sampler(sampling.sample, rows=20000, slack=1e-4)
 
 
 def test_each_row_has_its_own_temperature_and_never_draws_a_masked_token():

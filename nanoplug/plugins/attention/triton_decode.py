@@ -211,7 +211,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     ieee = q.dtype == torch.float32 or interpreting()
     _decode_split_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, k_scale if scaled else seq_lens, v_scale if scaled else seq_lens,
-        rotation.contiguous() if rotation is not None else seq_lens, block_tables, seq_lens, out, part_out, part_lse, scale * LOG2E,
+        rotation.contiguous() if rotation is not None else seq_lens, block_tables, seq_lens, out, part_out, part_lse,
+        scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),

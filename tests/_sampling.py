@@ -1,0 +1,21 @@
+"""The checks every platform's temperature sampler must pass, whatever draws its noise."""
+from __future__ import annotations
+
+import torch
+
+
+def check_temperature_sampler(sample, rows: int, slack: float) -> None:
+    """`sample(logits, temperatures, seed)` over `rows` copies of one row: int64 tokens whose frequencies follow
+    softmax(logits / T) within 4.5 sigma + `slack`, a -inf logit never drawn, the same seed the same tokens and
+    another seed other tokens."""
+    temperature = 0.7
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5, -3.0, 1.5, float("-inf")]]).repeat(rows, 1)
+    tokens = sample(logits.to(torch.bfloat16), torch.full((rows,), temperature), seed=123)
+    assert tokens.dtype == torch.int64 and tokens.shape == (rows,)
+    freq = torch.bincount(tokens, minlength=8).double() / rows
+    want = torch.softmax(logits[0].double() / temperature, dim=-1)
+    sigma = (want * (1 - want) / rows).sqrt()
+    assert freq[7] == 0, "a -inf logit was drawn"
+    assert ((freq - want).abs() <= 4.5 * sigma + slack).all(), (freq, want)
+    assert (sample(logits, torch.full((rows,), temperature), seed=124) != tokens).float().mean() > 0.2
+    assert torch.equal(sample(logits.to(torch.bfloat16), torch.full((rows,), temperature), seed=123), tokens)
