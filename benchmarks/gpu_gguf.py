@@ -6,6 +6,7 @@ From the repository root on the GPU machine (gguf-py importable, and qwen-token-
     python3 benchmarks/gpu_gguf.py               # kernels, then files, then decode (about 5 minutes)
     python3 benchmarks/gpu_gguf.py kernels       # only the kernel micro-benchmark (with a config sweep)
     python3 benchmarks/gpu_gguf.py decode --layers 8   # a shorter model, for a quick look
+    python3 benchmarks/gpu_gguf.py files         # only write the checkpoint and GGUF files (decode finds them)
 
 The checkpoint (Qwen3-8B's shape: hidden 4096, intermediate 12288, 36 layers, 32 heads, 8 KV heads,
 head_dim 128, vocab 151936, untied LM head; random bf16 weights) is written as safetensors under
@@ -19,6 +20,7 @@ $OUT/gpu_gguf.json, and the short tables are printed last.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -74,6 +76,22 @@ def _random_packed(fmt: str, rows: int, cols: int):
     return Packed(fmt, rows, cols, quants, scales, mins)
 
 
+ROTATE_BYTES = 200e6  # weights cycled per timing: 4x the H200's L2, so each call reads its weight from HBM
+
+
+def _copies(make, nbytes: int) -> list:
+    """Enough copies of a weight (make() each) that cycling through them overflows the L2: one weight timed
+    alone stays in a 50 MB L2 (a 4-bit 12288 x 4096 one is 31 MB) and reads at L2 speed, which a decode step,
+    streaming every layer's weights once, never sees."""
+    return [make() for _ in range(max(2, -(-int(ROTATE_BYTES) // nbytes)))]
+
+
+def _rotating(items: list, call):
+    """A callable running call(item) on the next of `items` each time (what a graph then replays)."""
+    turn = itertools.cycle(items)
+    return lambda: call(next(turn))
+
+
 def _time_us(fn, calls: int = 20, replays: int = 10) -> float:
     """Microseconds per call: `calls` launches captured in one CUDA graph (no launch overhead), median replay."""
     import torch
@@ -95,9 +113,12 @@ def _time_us(fn, calls: int = 20, replays: int = 10) -> float:
     return statistics.median(times)
 
 
+SWEEP_SHAPES = ((12288, 4096), (4096, 12288), (6144, 4096))  # gate/up, down, qkv
+
+
 def kernels_bench(sweep: bool) -> dict:
-    """GB/s of the decode kernels on 12288x4096 (gate/up-like) and 4096x12288 (down-like) weights, against
-    bf16 F.linear and fp8 _scaled_mm on the same shapes; with `sweep`, the GEMV's (BLOCK_N, BLOCK_G, warps)."""
+    """GB/s of the decode kernels on the 8B shape's weights, against bf16 F.linear and fp8 _scaled_mm on the
+    same shapes; with `sweep`, the GEMV's (BLOCK_N, BLOCK_G, warps, per_group)."""
     import torch
     import torch.nn.functional as F
 
@@ -106,68 +127,82 @@ def kernels_bench(sweep: bool) -> dict:
 
     results, dev = {}, torch.device("cuda")
     log(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
-    for rows, cols in ((12288, 4096), (4096, 12288)):
+    for rows, cols in SWEEP_SHAPES:
         shape = f"{rows}x{cols}"
-        w = torch.randn(rows, cols, device=dev, dtype=torch.bfloat16) * 0.02
+        ws = _copies(lambda: torch.randn(rows, cols, device=dev, dtype=torch.bfloat16) * 0.02, rows * cols * 2)
+        layers = []
+        for w in ws:
+            class Layer:
+                weight, weight_scale = quantize_rows(w)
+            layers.append(Layer)
+        packs = {fmt: _copies(lambda: _random_packed(fmt, rows, cols), _random_packed(fmt, 32, cols).nbytes * rows // 32)
+                 for fmt in ("Q8_0", "Q4_0", "Q4_1", "Q4_K")}
         for m in (1, 7, 16):
             x = torch.randn(m, cols, device=dev, dtype=torch.bfloat16)
-            us = _time_us(lambda: F.linear(x, w))
-            results[f"bf16 {shape} m={m}"] = (us, w.numel() * 2 / us / 1e3)
-            q, s = quantize_rows(w)
-
-            class Layer:
-                weight, weight_scale = q, s
-
+            us = _time_us(_rotating(ws, lambda w: F.linear(x, w)))
+            results[f"bf16 {shape} m={m}"] = (us, rows * cols * 2 / us / 1e3)
             try:
-                us = _time_us(lambda: FP8LinearMethod.scaled_mm(Layer, x, None))
-                results[f"fp8 {shape} m={m}"] = (us, q.numel() / us / 1e3)
+                us = _time_us(_rotating(layers, lambda layer: FP8LinearMethod.scaled_mm(layer, x, None)))
+                results[f"fp8 {shape} m={m}"] = (us, rows * cols / us / 1e3)
             except Exception as exc:  # noqa: BLE001
                 log(f"fp8 _scaled_mm {shape} m={m}: {type(exc).__name__}: {exc}")
-            for fmt in ("Q8_0", "Q4_0", "Q4_1", "Q4_K"):
-                p = _random_packed(fmt, rows, cols)
+            for fmt, ps in packs.items():
                 out = torch.empty(m, rows, device=dev, dtype=torch.bfloat16)
-                us = _time_us(lambda: K.linear(x, p, out))
-                results[f"{fmt} {shape} m={m}"] = (us, p.nbytes / us / 1e3)
-        del w
-        if not sweep:
-            continue
-        x = torch.randn(1, cols, device=dev, dtype=torch.bfloat16)
+                us = _time_us(_rotating(ps, lambda p: K.linear(x, p, out)))
+                results[f"{fmt} {shape} m={m}"] = (us, ps[0].nbytes / us / 1e3)
+        del ws, layers, packs
+    if sweep:
         for fmt in ("Q8_0", "Q4_1"):
-            p = _random_packed(fmt, rows, cols)
-            out = torch.empty(1, rows, device=dev, dtype=torch.bfloat16)
-            for block_n in (4, 8, 16):
-                for block_g in (8, 16, 32):
-                    for warps in (2, 4, 8):
-                        if block_n * block_g * 16 // (32 * warps) > 64:  # over 64 accumulators a thread: skip
-                            continue
-                        cfg = (block_n, block_g, warps)
-                        try:
-                            us = _time_us(lambda: K.gemv(x, p, out, cfg), calls=10, replays=5)
-                            results[f"sweep {fmt} {shape} {cfg}"] = (us, p.nbytes / us / 1e3)
-                        except Exception as exc:  # noqa: BLE001
-                            log(f"sweep {fmt} {shape} {cfg}: {type(exc).__name__}: {exc}")
+            packs = [(f"{r}x{c}", _copies(lambda: _random_packed(fmt, r, c), _random_packed(fmt, 32, c).nbytes * r // 32),
+                      torch.randn(1, c, device=dev, dtype=torch.bfloat16),
+                      torch.empty(1, r, device=dev, dtype=torch.bfloat16)) for r, c in SWEEP_SHAPES]
+            for cfg in sweep_configs():
+                for shape, ps, x, out in packs:
+                    try:
+                        us = _time_us(_rotating(ps, lambda p: K.gemv(x, p, out, cfg)), calls=10, replays=5)
+                        results[f"sweep {fmt} {shape} {list(cfg)}"] = (us, ps[0].nbytes / us / 1e3)
+                    except Exception as exc:  # noqa: BLE001
+                        log(f"sweep {fmt} {shape} {cfg}: {type(exc).__name__}: {str(exc)[:300]}")
+                        break
+            del packs
     for key, (us, gbs) in results.items():
         log(f"kernel {key}: {us:.1f} us, {gbs:.0f} GB/s")
     best = best_configs(results)
     if best:
         log(f"best GEMV configs of the sweep (used by the decode stage): {best}")
         os.environ["NANOPLUG_BENCH_GEMV"] = json.dumps(best)
+        (WORK / "best_gemv.json").write_text(json.dumps(best))  # for a later `decode` run
     return results
 
 
+def sweep_configs() -> list[tuple[int, int, int, int]]:
+    """The GEMV's (BLOCK_N, BLOCK_G, num_warps, per_group) to try."""
+    configs = [(n, g, w, 1) for n in (1, 2, 4, 8, 16) for g in (16, 32, 64, 128) for w in (1, 2, 4)
+               if 2 <= n * g // w <= 512]
+    return configs + [(n, 32, 2, 0) for n in (2, 4, 8)]
+
+
 def best_configs(results: dict) -> dict:
-    """Per format, the swept (BLOCK_N, BLOCK_G, warps) with the least time summed over both shapes; the
-    4-bit formats share one kernel, so Q4_1's best serves Q4_0 and Q4_K too."""
+    """Per format and K (long: over gguf_kernels.LONG_K columns), the swept config with the least time summed
+    over the shapes of that K; the 4-bit formats share one kernel, so Q4_1's best serves Q4_0 and Q4_K."""
+    from nanoplug.plugins.adapters.gguf_kernels import LONG_K
+
     totals: dict = {}
     for key, (us, _) in results.items():
         if key.startswith("sweep "):
-            _, fmt, _, cfg = key.split(" ", 3)
-            totals.setdefault(fmt, {}).setdefault(cfg, []).append(us)
-    best = {fmt: json.loads(min((c for c in cfgs if len(cfgs[c]) == 2), key=lambda c: sum(cfgs[c]))
-                            .replace("(", "[").replace(")", "]"))
-            for fmt, cfgs in totals.items() if any(len(v) == 2 for v in cfgs.values())}
-    if "Q4_1" in best:
-        best.update(Q4_0=best["Q4_1"], Q4_K=best["Q4_1"])
+            _, fmt, shape, cfg = key.split(" ", 3)
+            long = int(shape.split("x")[1]) > LONG_K
+            totals.setdefault(f"{fmt} {long}", {}).setdefault(cfg, []).append(us)
+    shapes = {long: sum((int(c) > LONG_K) == long for _, c in SWEEP_SHAPES) for long in (False, True)}
+    best = {}
+    for key, cfgs in totals.items():
+        n = shapes[key.endswith("True")]
+        full = [c for c in cfgs if len(cfgs[c]) == n]
+        if full:
+            best[key] = json.loads(min(full, key=lambda c: sum(cfgs[c])))
+    for long in (False, True):
+        if f"Q4_1 {long}" in best:
+            best.update({f"Q4_0 {long}": best[f"Q4_1 {long}"], f"Q4_K {long}": best[f"Q4_1 {long}"]})
     return best
 
 
@@ -234,10 +269,13 @@ def engine_child(path: str, quantization: str, result: str, device: str) -> None
 
     from nanoplug import LLM, SamplingParams
 
+    if not os.environ.get("NANOPLUG_BENCH_GEMV") and (WORK / "best_gemv.json").is_file():
+        os.environ["NANOPLUG_BENCH_GEMV"] = (WORK / "best_gemv.json").read_text()
     if os.environ.get("NANOPLUG_BENCH_GEMV"):  # the kernels stage's sweep winners
         from nanoplug.plugins.adapters import gguf_kernels
 
-        gguf_kernels.GEMV_CONFIG.update({k: tuple(v) for k, v in json.loads(os.environ["NANOPLUG_BENCH_GEMV"]).items()})
+        best = json.loads(os.environ["NANOPLUG_BENCH_GEMV"])
+        gguf_kernels.GEMV_CONFIG.update({(k.split()[0], k.split()[1] == "True"): tuple(v) for k, v in best.items()})
         print(f"GEMV configs {gguf_kernels.GEMV_CONFIG}", flush=True)
     t = time.perf_counter()
     kwargs = dict(device=device, max_model_len=1024, max_num_seqs=1, enable_prefix_caching=False)
@@ -295,7 +333,7 @@ def run_engine(path: Path, quantization: str, device: str) -> dict:
 # -------------------------------------------------------------------------------------------------- main
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("stage", nargs="?", default="all", choices=["all", "kernels", "decode", "_engine"])
+    parser.add_argument("stage", nargs="?", default="all", choices=["all", "kernels", "files", "decode", "_engine"])
     parser.add_argument("rest", nargs="*")
     parser.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"])
     parser.add_argument("--weights", default=",".join(WEIGHTS), help="which of bf16,Q8_0,Q4_1,fp8")
@@ -314,6 +352,12 @@ def main() -> int:
     summary: dict = {"kernels": None, "decode": {}}
     if args.stage in ("all", "kernels"):
         summary["kernels"] = guarded("kernels", kernels_bench, not args.no_sweep)
+    if args.stage == "files":  # the checkpoint and the GGUF files only (a decode run then finds them)
+        folder = write_checkpoint(args.layers)
+        for name in args.weights.split(","):
+            if name.startswith("Q"):
+                write_gguf_file(folder, name)
+        return 0
     if args.stage in ("all", "decode"):
         folder = guarded("bf16 checkpoint", write_checkpoint, args.layers)
         for name in args.weights.split(","):
@@ -341,7 +385,7 @@ def print_tables(summary: dict) -> None:
                 if gbs > best.get(fmt_shape, ("", 0))[1]:
                     best[fmt_shape] = (key.split(" ", 3)[3], gbs)
         for fmt_shape, (cfg, gbs) in best.items():
-            log(f"best GEMV config {fmt_shape}: (BLOCK_N, BLOCK_G, warps) = {cfg}, {gbs:.0f} GB/s")
+            log(f"best GEMV config {fmt_shape}: {cfg}, {gbs:.0f} GB/s")
     decode = summary.get("decode") or {}
     if decode:
         base = (decode.get("bf16") or {}).get("decode_ms")

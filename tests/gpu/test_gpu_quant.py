@@ -60,6 +60,25 @@ def test_matmul_bf16_on_cuda(fmt, m):
     assert rel < 1e-2, rel  # bfloat16 output (and, past the GEMV, bfloat16 weights): 2^-9 relative each
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("config", [None, (4, 16, 2, 0)])  # the per-group GEMV, the elementwise one
+def test_ptx_conversions_equal_the_conversion_instruction(fmt, config, monkeypatch):
+    """The GEMV and dequantization with quants turned into floats by PRMT (the fast path) give the same
+    bits as with the conversion instruction (the plain path, the interpreter's), and the GEMV stays within
+    float32 rounding of float64 dequantize-then-matmul."""
+    packed, ref = quantized(fmt, seed=3)
+    x = torch.randn(2, COLS, device="cuda").to(torch.bfloat16)
+    runs = {}
+    for ptx in (True, False):
+        monkeypatch.setattr(kernels, "_ptx", lambda ptx=ptx: ptx)
+        runs[ptx] = (kernels.gemv(x, packed, torch.empty(2, ROWS, device="cuda"), config),
+                     kernels.dequantize(packed, torch.empty(ROWS, COLS, device="cuda")))
+    assert torch.equal(runs[True][0], runs[False][0]) and torch.equal(runs[True][1], runs[False][1])
+    exact = x.double() @ ref.double().T
+    bound = 1e-5 * (x.double().abs() @ ref.double().abs().T)
+    assert ((runs[True][0].double() - exact).abs() <= bound).all()
+
+
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1"])
 @pytest.mark.parametrize("m", [1, 7])
 def test_kernels_replay_in_a_cuda_graph(fmt, m):

@@ -45,16 +45,16 @@ if triton is not None:
 
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, D: tl.constexpr, BLOCK: tl.constexpr):
-        """out[r] = silu(gate) * up, silu rounded to the dtype first (as F.silu then * does)."""
+        """out[r] = silu(gate) * up, silu rounded to the dtype first (as F.silu then * does); one program a
+        row's BLOCK columns, so a single row (batch-1 decode) spreads over many SMs."""
         r = tl.program_id(0).to(tl.int64)
-        for start in tl.static_range(0, D, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            ok = cols < D
-            gate = tl.load(x_ptr + r * stride_x + cols, mask=ok, other=0.0)
-            up = tl.load(x_ptr + r * stride_x + D + cols, mask=ok, other=0.0).to(tl.float32)
-            g = gate.to(tl.float32)
-            silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-            tl.store(out_ptr + r * D + cols, (silu * up).to(gate.dtype), mask=ok)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < D
+        gate = tl.load(x_ptr + r * stride_x + cols, mask=ok, other=0.0)
+        up = tl.load(x_ptr + r * stride_x + D + cols, mask=ok, other=0.0).to(tl.float32)
+        g = gate.to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+        tl.store(out_ptr + r * D + cols, (silu * up).to(gate.dtype), mask=ok)
 
     @triton.jit
     def _norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, pos_ptr, cos_ptr, sin_ptr, q_heads,
@@ -144,7 +144,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
     out = torch.empty((x.shape[0], d), dtype=x.dtype, device=x.device)
     if x.shape[0]:
-        _silu_and_mul_kernel[(x.shape[0],)](x, out, x.stride(0), D=d, BLOCK=min(triton.next_power_of_2(d), 2048))
+        block = min(triton.next_power_of_2(d), 1024)
+        _silu_and_mul_kernel[(x.shape[0], triton.cdiv(d, block))](x, out, x.stride(0), D=d, BLOCK=block)
     return out
 
 
