@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 import traceback
+from types import SimpleNamespace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent  # nanoplug need not be installed on the GPU machine
@@ -79,11 +80,12 @@ def _random_packed(fmt: str, rows: int, cols: int):
 ROTATE_BYTES = 200e6  # weights cycled per timing: 4x the H200's L2, so each call reads its weight from HBM
 
 
-def _copies(make, nbytes: int) -> list:
-    """Enough copies of a weight (make() each) that cycling through them overflows the L2: one weight timed
-    alone stays in a 50 MB L2 (a 4-bit 12288 x 4096 one is 31 MB) and reads at L2 speed, which a decode step,
-    streaming every layer's weights once, never sees."""
-    return [make() for _ in range(max(2, -(-int(ROTATE_BYTES) // nbytes)))]
+def _copies(make) -> list:
+    """Enough copies of a weight (make() each, a tensor or a Packed) that cycling through them overflows the
+    L2: one weight timed alone stays in a 50 MB L2 (a 4-bit 12288 x 4096 one is 31 MB) and reads at L2
+    speed, which a decode step, streaming every layer's weights once, never sees."""
+    first = make()
+    return [first] + [make() for _ in range(max(2, -(-int(ROTATE_BYTES) // first.nbytes)) - 1)]
 
 
 def _rotating(items: list, call):
@@ -118,7 +120,7 @@ SWEEP_SHAPES = ((12288, 4096), (4096, 12288), (6144, 4096))  # gate/up, down, qk
 
 def kernels_bench(sweep: bool) -> dict:
     """GB/s of the decode kernels on the 8B shape's weights, against bf16 F.linear and fp8 _scaled_mm on the
-    same shapes; with `sweep`, the GEMV's (BLOCK_N, BLOCK_G, warps, per_group)."""
+    same shapes; with `sweep`, the GEMV's (BLOCK_N, BLOCK_G, warps)."""
     import torch
     import torch.nn.functional as F
 
@@ -129,14 +131,9 @@ def kernels_bench(sweep: bool) -> dict:
     log(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     for rows, cols in SWEEP_SHAPES:
         shape = f"{rows}x{cols}"
-        ws = _copies(lambda: torch.randn(rows, cols, device=dev, dtype=torch.bfloat16) * 0.02, rows * cols * 2)
-        layers = []
-        for w in ws:
-            class Layer:
-                weight, weight_scale = quantize_rows(w)
-            layers.append(Layer)
-        packs = {fmt: _copies(lambda: _random_packed(fmt, rows, cols), _random_packed(fmt, 32, cols).nbytes * rows // 32)
-                 for fmt in ("Q8_0", "Q4_0", "Q4_1", "Q4_K")}
+        ws = _copies(lambda: torch.randn(rows, cols, device=dev, dtype=torch.bfloat16) * 0.02)
+        layers = [SimpleNamespace(weight=q, weight_scale=s) for q, s in map(quantize_rows, ws)]
+        packs = {fmt: _copies(lambda: _random_packed(fmt, rows, cols)) for fmt in ("Q8_0", "Q4_0", "Q4_1", "Q4_K")}
         for m in (1, 7, 16):
             x = torch.randn(m, cols, device=dev, dtype=torch.bfloat16)
             us = _time_us(_rotating(ws, lambda w: F.linear(x, w)))
@@ -153,8 +150,7 @@ def kernels_bench(sweep: bool) -> dict:
         del ws, layers, packs
     if sweep:
         for fmt in ("Q8_0", "Q4_1"):
-            packs = [(f"{r}x{c}", _copies(lambda: _random_packed(fmt, r, c), _random_packed(fmt, 32, c).nbytes * r // 32),
-                      torch.randn(1, c, device=dev, dtype=torch.bfloat16),
+            packs = [(f"{r}x{c}", _copies(lambda: _random_packed(fmt, r, c)), torch.randn(1, c, device=dev, dtype=torch.bfloat16),
                       torch.empty(1, r, device=dev, dtype=torch.bfloat16)) for r, c in SWEEP_SHAPES]
             for cfg in sweep_configs():
                 for shape, ps, x, out in packs:
@@ -175,11 +171,9 @@ def kernels_bench(sweep: bool) -> dict:
     return results
 
 
-def sweep_configs() -> list[tuple[int, int, int, int]]:
-    """The GEMV's (BLOCK_N, BLOCK_G, num_warps, per_group) to try."""
-    configs = [(n, g, w, 1) for n in (1, 2, 4, 8, 16) for g in (16, 32, 64, 128) for w in (1, 2, 4)
-               if 2 <= n * g // w <= 512]
-    return configs + [(n, 32, 2, 0) for n in (2, 4, 8)]
+def sweep_configs() -> list[tuple[int, int, int]]:
+    """The GEMV's (BLOCK_N, BLOCK_G, num_warps) to try."""
+    return [(n, g, w) for n in (1, 2, 4, 8, 16) for g in (16, 32, 64, 128) for w in (1, 2, 4) if 2 <= n * g // w <= 512]
 
 
 def best_configs(results: dict) -> dict:

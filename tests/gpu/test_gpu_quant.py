@@ -61,7 +61,7 @@ def test_matmul_bf16_on_cuda(fmt, m):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("config", [None, (4, 16, 2, 0)])  # the per-group GEMV, the elementwise one
+@pytest.mark.parametrize("config", [None, (4, 16, 2)])  # the format's tiles, and others
 def test_ptx_conversions_equal_the_conversion_instruction(fmt, config, monkeypatch):
     """The GEMV and dequantization with quants turned into floats by PRMT (the fast path) give the same
     bits as with the conversion instruction (the plain path, the interpreter's), and the GEMV stays within

@@ -6,7 +6,7 @@ never write a dequantized copy. Each program owns BLOCK_N output rows and walks 
 of BLOCK_G groups of 32; a group is handled as two halves of 16 (weights j and j + 16), which is how
 the 4-bit formats store a byte's two nibbles, so no nibble is moved. On a GPU the quants become floats
 by PRMT into 2^23's mantissa (inline PTX), not by the conversion instruction, whose quarter rate bounds
-the GEMV; the GEMV scales each group's dot product once, not every weight. Sizes are constexpr and fixed (no
+the GEMV. Sizes are constexpr and fixed (no
 autotuning, no data-dependent host work): every launch can be captured in a CUDA graph. On a CPU they
 run only under TRITON_INTERPRET=1 (the tests), with larger blocks (the interpreter pays per program).
 """
@@ -111,52 +111,40 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, N, G, stride_x, stride_o,
                      IS_Q8: tl.constexpr, Q4_0: tl.constexpr, HAS_MIN: tl.constexpr, PTX: tl.constexpr,
-                     PER_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
-        """out[m, n] = sum_k x[m, k] w[n, k] for one row m per program column, in float32: PER_GROUP, each
-        group's dot product of quants and activations scaled once (its 16 + 16 terms in one thread), else
-        every weight dequantized and accumulated elementwise; one reduction at the end (the weight tile
-        is read once; the activations come from L1/L2)."""
+                     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
+        """out[m, n] = sum_k x[m, k] w[n, k] for one row m per program column, in float32: each group's dot
+        product of quants and activations (its 16 + 16 terms in one thread) scaled once, not every weight;
+        one reduction at the end (the weight tile is read once; the activations come from L1/L2)."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
         rows64 = rows.to(tl.int64)
         x_row = x_ptr + tl.program_id(1).to(tl.int64) * stride_x
         j = tl.arange(0, 16)
-        if PER_GROUP:
-            acc = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_N, BLOCK_G, 16], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)
         for g0 in range(0, G, BLOCK_G):
             g = g0 + tl.arange(0, BLOCK_G)
             gmask = g < G
             xptr = x_row + g[:, None] * 32 + j[None, :]
             xlo = tl.load(xptr, mask=gmask[:, None], other=0).to(tl.float32)
             xhi = tl.load(xptr + 16, mask=gmask[:, None], other=0).to(tl.float32)
-            if PER_GROUP:
-                mask2 = rmask[:, None] & gmask[None, :]
-                qlo, qhi = _quants(q_ptr, rows64, g, mask2[:, :, None], G, IS_Q8, Q4_0, PTX)
-                dot = tl.sum(qlo * xlo[None, :, :], axis=2) + tl.sum(qhi * xhi[None, :, :], axis=2)
-                soff = rows64[:, None] * G + g[None, :]
-                acc += dot * tl.load(s_ptr + soff, mask=mask2, other=0).to(tl.float32)
-                if HAS_MIN:  # sum (d q + m) x = d sum q x + m sum x
-                    xsum = tl.sum(xlo, axis=1) + tl.sum(xhi, axis=1)
-                    acc += tl.load(m_ptr + soff, mask=mask2, other=0).to(tl.float32) * xsum[None, :]
-            else:
-                lo, hi = _halves(q_ptr, s_ptr, m_ptr, rows, rmask, g, gmask, G, IS_Q8, Q4_0, HAS_MIN, PTX)
-                acc += lo * xlo[None, :, :] + hi * xhi[None, :, :]
-        if PER_GROUP:
-            out = tl.sum(acc, axis=1)
-        else:
-            out = tl.sum(tl.sum(acc, axis=2), axis=1)
+            mask2 = rmask[:, None] & gmask[None, :]
+            qlo, qhi = _quants(q_ptr, rows64, g, mask2[:, :, None], G, IS_Q8, Q4_0, PTX)
+            dot = tl.sum(qlo * xlo[None, :, :], axis=2) + tl.sum(qhi * xhi[None, :, :], axis=2)
+            soff = rows64[:, None] * G + g[None, :]
+            acc += dot * tl.load(s_ptr + soff, mask=mask2, other=0).to(tl.float32)
+            if HAS_MIN:  # sum (d q + m) x = d sum q x + m sum x
+                xsum = tl.sum(xlo, axis=1) + tl.sum(xhi, axis=1)
+                acc += tl.load(m_ptr + soff, mask=mask2, other=0).to(tl.float32) * xsum[None, :]
         optr = out_ptr + tl.program_id(1).to(tl.int64) * stride_o + rows
-        tl.store(optr, out.to(out_ptr.dtype.element_ty), mask=rmask)
+        tl.store(optr, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=rmask)
 
 
-# (BLOCK_N, BLOCK_G, num_warps, per_group) of the GEMV per format and K (False: up to LONG_K columns, True:
-# more): the fastest of `benchmarks/gpu_gguf.py kernels`'s sweep on an H200 (the 4-bit formats share Q4_1's)
-GEMV_CONFIG = {("Q8_0", False): (2, 32, 1, 1), ("Q8_0", True): (1, 64, 4, 1),
-               ("Q4_0", False): (8, 32, 2, 1), ("Q4_0", True): (16, 128, 4, 1),
-               ("Q4_1", False): (8, 32, 2, 1), ("Q4_1", True): (16, 128, 4, 1),
-               ("Q4_K", False): (8, 32, 2, 1), ("Q4_K", True): (16, 128, 4, 1)}
+# (BLOCK_N, BLOCK_G, num_warps) of the GEMV per format and K (False: up to LONG_K columns, True: more): the
+# fastest of `benchmarks/gpu_gguf.py kernels`'s sweep on an H200 (the 4-bit formats share Q4_1's)
+GEMV_CONFIG = {("Q8_0", False): (2, 32, 1), ("Q8_0", True): (1, 64, 4),
+               ("Q4_0", False): (8, 32, 2), ("Q4_0", True): (16, 128, 4),
+               ("Q4_1", False): (8, 32, 2), ("Q4_1", True): (16, 128, 4),
+               ("Q4_K", False): (8, 32, 2), ("Q4_K", True): (16, 128, 4)}
 LONG_K = 8192
 GEMV_MAX_M = 2  # rows of x the GEMV takes (it reads the weight once per row); above: dequantize + GEMM
 DEQUANT_CONFIG = (16, 16, 4)   # BLOCK_R, BLOCK_G, num_warps
@@ -187,15 +175,12 @@ def dequantize(p: Packed, out: torch.Tensor, ids: torch.Tensor | None = None) ->
     return out
 
 
-def gemv(x: torch.Tensor, p: Packed, out: torch.Tensor,
-         config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, p: Packed, out: torch.Tensor, config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """out [M, rows] = x [M, cols] @ w.T, one program column per row of x (meant for M = 1)."""
-    block_n, block_g, warps, per_group = config or ((256, 16, 4, 1) if interpreting()
-                                                    else GEMV_CONFIG[p.fmt, p.cols > LONG_K])
+    block_n, block_g, warps = config or ((256, 16, 4) if interpreting() else GEMV_CONFIG[p.fmt, p.cols > LONG_K])
     grid = (triton.cdiv(p.rows, block_n), x.shape[0])
     _gemv_kernel[grid](x, p.quants, p.scales, _mins(p), out, p.rows, p.cols // 32, x.stride(0), out.stride(0),
-                       **_flags(p), PTX=_ptx(), PER_GROUP=bool(per_group), BLOCK_N=block_n, BLOCK_G=block_g,
-                       num_warps=warps, num_stages=1)
+                       **_flags(p), PTX=_ptx(), BLOCK_N=block_n, BLOCK_G=block_g, num_warps=warps, num_stages=1)
     return out
 
 
