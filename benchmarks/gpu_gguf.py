@@ -115,12 +115,14 @@ def _time_us(fn, calls: int = 20, replays: int = 10) -> float:
     return statistics.median(times)
 
 
-SWEEP_SHAPES = ((12288, 4096), (4096, 12288), (6144, 4096))  # gate/up, down, qkv
+KERNEL_SHAPES = ((12288, 4096), (4096, 12288), (6144, 4096))  # gate or up, down, qkv
+# the GEMVs of one decoded token of the 8B shape (rows, cols, calls): fused qkv, o, fused gate-up, down, LM head
+SWEEP_SHAPES = ((6144, 4096, 36), (4096, 4096, 36), (24576, 4096, 36), (4096, 12288, 36), (151936, 4096, 1))
 
 
 def kernels_bench(sweep: bool) -> dict:
     """GB/s of the decode kernels on the 8B shape's weights, against bf16 F.linear and fp8 _scaled_mm on the
-    same shapes; with `sweep`, the GEMV's (BLOCK_N, BLOCK_G, warps)."""
+    same shapes; with `sweep`, the GEMV's configs (`sweep_configs`)."""
     import torch
     import torch.nn.functional as F
 
@@ -129,7 +131,7 @@ def kernels_bench(sweep: bool) -> dict:
 
     results, dev = {}, torch.device("cuda")
     log(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
-    for rows, cols in SWEEP_SHAPES:
+    for rows, cols in KERNEL_SHAPES:
         shape = f"{rows}x{cols}"
         ws = _copies(lambda: torch.randn(rows, cols, device=dev, dtype=torch.bfloat16) * 0.02)
         layers = [SimpleNamespace(weight=q, weight_scale=s) for q, s in map(quantize_rows, ws)]
@@ -151,12 +153,12 @@ def kernels_bench(sweep: bool) -> dict:
     if sweep:
         for fmt in ("Q8_0", "Q4_1"):
             packs = [(f"{r}x{c}", _copies(lambda: _random_packed(fmt, r, c)), torch.randn(1, c, device=dev, dtype=torch.bfloat16),
-                      torch.empty(1, r, device=dev, dtype=torch.bfloat16)) for r, c in SWEEP_SHAPES]
-            for cfg in sweep_configs():
+                      torch.empty(1, r, device=dev, dtype=torch.bfloat16)) for r, c, _ in SWEEP_SHAPES]
+            for cfg in sweep_configs(fmt):
                 for shape, ps, x, out in packs:
                     try:
                         us = _time_us(_rotating(ps, lambda p: K.gemv(x, p, out, cfg)), calls=10, replays=5)
-                        results[f"sweep {fmt} {shape} {list(cfg)}"] = (us, ps[0].nbytes / us / 1e3)
+                        results[f"sweep {fmt} {shape} {json.dumps(list(cfg))}"] = (us, ps[0].nbytes / us / 1e3)
                     except Exception as exc:  # noqa: BLE001
                         log(f"sweep {fmt} {shape} {cfg}: {type(exc).__name__}: {str(exc)[:300]}")
                         break
@@ -171,36 +173,49 @@ def kernels_bench(sweep: bool) -> dict:
     return results
 
 
-def sweep_configs() -> list[tuple[int, int, int]]:
-    """The GEMV's (BLOCK_N, BLOCK_G, num_warps) to try."""
-    return [(n, g, w) for n in (1, 2, 4, 8, 16) for g in (16, 32, 64, 128) for w in (1, 2, 4) if 2 <= n * g // w <= 512]
+def sweep_configs(fmt: str) -> list:
+    """The GEMV configs to try for a format: for Q8_0 float activations (PRMT conversions) over tiles, and the
+    best int8 ones; for the 4-bit formats int8 activations (dp4a; two to three times the float GEMV's speed
+    in the sweep of 2026-12-01). A few with the K loop unrolled."""
+    from nanoplug.plugins.adapters.gguf_kernels import GemvConfig as C
+
+    if fmt == "Q8_0":
+        return [C(2, 32, 1), C(1, 64, 4), C(1, 32, 1), C(2, 64, 2), C(4, 64, 2), C(4, 128, 4), C(4, 32, 1),
+                C(2, 32, 1, True), C(1, 64, 4, True), C(4, 64, 1, int8=True), C(4, 64, 2, int8=True),
+                C(8, 64, 2, int8=True), C(16, 128, 8, int8=True)]
+    return [C(8, 64, 2, int8=True), C(16, 32, 2, int8=True), C(8, 32, 1, int8=True), C(8, 128, 4, int8=True),
+            C(16, 128, 8, int8=True), C(16, 64, 4, int8=True), C(4, 64, 1, int8=True), C(4, 64, 2, int8=True),
+            C(4, 128, 4, int8=True), C(8, 64, 4, int8=True), C(32, 64, 8, int8=True), C(16, 32, 4, int8=True),
+            C(8, 64, 2, True, True), C(16, 128, 8, True, True), C(4, 64, 2, True, True), C(8, 32, 2)]
 
 
 def best_configs(results: dict) -> dict:
-    """Per format and K (long: over gguf_kernels.LONG_K columns), the swept config with the least time summed
-    over the shapes of that K; the 4-bit formats share one kernel, so Q4_1's best serves Q4_0 and Q4_K."""
+    """Per format and K (long: over gguf_kernels.LONG_K columns), the swept config with the least time for one
+    token's calls of that K; the 4-bit formats share one kernel, so Q4_1's best serves Q4_0 and Q4_K."""
     from nanoplug.plugins.adapters.gguf_kernels import LONG_K
 
+    calls = {f"{r}x{c}": n for r, c, n in SWEEP_SHAPES}
     totals: dict = {}
     for key, (us, _) in results.items():
         if key.startswith("sweep "):
             _, fmt, shape, cfg = key.split(" ", 3)
             long = int(shape.split("x")[1]) > LONG_K
-            totals.setdefault(f"{fmt} {long}", {}).setdefault(cfg, []).append(us)
-    shapes = {long: sum((int(c) > LONG_K) == long for _, c in SWEEP_SHAPES) for long in (False, True)}
+            totals.setdefault(f"{fmt} {long}", {}).setdefault(cfg, []).append(us * calls[shape])
+    shapes = {long: sum((c > LONG_K) == long for _, c, _ in SWEEP_SHAPES) for long in (False, True)}
     best = {}
     for key, cfgs in totals.items():
         n = shapes[key.endswith("True")]
         full = [c for c in cfgs if len(cfgs[c]) == n]
         if full:
             best[key] = json.loads(min(full, key=lambda c: sum(cfgs[c])))
+            log(f"sweep {key}: best {best[key]}, {sum(cfgs[full[0]]) / 1e3:.3f} ms a token with the first config "
+                f"tried, {min(sum(cfgs[c]) for c in full) / 1e3:.3f} with the best")
     for long in (False, True):
         if f"Q4_1 {long}" in best:
             best.update({f"Q4_0 {long}": best[f"Q4_1 {long}"], f"Q4_K {long}": best[f"Q4_1 {long}"]})
     return best
 
 
-# ------------------------------------------------------------------------------------------------ files
 def write_checkpoint(layers: int) -> Path:
     """Random bf16 safetensors of the 8B shape (written directly: no model is built), config and tokenizer."""
     import torch
@@ -269,7 +284,8 @@ def engine_child(path: str, quantization: str, result: str, device: str) -> None
         from nanoplug.plugins.adapters import gguf_kernels
 
         best = json.loads(os.environ["NANOPLUG_BENCH_GEMV"])
-        gguf_kernels.GEMV_CONFIG.update({(k.split()[0], k.split()[1] == "True"): tuple(v) for k, v in best.items()})
+        gguf_kernels.GEMV_CONFIG.update({(k.split()[0], k.split()[1] == "True"): gguf_kernels.GemvConfig(*v)
+                                        for k, v in best.items()})
         print(f"GEMV configs {gguf_kernels.GEMV_CONFIG}", flush=True)
     t = time.perf_counter()
     kwargs = dict(device=device, max_model_len=1024, max_num_seqs=1, enable_prefix_caching=False)

@@ -65,6 +65,40 @@ def test_matmul_equals_dequantize_then_matmul(fmt, m):
     assert ((got.double() - exact).abs() <= bound).all(), (got.double() - exact).abs().max()
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gemv_with_its_loop_unrolled_equals_the_plain_loop(fmt):
+    """The GEMV whose K loop is unrolled at compile time adds the same terms in the same order: the same
+    bits (24 groups in chunks of 16: a ragged last chunk)."""
+    blocks, _ = quantized(fmt, seed=4)
+    packed = repack(fmt, blocks, ROWS, COLS)
+    x = torch.randn(2, COLS, generator=torch.Generator().manual_seed(5))
+    plain, unrolled = (kernels.gemv(x, packed, torch.empty(2, ROWS), kernels.GemvConfig(16, 16, 4, u))
+                       for u in (False, True))
+    assert torch.equal(plain, unrolled)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_int8_gemv_is_the_product_with_activations_rounded_to_int8(fmt):
+    """The GEMV on int8 activations (the plain emulation of dp4a here) equals the dequantized weights times
+    the activations rounded to int8 a group of 32 (scale: the group's largest |x| / 127) within float32
+    rounding, and the exact product within the rounding's own bound, sum |w| d_x / 2; unrolling the K loop
+    changes no bit."""
+    blocks, ref = quantized(fmt, seed=6)
+    packed = repack(fmt, blocks, ROWS, COLS)
+    x = torch.randn(2, COLS, generator=torch.Generator().manual_seed(7))
+    plain, unrolled = (kernels.gemv(x, packed, torch.empty(2, ROWS), kernels.GemvConfig(16, 16, 4, u, int8=True))
+                       for u in (False, True))
+    assert torch.equal(plain, unrolled)
+    groups = x.double().view(2, -1, 32)
+    dx = groups.abs().amax(-1, keepdim=True) / 127
+    x8 = (torch.round(groups / dx) * dx).view(2, COLS)
+    w = ref.double()
+    rounding = 1e-5 * (x.double().abs() @ w.abs().T)
+    assert ((plain.double() - x8 @ w.T).abs() <= rounding).all()
+    bound = (dx.expand(-1, -1, 32).reshape(2, COLS) / 2) @ w.abs().T + rounding
+    assert ((plain.double() - x.double() @ w.T).abs() <= bound).all()
+
+
 def test_writes_into_columns_of_a_wider_output():
     """A fused layer's parts write their own columns of one output (rows strided)."""
     blocks, _ = quantized("Q4_1")

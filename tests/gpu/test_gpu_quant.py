@@ -61,7 +61,8 @@ def test_matmul_bf16_on_cuda(fmt, m):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("config", [None, (4, 16, 2)])  # the format's tiles, and others
+@pytest.mark.parametrize("config", [kernels.GemvConfig(2, 32, 1), kernels.GemvConfig(4, 16, 2),
+                                    kernels.GemvConfig(4, 32, 2, unroll=True)])  # float activations
 def test_ptx_conversions_equal_the_conversion_instruction(fmt, config, monkeypatch):
     """The GEMV and dequantization with quants turned into floats by PRMT (the fast path) give the same
     bits as with the conversion instruction (the plain path, the interpreter's), and the GEMV stays within
@@ -77,6 +78,30 @@ def test_ptx_conversions_equal_the_conversion_instruction(fmt, config, monkeypat
     exact = x.double() @ ref.double().T
     bound = 1e-5 * (x.double().abs() @ ref.double().abs().T)
     assert ((runs[True][0].double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("config", [kernels.GemvConfig(8, 32, 2, int8=True), kernels.GemvConfig(16, 64, 4, True, True)])
+def test_int8_gemv_dp4a_equals_its_emulation_and_keeps_its_bound(fmt, config, monkeypatch):
+    """The GEMV on int8 activations: dp4a (PTX) gives the bits of its plain emulation, and the result is the
+    dequantized weights times activations rounded to int8 a group of 32: within sum |w| d_x / 2 (d_x: the
+    group's largest |x| / 127) plus float32 rounding of the exact product."""
+    packed, ref = quantized(fmt, seed=4)
+    x = torch.randn(2, COLS, device="cuda").to(torch.bfloat16)
+    runs = {}
+    for ptx in (True, False):
+        monkeypatch.setattr(kernels, "_ptx", lambda ptx=ptx: ptx)
+        runs[ptx] = kernels.gemv(x, packed, torch.empty(2, ROWS, device="cuda"), config)
+    assert torch.equal(runs[True], runs[False])
+    if config.unroll:
+        plain = kernels.gemv(x, packed, torch.empty(2, ROWS, device="cuda"), config._replace(unroll=False))
+        assert torch.equal(runs[True], plain)
+    dx = x.double().view(2, -1, 32).abs().amax(-1, keepdim=True).expand(-1, -1, 32).reshape(2, COLS) / 127
+    exact = x.double() @ ref.double().T
+    bound = (dx / 2) @ ref.double().abs().T + 1e-5 * (x.double().abs() @ ref.double().abs().T)
+    err = (runs[True].double() - exact).abs()
+    assert (err <= bound).all(), (err / bound).max()
+    assert err.max() > 0  # activations were quantized (the float GEMV's error is orders smaller)
 
 
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1"])
