@@ -119,11 +119,16 @@ if triton is not None:
         tl.store(ptr + 16, hi.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _tile(q_ptr, s_ptr, m_ptr, rows64, rmask, g, G, IS_Q8: tl.constexpr, HAS_MIN: tl.constexpr):
-        """What the GEMV reads of the weight for groups g, as stored: quant bytes, scales, mins (HAS_MIN)."""
+    def _tile(q_ptr, s_ptr, m_ptr, rows64, rmask, g, G, IS_Q8: tl.constexpr, HAS_MIN: tl.constexpr,
+              INT8: tl.constexpr):
+        """What the GEMV reads of the weight for groups g, as stored: quants (bytes, or int32 words for the GEMV
+        on int8 activations), scales, mins (HAS_MIN)."""
         gmask = g < G
         mask2 = rmask[:, None] & gmask[None, :]
-        a, b = _raw_quants(q_ptr, rows64, g, mask2[:, :, None], G, IS_Q8)
+        if INT8:
+            a, b = _words(q_ptr, rows64, g, mask2[:, :, None], G, IS_Q8)
+        else:
+            a, b = _raw_quants(q_ptr, rows64, g, mask2[:, :, None], G, IS_Q8)
         soff = rows64[:, None] * G + g[None, :]
         s = tl.load(s_ptr + soff, mask=mask2, other=0)
         if HAS_MIN:
@@ -192,18 +197,6 @@ if triton is not None:
             return tl.load(ptr, mask=mask3, other=0), tl.zeros([1], dtype=tl.int32)
 
     @triton.jit
-    def _word_tile(q_ptr, s_ptr, m_ptr, rows64, rmask, g, G, IS_Q8: tl.constexpr, HAS_MIN: tl.constexpr):
-        """_tile's words: what the GEMV on int8 activations reads of the weight for groups g."""
-        gmask = g < G
-        mask2 = rmask[:, None] & gmask[None, :]
-        a, b = _words(q_ptr, rows64, g, mask2[:, :, None], G, IS_Q8)
-        soff = rows64[:, None] * G + g[None, :]
-        s = tl.load(s_ptr + soff, mask=mask2, other=0)
-        if HAS_MIN:
-            return a, b, s, tl.load(m_ptr + soff, mask=mask2, other=0)
-        return a, b, s, s
-
-    @triton.jit
     def _word_tile_dot(x_row, a, b, s, mn, g, G, IS_Q8: tl.constexpr, Q4_0: tl.constexpr,
                        HAS_MIN: tl.constexpr, PTX: tl.constexpr):
         """[BLOCK_N, BLOCK_G]: each group's dot product with the activations quantized to int8 (scale: the
@@ -237,11 +230,10 @@ if triton is not None:
     def _chunk(x_row, q_ptr, s_ptr, m_ptr, rows64, rmask, g, G, IS_Q8: tl.constexpr, Q4_0: tl.constexpr,
                HAS_MIN: tl.constexpr, PTX: tl.constexpr, INT8: tl.constexpr):
         """[BLOCK_N, BLOCK_G]: the groups g of the rows times the activations, in float32."""
+        a, b, s, mn = _tile(q_ptr, s_ptr, m_ptr, rows64, rmask, g, G, IS_Q8, HAS_MIN, INT8)
         if INT8:
-            a, b, s, mn = _word_tile(q_ptr, s_ptr, m_ptr, rows64, rmask, g, G, IS_Q8, HAS_MIN)
             return _word_tile_dot(x_row, a, b, s, mn, g, G, IS_Q8, Q4_0, HAS_MIN, PTX)
         else:
-            a, b, s, mn = _tile(q_ptr, s_ptr, m_ptr, rows64, rmask, g, G, IS_Q8, HAS_MIN)
             return _tile_dot(x_row, a, b, s, mn, g, G, IS_Q8, Q4_0, HAS_MIN, PTX)
 
     @triton.jit
