@@ -261,6 +261,7 @@ if triton is not None:
         optr = out_ptr + tl.program_id(1).to(tl.int64) * stride_o + rows
         tl.store(optr, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=rmask)
 
+
 class GemvConfig(NamedTuple):
     """The GEMV's tiles (BLOCK_N rows x BLOCK_G groups a program, its warps), whether its K loop is unrolled,
     and its activations' type. (Triton's num_stages pipelines no load here.)"""
