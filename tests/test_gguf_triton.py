@@ -6,7 +6,9 @@ here wrote:
 - every dequantized tensor (whole, or rows gathered by id as the embedding does) equals gguf-py's
   `gguf.quants.dequantize` bit for bit, for Q8_0, Q4_0, Q4_1 and Q4_K;
 - each product (the GEMV for one or two rows, dequantize + GEMM for more) equals
-  float64 dequantize-then-matmul within float32 rounding (1e-5 of sum |x| |w|);
+  float64 dequantize-then-matmul within float32 rounding (1e-5 of sum |x| |w|); the GEMV on int8
+  activations equals the product with activations rounded to int8 a group within float32 rounding, and
+  the exact product within that rounding's bound;
 - an engine on a small Qwen3 GGUF mixing every format (a fused qkv of three, a quantized tied embedding)
   through the Triton path gives the float32 engine's greedy tokens on gguf-py's dequantized weights,
   and its log-probabilities within float32 rounding.
