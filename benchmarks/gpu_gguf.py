@@ -152,7 +152,8 @@ def kernels_bench(sweep: bool) -> dict:
         del ws, layers, packs
     if sweep:
         for fmt in ("Q8_0", "Q4_1"):
-            packs = [(f"{r}x{c}", _copies(lambda: _random_packed(fmt, r, c)), torch.randn(1, c, device=dev, dtype=torch.bfloat16),
+            packs = [(f"{r}x{c}", _copies(lambda: _random_packed(fmt, r, c)),
+                      torch.randn(1, c, device=dev, dtype=torch.bfloat16),
                       torch.empty(1, r, device=dev, dtype=torch.bfloat16)) for r, c, _ in SWEEP_SHAPES]
             for cfg in sweep_configs(fmt):
                 for shape, ps, x, out in packs:
@@ -216,6 +217,7 @@ def best_configs(results: dict) -> dict:
     return best
 
 
+# ------------------------------------------------------------------------------------------------ files
 def write_checkpoint(layers: int) -> Path:
     """Random bf16 safetensors of the 8B shape (written directly: no model is built), config and tokenizer."""
     import torch

@@ -82,18 +82,16 @@ if triton is not None:
         return lo, hi
 
     @triton.jit
-    def _halves(q_ptr, s_ptr, m_ptr, rows, rmask, g, gmask, G,
+    def _halves(q_ptr, s_ptr, m_ptr, rows, rmask, g, G,
                 IS_Q8: tl.constexpr, Q4_0: tl.constexpr, HAS_MIN: tl.constexpr, PTX: tl.constexpr):
         """Weights j and j + 16 (j < 16) of groups g of `rows`, float32 [BLOCK_N, BLOCK_G, 16] each."""
-        rows64 = rows.to(tl.int64)
-        mask2 = rmask[:, None] & gmask[None, :]
-        lo, hi = _floats(*_raw_quants(q_ptr, rows64, g, mask2[:, :, None], G, IS_Q8), IS_Q8, Q4_0, PTX)
-        soff = rows64[:, None] * G + g[None, :]
-        s = tl.load(s_ptr + soff, mask=mask2, other=0).to(tl.float32)[:, :, None]
+        a, b, s, mn = _tile(q_ptr, s_ptr, m_ptr, rows.to(tl.int64), rmask, g, G, IS_Q8, HAS_MIN, False)
+        lo, hi = _floats(a, b, IS_Q8, Q4_0, PTX)
+        s = s.to(tl.float32)[:, :, None]
         lo = lo * s
         hi = hi * s
         if HAS_MIN:
-            m = tl.load(m_ptr + soff, mask=mask2, other=0).to(tl.float32)[:, :, None]
+            m = mn.to(tl.float32)[:, :, None]
             lo = lo + m
             hi = hi + m
         return lo, hi
@@ -111,7 +109,7 @@ if triton is not None:
             rows = r
         g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
         gmask = g < G
-        lo, hi = _halves(q_ptr, s_ptr, m_ptr, rows, rmask, g, gmask, G, IS_Q8, Q4_0, HAS_MIN, PTX)
+        lo, hi = _halves(q_ptr, s_ptr, m_ptr, rows, rmask, g, G, IS_Q8, Q4_0, HAS_MIN, PTX)
         j = tl.arange(0, 16)
         ptr = out_ptr + r.to(tl.int64)[:, None, None] * stride_o + g[None, :, None] * 32 + j[None, None, :]
         mask = (rmask[:, None] & gmask[None, :])[:, :, None]
@@ -153,7 +151,7 @@ if triton is not None:
         return dot
 
     # ------------------------------------------------------------ the GEMV on int8 activations (dp4a)
-    _ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: added to a float under 2^22, leaves its rounded integer in the mantissa
+    _ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: added to a float under 2^22, leaves it rounded in the mantissa
 
     @triton.jit
     def _dp4a(a, b, c, PTX: tl.constexpr):
