@@ -1,6 +1,7 @@
 """Where one run of the bench workload goes (issue 16 item 5): the GPU's busy fraction, and per engine step
 the host's own time, the time it waits for the device, the GPU span of the step it launched and of its
-sampler, and the host-device synchronizations.
+sampler, and the host-device synchronizations; the GPU's time by kernel, and its idle time between kernels by
+the pair of kernels around each gap (where it waits: inside graphs, at the step boundary, in the tail).
 
 usage: python benchmarks/gpu_bench_profile.py [--attention flash] [--kv-cache triton] [--num-seqs 256]
            [--model DIR] [--device cuda]
@@ -77,6 +78,31 @@ def kernel_table(kernels, top: int, launchers: dict) -> None:
         print(f"{t / 1e6:7.3f} {t / total:6.1%} {n:8d} {t / n:8.2f}  {name}")
         if name in launchers:
             print(f"{'':33}launched by {', '.join(f'{op} x{c}' for op, c in launchers[name].most_common(3))}")
+
+
+def gap_table(kernels, top: int, window: tuple[float, float]) -> None:
+    """Where the GPU waits: idle time between one kernel's end and the next one's start, summed by the pair of
+    kernel names around it, largest first, with how it splits over the run's thirds."""
+    third = (window[1] - window[0]) / 3
+    by_pair, end, before, sizes = {}, None, None, collections.Counter()
+    for e in sorted(kernels, key=lambda e: e.time_range.start):
+        start, stop = e.time_range.start, e.time_range.end
+        if end is not None and start > end:
+            gap = start - end
+            pair = (before[:40], e.name[:40])
+            t, n, parts = by_pair.get(pair, (0.0, 0, [0.0, 0.0, 0.0]))
+            parts[min(int((start - window[0]) // third), 2)] += gap
+            by_pair[pair] = (t + gap, n + 1, parts)
+            sizes["< 5 us" if gap < 5 else "5-20 us" if gap < 20 else "20-100 us" if gap < 100 else ">= 100 us"] += gap
+        if end is None or stop > end:
+            end, before = stop, e.name
+    total = sum(t for t, _, _ in by_pair.values())
+    print(f"GPU idle between kernels: {total / 1e6:.3f} s; by gap size: "
+          + ", ".join(f"{k} {v / 1e6:.3f} s" for k, v in sorted(sizes.items())))
+    print(f"{'s':>7} {'gaps':>7} {'us/gap':>7} {'thirds (s)':>20}  kernel before -> kernel after")
+    for (a, b), (t, n, parts) in sorted(by_pair.items(), key=lambda kv: -kv[1][0])[:top]:
+        split = "/".join(f"{x / 1e6:.3f}" for x in parts)
+        print(f"{t / 1e6:7.3f} {n:7d} {t / n:7.1f} {split:>20}  {a} -> {b}")
 
 
 def main() -> None:
@@ -156,7 +182,9 @@ def main() -> None:
             if e.device_type == DeviceType.CPU:
                 for k in getattr(e, "kernels", []):
                     launchers.setdefault(k.name[:90], collections.Counter())[e.name] += 1
-        kernel_table([e for e in events if e.device_type == DeviceType.CUDA], args.kernels, launchers)
+        on_gpu = [e for e in events if e.device_type == DeviceType.CUDA]
+        kernel_table(on_gpu, args.kernels, launchers)
+        gap_table([e for e in on_gpu if window[0] <= e.time_range.start <= window[1]], args.kernels, window)
     llm.close()
 
 

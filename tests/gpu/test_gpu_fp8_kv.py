@@ -1,7 +1,6 @@
 """The fp8 KV cache on CUDA in bfloat16: the quantizing store against PyTorch's float8 rounding (bit-exact),
-the Triton paged-decode kernel against float32 attention over the dequantized cache for decode batches
-of 1, 7, 64 and 256 with mixed context lengths, `nanoplug compare`'s scenario through `flash` and
-`triton` over an fp8 cache against `manual` over one, and decode under CUDA graphs against eager.
+`nanoplug compare`'s scenario through `flash` and `triton` over an fp8 cache against `manual` over one, and
+decode under CUDA graphs against eager. The decode kernel itself: test_gpu_decode_kernel.py.
 
 Run on the GPU machine: `pytest -m gpu tests/gpu/test_gpu_fp8_kv.py`."""
 from __future__ import annotations
@@ -12,7 +11,6 @@ import torch
 from nanoplug.api import KVLayer
 from nanoplug.checkpoints import write_random_checkpoint
 from nanoplug.cli import compare
-from nanoplug.plugins.attention import triton_decode
 from nanoplug.plugins.cache import fp8
 
 pytestmark = pytest.mark.gpu
@@ -43,56 +41,6 @@ def test_store_kernel_exact(scales):
     torch.cuda.synchronize()
     assert torch.equal(kc.view(torch.uint8), rk.view(torch.uint8))
     assert torch.equal(vc.view(torch.uint8), rv.view(torch.uint8))
-
-
-def _decode_inputs(batch, heads, kv_heads, dim, page, max_len, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(1, max_len + 1, (batch,), generator=g)
-    lens[0] = max_len  # the longest possible, and a page edge
-    per = (lens + page - 1) // page
-    width = int(per.max()) + 1  # padded with the scratch block
-    num_blocks = int(per.sum()) + 1
-    scratch = num_blocks - 1
-    perm = torch.randperm(num_blocks - 1, generator=g)
-    tables = torch.full((batch, width), scratch, dtype=torch.int32)
-    at = 0
-    for b in range(batch):
-        m = int(per[b])
-        tables[b, :m] = perm[at:at + m].int()
-        at += m
-    kc = (torch.randn(num_blocks, page, kv_heads, dim, generator=g) * 2).to(FP8)
-    vc = torch.randn(num_blocks, page, kv_heads, dim, generator=g).to(FP8)
-    q = torch.randn(batch, heads, dim, generator=g).bfloat16()
-    return [t.cuda() for t in (q, kc, vc, tables, lens.int())]
-
-
-def _reference(q, kc, vc, tables, lens, scale, ks, vs):
-    heads, kv_heads, page = q.shape[1], kc.shape[2], kc.shape[1]
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    for b, n in enumerate(lens.tolist()):
-        blocks = tables[b, : (n + page - 1) // page].long()
-        k, v = (c.view(torch.uint8)[blocks].view(FP8).flatten(0, 1)[:n] for c in (kc, vc))
-        k = fp8.dequantize(k, ks, torch.float32).repeat_interleave(heads // kv_heads, 1)
-        v = fp8.dequantize(v, vs, torch.float32).repeat_interleave(heads // kv_heads, 1)
-        p = ((q[b].float().unsqueeze(1) @ k.permute(1, 2, 0)) * scale).softmax(-1)  # [H, 1, n]
-        out[b] = (p @ v.transpose(0, 1)).squeeze(1)
-    return out
-
-
-@pytest.mark.parametrize("batch", [1, 7, 64, 256])
-@pytest.mark.parametrize("shape", [(16, 8, 128, 256), (9, 3, 64, 16)], ids=["qwen3-0.6b-page256", "smollm2-page16"])
-def test_decode_kernel_matches_float32_reference(batch, shape):
-    heads, kv_heads, dim, page = shape
-    q, kc, vc, tables, lens = _decode_inputs(batch, heads, kv_heads, dim, page, max_len=2048)
-    ks, vs = torch.tensor(0.9, device="cuda"), torch.tensor(1.3, device="cuda")
-    cfg = triton_decode.DecodeConfig()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    ref = _reference(q, kc, vc, tables, lens, dim ** -0.5, ks, vs)
-    for splits in sorted({1, 5, triton_decode.num_splits(batch, kv_heads, 4096, sms, cfg)}):
-        out = triton_decode.paged_decode(q, kc, vc, tables, lens, dim ** -0.5, splits, ks, vs, cfg)
-        torch.cuda.synchronize()
-        assert not out.isnan().any()
-        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2, msg=f"splits={splits}")
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ the largest of cuda/graphs.py's sizes that max_num_seqs allows) over mixed conte
 (`cuda.enforce_eager`) to the bf16 tolerance, position by position up to where the greedy tokens part. The graph
 that serves each batch was captured around the backend's own decode op, in every layer (watched while
 graphs are captured: xformers' forward entry point, FlashAttention's decode call, our Triton kernel's
-launcher), and the graph engine's decode steps call none of them from Python (they replay; flash and
-xformers, whose ops serve decode steps only). sdpa's decode steps run PyTorch's `varlen_attn`, never its
+launcher, which `flash` decodes by on Hopper), and the graph engine's decode steps call none of them from
+Python (they replay; flash and xformers, whose ops serve decode steps only). sdpa's decode steps run PyTorch's `varlen_attn`, never its
 padded fallback (the paths its backend counts).
 
 Run on the GPU machine: `pytest -m gpu tests/gpu/test_gpu_graph_guard.py`, in both processes of
@@ -125,7 +125,15 @@ class TritonCalls:
         return list(self.calls)
 
 
-WATCHERS = {"xformers": XformersCalls, "flash": FlashCalls, "triton": TritonCalls}  # sdpa counts its own paths
+def flash_calls():
+    """The decode op `flash` runs here: our Triton kernel on Hopper with FA4 (flash.splits_decode), else FA's."""
+    from nanoplug.plugins.attention import flash
+
+    kernels, _ = flash.load_kernels()
+    return TritonCalls() if flash.splits_decode(kernels, torch.device("cuda")) else FlashCalls()
+
+
+WATCHERS = {"xformers": XformersCalls, "flash": flash_calls, "triton": TritonCalls}  # sdpa counts its own paths
 
 
 @pytest.fixture(scope="module", params=["flash", "triton", "xformers", "sdpa"])

@@ -11,10 +11,16 @@ queries at the end of their context". No host sync, so decode runs inside CUDA g
 small prefills without cached context (their kernels take `max_seqlen_q` as a bound: a captured one
 passes its bucket's token count).
 
+Decode steps on a Hopper GPU with FA4 go to our Triton flash-decoding kernel (triton_decode.py) instead:
+FA4 refuses to split a context there (num_splits > 1 is unsupported on SM 9.0), so each (sequence, KV
+head) is one program and a decode step waits on its longest context; the Triton kernel splits each
+context evenly when the batch is small, and was faster on every batch of the bench run
+(benchmarks/gpu_decode_workload.py; RESULTS.md).
+
 FlashAttention reads 16-bit caches only (FA4 asserts q, k, v share a 16-bit dtype; it has no fp8 path). A
-float8 cache (`kv_cache="fp8"`) is read by our Triton paged-decode kernel in decode steps
-(triton_decode.py), and by FlashAttention over the referenced pages dequantized in prefill steps with
-cached context (dequantized_pages.py); prefill without cached context attends over the new 16-bit K/V.
+float8 cache (`kv_cache="fp8"`) is read by the same Triton kernel in decode steps, and by FlashAttention
+over the referenced pages dequantized in prefill steps with cached context (dequantized_pages.py);
+prefill without cached context attends over the new 16-bit K/V.
 """
 from __future__ import annotations
 
@@ -80,6 +86,12 @@ def load_kernels() -> tuple[FlashKernels | None, list[str]]:
     return None, errors
 
 
+def splits_decode(kernels: FlashKernels | None, device: torch.device) -> bool:
+    """Decode by the Triton split kernel rather than FA4's own: on SM 9.x, where FA4 cannot split a context."""
+    return (kernels is not None and kernels.name == "FA4" and triton_decode.triton is not None
+            and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9)
+
+
 class FlashAttention(AttentionBackend):
     description = "FlashAttention-2 (flash-attn) or FlashAttention-4 (flash-attn-4), paged, CUDA graphs"
     priority = 100
@@ -120,11 +132,13 @@ class FlashAttention(AttentionBackend):
     def __init__(self, spec):
         super().__init__(spec)
         self.kernels, _ = load_kernels()
-        # a float8 cache: decode by our Triton kernel; prefill over cached context from dequantized pages
+        # decode by our Triton kernel over a float8 cache, and on Hopper (splits_decode); a float8 cache's prefill
+        # over cached context reads dequantized pages
         self.fp8 = spec.cache_dtype != spec.dtype
-        self.fp8_decode = triton_decode.TritonDecode(spec) if self.fp8 else None
+        split = self.fp8 or splits_decode(self.kernels, spec.device)
+        self.split_decode = triton_decode.TritonDecode(spec) if split else None
         self.fp8_pages = DequantizedPages() if self.fp8 else None
-        self.fp8_step = False
+        self.split_step = False
         # it reads a float8 cache only through the Triton kernel (which turns q and the output) and dequantized
         # pages (turned back as they are read): a rotated float8 cache costs no GEMMs of PagedAttention's
         self.handles_rotation = self.fp8
@@ -132,16 +146,16 @@ class FlashAttention(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         self.meta = meta  # padding in the block tables names the scratch block: every entry is a real page
         self.paged = not meta.is_prefill or meta.has_cached_context
-        self.fp8_step = self.fp8 and self.paged and self.fp8_decode.serves(meta)
-        if self.fp8_step:
-            self.fp8_decode.prepare(meta)
+        self.split_step = self.split_decode is not None and self.paged and self.split_decode.serves(meta)
+        if self.split_step:
+            self.split_decode.prepare(meta)
         elif self.fp8 and self.paged:
             self.fp8_pages.prepare(meta, self.spec.block_size)
 
     def forward(self, q, k, v, k_cache, v_cache, layer):
         meta, scale = self.meta, self.spec.scale
-        if self.fp8_step:
-            return self.fp8_decode.forward(q, k_cache, v_cache, layer)
+        if self.split_step:
+            return self.split_decode.forward(q, k_cache, v_cache, layer)
         if self.fp8 and self.paged:
             k_cache, v_cache, meta = self.fp8_pages.gather(k_cache, v_cache, layer, q.dtype)
         if self.kernels.name == "FA2":

@@ -13,7 +13,7 @@ Tile sizes, warps and stages are fixed (`DecodeConfig`), not autotuned, for the 
 
 On a GPU the dots run in the query's dtype, or in float16 over a float8 cache (K/V widen to it exactly
 in one instruction, and q and the softmax weights lose nothing to it), with float32 accumulation; Triton's CPU interpreter computes bfloat16 `tl.dot` wrong, so there the dots run in
-float32 (`IEEE`), and the bfloat16 path is tested on the GPU only (tests/gpu/test_gpu_fp8_kv.py).
+float32 (`IEEE`), and the bfloat16 path is tested on the GPU only (tests/gpu/test_gpu_decode_kernel.py).
 """
 from __future__ import annotations
 
