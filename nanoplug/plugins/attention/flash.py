@@ -14,7 +14,7 @@ passes its bucket's token count).
 Decode steps on a Hopper GPU with FA4 go to our Triton flash-decoding kernel (triton_decode.py) instead:
 FA4 refuses to split a context there (num_splits > 1 is unsupported on SM 9.0), so each (sequence, KV
 head) is one program and a decode step waits on its longest context; the Triton kernel splits each
-context evenly when the batch is small, and was faster on every batch of the bench run
+context evenly when the batch is small, and was faster on every sampled batch of the bench run
 (benchmarks/gpu_decode_workload.py; RESULTS.md).
 
 FlashAttention reads 16-bit caches only (FA4 asserts q, k, v share a 16-bit dtype; it has no fp8 path). A
@@ -93,7 +93,8 @@ def splits_decode(kernels: FlashKernels | None, device: torch.device) -> bool:
 
 
 class FlashAttention(AttentionBackend):
-    description = "FlashAttention-2 (flash-attn) or FlashAttention-4 (flash-attn-4), paged, CUDA graphs"
+    description = ("FlashAttention-2 (flash-attn) or FlashAttention-4 (flash-attn-4), paged, CUDA graphs; on Hopper "
+                   "decode by a Triton split kernel")
     priority = 100
     supports_cuda_graphs = True
     supports_prefill_graphs = True
