@@ -6,16 +6,19 @@ The bench workload's decode steps are not the uniform batch of a micro-benchmark
 longest sequence; splitting each context into equal parts evens that out. For every 32nd decode step of the
 run (its running sequences and their context lengths, from the workload generator), each kernel runs 28
 times (one per layer) inside a CUDA graph; the figures are per call, and the run's total is the sum over the
-sampled steps times 32, times 28 layers.
+sampled steps times 32, times 28 layers. Every kernel has run (and compiled) in the check against FA4's output
+before it is captured.
 
 usage: python benchmarks/gpu_decode_workload.py [--page 256] [--every 32] [--splits 1,2,4,8]
 """
 from __future__ import annotations
 
 import argparse
+
 import torch
 from flash_attn.cute.interface import flash_attn_varlen_func
 
+from _cuda_timing import graph_us
 from nanoplug.bench import workload
 from nanoplug.plugins.attention import triton_decode as td
 
@@ -28,29 +31,6 @@ def run_lengths() -> tuple[list[int], list[int]]:
     """The bench workload's prompt and output lengths."""
     prompts, params = workload()
     return [len(p) for p in prompts], [p.max_tokens for p in params]
-
-
-def graph_us(fn, calls: int = LAYERS, reps: int = 10) -> float:
-    """Microseconds per call of `fn`, captured `calls` times in one CUDA graph and replayed."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps / calls
 
 
 def main() -> None:
@@ -94,7 +74,7 @@ def main() -> None:
         for name in names[1:]:
             err = (calls[name]().float() - ref).abs().max().item()
             assert err < 2e-2, (name, err)
-        times = {n: graph_us(f) for n, f in calls.items()}
+        times = {n: graph_us(f, calls=LAYERS) for n, f in calls.items()}
         for n in names:
             totals[n] += times[n] * args.every * LAYERS / 1e6
         best = min(times.values())

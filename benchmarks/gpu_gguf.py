@@ -31,6 +31,8 @@ import traceback
 from types import SimpleNamespace
 from pathlib import Path
 
+from _cuda_timing import graph_us
+
 ROOT = Path(__file__).resolve().parent.parent  # nanoplug need not be installed on the GPU machine
 sys.path.insert(0, str(ROOT))
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
@@ -94,27 +96,6 @@ def _rotating(items: list, call):
     return lambda: call(next(turn))
 
 
-def _time_us(fn, calls: int = 20, replays: int = 10) -> float:
-    """Microseconds per call: `calls` launches captured in one CUDA graph (no launch overhead), median replay."""
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return statistics.median(times)
-
-
 KERNEL_SHAPES = ((12288, 4096), (4096, 12288), (6144, 4096))  # gate or up, down, qkv
 # the GEMVs of one decoded token of the 8B shape (rows, cols, calls): fused qkv, o, fused gate-up, down, LM head
 SWEEP_SHAPES = ((6144, 4096, 36), (4096, 4096, 36), (24576, 4096, 36), (4096, 12288, 36), (151936, 4096, 1))
@@ -138,16 +119,16 @@ def kernels_bench(sweep: bool) -> dict:
         packs = {fmt: _copies(lambda: _random_packed(fmt, rows, cols)) for fmt in ("Q8_0", "Q4_0", "Q4_1", "Q4_K")}
         for m in (1, 7, 16):
             x = torch.randn(m, cols, device=dev, dtype=torch.bfloat16)
-            us = _time_us(_rotating(ws, lambda w: F.linear(x, w)))
+            us = graph_us(_rotating(ws, lambda w: F.linear(x, w)))
             results[f"bf16 {shape} m={m}"] = (us, rows * cols * 2 / us / 1e3)
             try:
-                us = _time_us(_rotating(layers, lambda layer: FP8LinearMethod.scaled_mm(layer, x, None)))
+                us = graph_us(_rotating(layers, lambda layer: FP8LinearMethod.scaled_mm(layer, x, None)))
                 results[f"fp8 {shape} m={m}"] = (us, rows * cols / us / 1e3)
             except Exception as exc:  # noqa: BLE001
                 log(f"fp8 _scaled_mm {shape} m={m}: {type(exc).__name__}: {exc}")
             for fmt, ps in packs.items():
                 out = torch.empty(m, rows, device=dev, dtype=torch.bfloat16)
-                us = _time_us(_rotating(ps, lambda p: K.linear(x, p, out)))
+                us = graph_us(_rotating(ps, lambda p: K.linear(x, p, out)))
                 results[f"{fmt} {shape} m={m}"] = (us, ps[0].nbytes / us / 1e3)
         del ws, layers, packs
     if sweep:
@@ -158,7 +139,7 @@ def kernels_bench(sweep: bool) -> dict:
             for cfg in sweep_configs(fmt):
                 for shape, ps, x, out in packs:
                     try:
-                        us = _time_us(_rotating(ps, lambda p: K.gemv(x, p, out, cfg)), calls=10, replays=5)
+                        us = graph_us(_rotating(ps, lambda p: K.gemv(x, p, out, cfg)), calls=10, replays=5)
                         results[f"sweep {fmt} {shape} {json.dumps(list(cfg))}"] = (us, ps[0].nbytes / us / 1e3)
                     except Exception as exc:  # noqa: BLE001
                         log(f"sweep {fmt} {shape} {cfg}: {type(exc).__name__}: {str(exc)[:300]}")
