@@ -118,6 +118,26 @@ def test_decode_matches_float32_reference(splits, shape, block_n):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cache_dtype", [FP8, torch.float32])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_ignores_stale_nans_past_each_context_in_its_last_page(cache_dtype, splits):
+    """Whole tiles in a page are read without masks: positions past a context's end (a page's stale rows,
+    which a recycled page may hold) must not reach the output, even as NaN (0 * NaN is NaN)."""
+    seq_lens = [1, 13, 40, 70]
+    q, kc, vc, tables, lens = _decode_case(seq_lens, cache_dtype=cache_dtype)
+    nan = torch.tensor(float("nan")).to(cache_dtype)
+    for b, n in enumerate(seq_lens):
+        last = int(tables[b, (n - 1) // 16])
+        kc[last, n % 16 or 16:] = nan
+        vc[last, n % 16 or 16:] = nan
+    ks, vs = (torch.tensor(0.8), torch.tensor(1.7)) if cache_dtype == FP8 else (None, None)
+    out = triton_decode.paged_decode(q, kc, vc, tables, lens, 0.125, splits, ks, vs,
+                                     triton_decode.DecodeConfig(block_n=8))  # tiles within pages of 16
+    ref = reference_decode(q, kc, vc, tables, lens, 0.125, ks, vs)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_decode_reads_a_plain_cache_too():
     q, kc, vc, tables, lens = _decode_case([33, 7, 64], cache_dtype=torch.float32)
     out = triton_decode.paged_decode(q, kc, vc, tables, lens, 0.125, 2, cfg=triton_decode.DecodeConfig(block_n=16))

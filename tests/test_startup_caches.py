@@ -37,3 +37,35 @@ def test_the_cuda_platform_keeps_triton_kernels_in_nanoplugs_cache(monkeypatch, 
     monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere/the/user/chose")
     persist_triton_kernels()  # a setting of the user's wins
     assert os.environ["TRITON_CACHE_DIR"] == "/somewhere/the/user/chose"
+
+
+def test_fa4_prefills_share_one_kernel_per_kind_whatever_their_query_length(monkeypatch):
+    """FA4 compiles a second "static persistent" kernel for prefills whose longest query fits one tile; `flash`
+    passes `max_seqlen_q` (an upper bound) of at least FA4_MIN_SEQLEN_Q, so short and long prefills, fresh or
+    over cached context, use the same kernel, and a fresh machine compiles half as many."""
+    import torch
+
+    from nanoplug.api import AttentionMetadata, AttentionSpec
+
+    calls = []
+
+    def varlen(q, k, v, **kw):
+        calls.append(kw)
+        return torch.zeros_like(q), None
+
+    monkeypatch.setattr(flash, "load_kernels", lambda: (flash.FlashKernels("FA4", (9, 0), (11, 9), varlen, None, 1), []))
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8, scale=0.35, block_size=16, dtype=torch.bfloat16,
+                         device=torch.device("cpu"))
+    backend = flash.FlashAttention(spec)
+    for query, context in ((3, 3), (300, 300), (5, 40), (400, 900)):  # fresh and over cached context, short and long
+        meta = AttentionMetadata(
+            is_prefill=True, cu_seqlens_q=torch.tensor([0, query], dtype=torch.int32),
+            cu_seqlens_k=torch.tensor([0, context], dtype=torch.int32),
+            seq_lens=torch.tensor([context], dtype=torch.int32), slot_mapping=torch.arange(query),
+            block_tables=torch.zeros(1, (context + 15) // 16, dtype=torch.int32), max_seqlen_q=query,
+            max_seqlen_k=context, query_lens_host=[query], seq_lens_host=[context])
+        backend.prepare(meta)
+        q = torch.zeros(query, 4, 8, dtype=torch.bfloat16)
+        backend.forward(q, q[:, :2], q[:, :2], torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8), None)
+    assert [c["max_seqlen_q"] for c in calls] == [flash.FA4_MIN_SEQLEN_Q, 300, flash.FA4_MIN_SEQLEN_Q, 400]
+    assert [("page_table" in c) for c in calls] == [False, False, True, True]

@@ -86,6 +86,13 @@ def load_kernels() -> tuple[FlashKernels | None, list[str]]:
     return None, errors
 
 
+# FA4 builds a separate "static persistent" kernel for prefills whose longest query fits one tile group
+# (`max_seqlen_q` at most 64-128 tokens), which doubles its JIT variants: seconds each on a fresh machine.
+# `max_seqlen_q` is only an upper bound, so prefills pass at least this and every prefill shares one kernel
+# per kind (fresh, over cached context); a short prefill's spare query tiles exit at once.
+FA4_MIN_SEQLEN_Q = 257
+
+
 def splits_decode(kernels: FlashKernels | None, device: torch.device) -> bool:
     """Decode by the Triton split kernel rather than FA4's own: on SM 9.x, where FA4 cannot split a context."""
     return (kernels is not None and kernels.name == "FA4" and triton_decode.triton is not None
@@ -162,9 +169,9 @@ class FlashAttention(AttentionBackend):
         if self.kernels.name == "FA2":
             return self._fa2(q, k, v, k_cache, v_cache, meta, scale)
         if not self.paged:
+            bound = max(meta.max_seqlen_q, FA4_MIN_SEQLEN_Q)
             out = self.kernels.varlen(q, k, v, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_q,
-                                      max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_q,
-                                      softmax_scale=scale, causal=True)
+                                      max_seqlen_q=bound, max_seqlen_k=bound, softmax_scale=scale, causal=True)
         elif not meta.is_prefill:
             # decode as a batch of one-token queries [B, 1, H, D], not varlen: no per-call tile
             # scheduling, 25% faster on the H200 (benchmarks/gpu_decode_attention.py)
@@ -174,8 +181,8 @@ class FlashAttention(AttentionBackend):
             return out.squeeze(1)
         else:
             out = self.kernels.varlen(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, seqused_k=meta.seq_lens,
-                                      max_seqlen_q=meta.max_seqlen_q, page_table=meta.block_tables,
-                                      softmax_scale=scale, causal=True)
+                                      max_seqlen_q=max(meta.max_seqlen_q, FA4_MIN_SEQLEN_Q),
+                                      page_table=meta.block_tables, softmax_scale=scale, causal=True)
         return out[0] if isinstance(out, tuple) else out
 
     def _fa2(self, q, k, v, k_cache, v_cache, meta, scale):

@@ -40,15 +40,18 @@ if triton is not None:
             return tl.dot(x.to(tl.float32), r.to(tl.float32), input_precision="ieee")
         return tl.dot(x, r.to(x.dtype)).to(x.dtype)
 
-    @triton.jit
+    # the block table's address and row stride vary with the step (eager tables, graph buffers): not specialized
+    # on, or each alignment would compile a kernel of its own
+    @triton.jit(do_not_specialize=["tables_ptr", "stride_tb"])
     def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, rot_ptr, tables_ptr, seq_lens_ptr,
         out_ptr, part_out_ptr, part_lse_ptr, qk_scale,
         stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_tb,
         stride_ob, stride_oh,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SCALED: tl.constexpr,
-        IEEE: tl.constexpr, F8_AS_F16: tl.constexpr, TILE_IN_PAGE: tl.constexpr, ROTATE: tl.constexpr,
+        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr,
+        IEEE: tl.constexpr, F8_AS_F16: tl.constexpr, TILE_IN_PAGE: tl.constexpr, FULL_TILES: tl.constexpr,
+        ROTATE: tl.constexpr,
     ):
         """Attention of one KV head's query group over one split of its sequence's context.
 
@@ -60,9 +63,10 @@ if triton is not None:
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
+        num_splits = tl.num_programs(2)  # a grid size, not a constexpr: one compiled kernel serves every count
         seq_len = tl.load(seq_lens_ptr + b)
         tiles = (seq_len + BLOCK_N - 1) // BLOCK_N  # (not tl.cdiv: a jit function the CPU interpreter runs
-        per_split = (tiles + NUM_SPLITS - 1) // NUM_SPLITS * BLOCK_N  # only if triton was imported under it)
+        per_split = (tiles + num_splits - 1) // num_splits * BLOCK_N  # only if triton was imported under it)
         start = split * per_split
         end = tl.minimum(start + per_split, seq_len)
 
@@ -102,8 +106,16 @@ if triton is not None:
                 v_rows = v_cache_ptr + page * stride_vb + row * stride_vt
             # float8 -> float16 (or -> float32 -> the query's dtype) is exact: e4m3 values are float16 and
             # bfloat16 values
-            k = tl.load(k_rows + kvh * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_rows + kvh * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
+            if FULL_TILES:  # the tile lies in an allocated page: plain loads (faster over float8, slower over
+                # a 16-bit cache on an H200); rows past `end` get p = 0 and their V is zeroed (a page's stale
+                # NaN times 0 would still be NaN)
+                k = tl.load(k_rows + kvh * stride_kh + dims[None, :])
+                v = tl.load(v_rows + kvh * stride_vh + dims[None, :])
+                if tile_start + BLOCK_N > end:
+                    v = tl.where(live[:, None], v, 0.0)
+            else:
+                k = tl.load(k_rows + kvh * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
+                v = tl.load(v_rows + kvh * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
             if F8_AS_F16:
                 k, v = k.to(tl.float16), v.to(tl.float16)
             else:
@@ -126,7 +138,7 @@ if triton is not None:
             acc = acc * tl.load(v_scale_ptr)
 
         out_mask = row_ok[:, None] & dim_ok[None, :]
-        if NUM_SPLITS == 1:
+        if num_splits == 1:
             out = acc / l_i[:, None]
             if ROTATE:
                 out = _turn(out.to(q.dtype), rot_ptr, dims, dim_ok, HEAD_DIM, True, IEEE)
@@ -138,21 +150,21 @@ if triton is not None:
             if ROTATE:  # the merge is a weighted sum: each partial may be turned back on its own
                 out = _turn(out.to(q.dtype), rot_ptr, dims, dim_ok, HEAD_DIM, True, IEEE)
             lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-            row = (b * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split  # [B, H, S] layout
+            row = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [B, H, S] layout
             tl.store(part_out_ptr + row[:, None] * HEAD_DIM_P + dims[None, :], out, mask=out_mask)
             tl.store(part_lse_ptr + row, lse, mask=row_ok)
 
-    @triton.jit
-    def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, NUM_HEADS: tl.constexpr,
-                             HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    @triton.jit(do_not_specialize=["num_splits"])
+    def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
+                             NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
                              SPLITS_P: tl.constexpr):
         """One (sequence, head): the splits' partial outputs weighted by their share of the softmax."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         splits = tl.arange(0, SPLITS_P)
         dims = tl.arange(0, HEAD_DIM_P)
-        row = (b * NUM_HEADS + h) * NUM_SPLITS + splits
-        ok = splits < NUM_SPLITS
+        row = (b * NUM_HEADS + h) * num_splits + splits
+        ok = splits < num_splits
         lse = tl.load(part_lse_ptr + row, mask=ok, other=float("-inf"))
         w = tl.exp2(lse - tl.max(lse, 0))  # the first split always holds the sequence's first token
         part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM_P + dims[None, :],
@@ -202,11 +214,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     dim_p = triton.next_power_of_2(dim)
     out = torch.empty_like(q)
     scaled = k_scale is not None
-    if splits > 1:  # allocated per call: inside a captured graph they come from (and stay in) its pool
+    # allocated per call: inside a captured graph they come from (and stay in) its pool; float32 even when
+    # unused (one split), so the kernel's signature, and its one compiled binary, stay the same
+    if splits > 1:
         part_out = torch.empty(batch, heads, splits, dim_p, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     else:
-        part_out = part_lse = out
+        part_out = part_lse = torch.empty(1, dtype=torch.float32, device=q.device)
     # float32 dots for float32 models, and always in the CPU interpreter (its bfloat16 tl.dot is wrong)
     ieee = q.dtype == torch.float32 or interpreting()
     _decode_split_kernel[(batch, kv_heads, splits)](
@@ -217,14 +231,15 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, HEAD_DIM_P=dim_p,
-        PAGE=page, BLOCK_N=cfg.block_n, NUM_SPLITS=splits, SCALED=scaled, IEEE=ieee,
+        PAGE=page, BLOCK_N=cfg.block_n, SCALED=scaled, IEEE=ieee,
         F8_AS_F16=not ieee and k_cache.element_size() == 1, TILE_IN_PAGE=page % cfg.block_n == 0,
+        FULL_TILES=page % cfg.block_n == 0 and dim == dim_p and k_cache.element_size() != 2,
         ROTATE=rotation is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
         _merge_splits_kernel[(batch, heads)](
-            part_out, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=heads, HEAD_DIM=dim,
-            HEAD_DIM_P=dim_p, NUM_SPLITS=splits, SPLITS_P=triton.next_power_of_2(splits), num_warps=4,
+            part_out, part_lse, out, out.stride(0), out.stride(1), splits, NUM_HEADS=heads, HEAD_DIM=dim,
+            HEAD_DIM_P=dim_p, SPLITS_P=triton.next_power_of_2(max(splits, cfg.max_splits)), num_warps=4,
         )
     return out
 
