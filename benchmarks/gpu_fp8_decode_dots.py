@@ -22,6 +22,27 @@ from nanoplug.plugins.attention import triton_decode as td
 
 
 @triton.jit
+def _e4m3_parts(x, AXIS: tl.constexpr):
+    """x (float32) ~ (hi + lo / 16) * scale, hi and lo e4m3, one scale per row (AXIS=1) or column (AXIS=0)."""
+    amax = tl.max(tl.abs(x), AXIS)
+    scale = tl.where(amax > 0, amax / 448.0, 1.0)
+    xs = x / tl.expand_dims(scale, AXIS)
+    hi = xs.to(tl.float8e4nv)
+    lo = ((xs - hi.to(tl.float32)) * 16.0).to(tl.float8e4nv)
+    return hi, lo, scale
+
+
+@triton.jit
+def _tile(k_ptr, v_ptr, tables_ptr, b, kvh, tile_start, offs, dims, stride_kb, stride_kt, stride_kh, stride_tb,
+          PAGE: tl.constexpr):
+    """One tile's K and V (plain loads: tiles lie within pages), as stored."""
+    page = tl.load(tables_ptr + b * stride_tb + tile_start // PAGE).to(tl.int64)
+    row = (tile_start % PAGE + offs)[:, None]
+    base = page * stride_kb + row * stride_kt + kvh * stride_kh + dims[None, :]
+    return tl.load(k_ptr + base), tl.load(v_ptr + base)
+
+
+@triton.jit
 def _var_kernel(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, seq_lens_ptr, out_ptr, qk_scale,
                 stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, stride_ob, stride_oh,
                 GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
@@ -36,11 +57,7 @@ def _var_kernel(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, seq_l
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=row_ok[:, None],
                 other=0.0).to(tl.float32)
     qk_scale = qk_scale * tl.load(k_scale_ptr)
-    amax = tl.max(tl.abs(q), 1)
-    s1 = tl.where(amax > 0, amax / 448.0, 1.0)
-    qs = q / s1[:, None]
-    q_hi = qs.to(tl.float8e4nv)
-    q_lo = ((qs - q_hi.to(tl.float32)) * 16.0).to(tl.float8e4nv)
+    q_hi, q_lo, s1 = _e4m3_parts(q, 1)
     q16 = q.to(tl.float16)
     row_scale = s1 * qk_scale
     m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
@@ -48,11 +65,8 @@ def _var_kernel(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, seq_l
     acc = tl.zeros([GROUP_P, HEAD_DIM], tl.float32)
     offs = tl.arange(0, BLOCK_N)
     for tile_start in range(0, seq_len, BLOCK_N):
-        page = tl.load(tables_ptr + b * stride_tb + tile_start // PAGE).to(tl.int64)
-        row = (tile_start % PAGE + offs)[:, None]
-        base = page * stride_kb + row * stride_kt + kvh * stride_kh + dims[None, :]
-        k = tl.load(k_ptr + base)
-        v = tl.load(v_ptr + base)
+        k, v = _tile(k_ptr, v_ptr, tables_ptr, b, kvh, tile_start, offs, dims, stride_kb, stride_kt, stride_kh,
+                     stride_tb, PAGE)
         live = tile_start + offs < seq_len
         if QK == 0:
             s = tl.dot(q16, tl.trans(k.to(tl.float16))) * qk_scale
@@ -107,11 +121,7 @@ def _swap_kernel(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, seq_
     qt = tl.load(q_ptr + b * stride_qb + heads[None, :] * stride_qh + dims[:, None], mask=row_ok[None, :],
                  other=0.0).to(tl.float32)  # [D, G]
     qk_scale = qk_scale * tl.load(k_scale_ptr)
-    amax = tl.max(tl.abs(qt), 0)
-    s1 = tl.where(amax > 0, amax / 448.0, 1.0)
-    qs = qt / s1[None, :]
-    q_hi = qs.to(tl.float8e4nv)
-    q_lo = ((qs - q_hi.to(tl.float32)) * 16.0).to(tl.float8e4nv)
+    q_hi, q_lo, s1 = _e4m3_parts(qt, 0)
     q16 = qt.to(tl.float16)
     col_scale = s1 * qk_scale
     m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
@@ -119,11 +129,8 @@ def _swap_kernel(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, seq_
     acc = tl.zeros([HEAD_DIM, GROUP_P], tl.float32)
     offs = tl.arange(0, BLOCK_N)
     for tile_start in range(0, seq_len, BLOCK_N):
-        page = tl.load(tables_ptr + b * stride_tb + tile_start // PAGE).to(tl.int64)
-        row = (tile_start % PAGE + offs)[:, None]
-        base = page * stride_kb + row * stride_kt + kvh * stride_kh + dims[None, :]
-        k = tl.load(k_ptr + base)
-        v = tl.load(v_ptr + base)
+        k, v = _tile(k_ptr, v_ptr, tables_ptr, b, kvh, tile_start, offs, dims, stride_kb, stride_kt, stride_kh,
+                     stride_tb, PAGE)
         live = tile_start + offs < seq_len
         if QK == 0:
             s = tl.dot(k.to(tl.float16), q16) * qk_scale
