@@ -93,7 +93,6 @@ if triton is not None:
         for tile_start in range(start, end, BLOCK_N):  # empty when the split lies past the sequence
             pos = tile_start + offs
             live = pos < end
-            kv_mask = live[:, None] & dim_ok[None, :]
             if TILE_IN_PAGE:  # the tile lies in one page: one table read, and rows the loads can vectorize
                 page = tl.load(tables_ptr + b * stride_tb + tile_start // PAGE).to(tl.int64)
                 row = (tile_start % PAGE + offs)[:, None]
@@ -114,6 +113,7 @@ if triton is not None:
                 if tile_start + BLOCK_N > end:
                     v = tl.where(live[:, None], v, 0.0)
             else:
+                kv_mask = live[:, None] & dim_ok[None, :]
                 k = tl.load(k_rows + kvh * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
                 v = tl.load(v_rows + kvh * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
             if F8_AS_F16:
