@@ -33,6 +33,20 @@ def run_lengths() -> tuple[list[int], list[int]]:
     return [len(p) for p in prompts], [p.max_tokens for p in params]
 
 
+def sampled_steps(every: int, width: int, perm: torch.Tensor):
+    """(step, context lengths, block tables, the lengths on the GPU, a query) for every `every`-th decode step of
+    the bench run: its running sequences, each on its own pages (rows of `width` from `perm`)."""
+    prompts, outs = run_lengths()
+    for step in range(1, max(outs), every):
+        lens = [p + step for p, o in zip(prompts, outs) if o - 1 >= step]
+        if not lens:
+            return
+        b = len(lens)
+        table = perm[: b * width].view(b, width).contiguous()
+        used = torch.tensor(lens, dtype=torch.int32, device=dev)
+        yield step, lens, table, used, torch.randn(b, H, D, device=dev, dtype=dt)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--page", type=int, default=256)
@@ -41,7 +55,6 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096, help="the graphs' max_seqlen_k")
     args = parser.parse_args()
     splits = [int(s) for s in args.splits.split(",")]
-    prompts, outs = run_lengths()
     page = args.page
     width = -(-args.max_model_len // page)
     blocks = 256 * width + 1
@@ -54,15 +67,8 @@ def main() -> None:
     totals = dict.fromkeys(names, 0.0)
     print(f"{'step':>5} {'batch':>5} {'mean ctx':>8} {'max ctx':>7} " + " ".join(f"{n:>12}" for n in names)
           + "   (us per call; TB/s of the best)")
-    for step in range(1, max(outs), args.every):
-        lens = [p + step for p, o in zip(prompts, outs) if o - 1 >= step]
-        if not lens:
-            break
-        b = len(lens)
-        table = perm[: b * width].view(b, width).contiguous()
-        used = torch.tensor(lens, dtype=torch.int32, device=dev)
-        q = torch.randn(b, H, D, device=dev, dtype=dt)
-        scale = D ** -0.5
+    for step, lens, table, used, q in sampled_steps(args.every, width, perm):
+        b, scale = len(lens), D ** -0.5
         calls = {"fa4": lambda: flash_attn_varlen_func(q.unsqueeze(1), k, v, seqused_k=used, page_table=table,
                                                         softmax_scale=scale, causal=True)}
         for s in splits:

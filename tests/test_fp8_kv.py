@@ -17,11 +17,13 @@ import torch  # noqa: E402
 
 from nanoplug.api import KVLayer  # noqa: E402
 
+import nanoplug.plugins.attention.dequantized_pages as dequantized_pages  # noqa: E402
 import nanoplug.plugins.attention.triton_decode as triton_decode  # noqa: E402
 import nanoplug.plugins.cache.fp8 as fp8  # noqa: E402
 
 fp8 = importlib.reload(fp8)
 triton_decode = importlib.reload(triton_decode)
+dequantized_pages = importlib.reload(dequantized_pages)
 FP8 = torch.float8_e4m3fn
 
 
@@ -156,6 +158,35 @@ def test_decode_over_a_rotated_cache_turns_q_and_the_output(splits, dim):
                                      triton_decode.DecodeConfig(block_n=16), rotation=r)
     ref = reference_decode(q @ r, kc, vc, tables, lens, 0.125, ks, vs) @ r.T
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotated", [True, False])
+@pytest.mark.parametrize("dim", [64, 48])
+def test_prefill_pages_gathered_by_the_kernel_equal_index_select_then_dequantize(dtype, rotated, dim):
+    """The one-launch gather of a float8 cache's pages (scaled, turned back) equals the plain way."""
+    from nanoplug.api import AttentionMetadata
+
+    _, kc, vc, tables, lens = _decode_case([40, 3, 17], heads=4, kv_heads=2, dim=dim)
+    kc[-1] = vc[-1] = torch.tensor(1.5).to(FP8)  # the scratch page: gathered like any other (its NaN too)
+    r = fp8.hadamard(dim).to(dtype) if rotated else None
+    # bfloat16: scales of powers of two keep every scaled value exact, so the float32 way rounded once is the answer
+    # (PyTorch's CPU bfloat16 matmul rounds on its own way)
+    scales = (0.8, 1.7) if dtype == torch.float32 else (0.5, 2.0)
+    layer = KVLayer(0, torch.tensor(scales[0]), torch.tensor(scales[1]), r)
+    meta = AttentionMetadata(is_prefill=True, cu_seqlens_q=torch.arange(4, dtype=torch.int32),
+                             cu_seqlens_k=torch.tensor([0, 40, 43, 60], dtype=torch.int32), seq_lens=lens,
+                             slot_mapping=lens.long(), block_tables=tables, max_seqlen_q=1, max_seqlen_k=40)
+    pages = dequantized_pages.DequantizedPages()
+    pages.prepare(meta, 16)
+    k, v, renumbered = pages.gather(kc, vc, layer, dtype)
+    ref_k, ref_v = (x.to(dtype) for x in pages.gather_plain(kc, vc, layer, torch.float32))
+    assert k.dtype == v.dtype == dtype and k.shape == (3 * 3, 16, 2, dim)
+    # float32 to the digit; bfloat16 to its last bit (the interpreter's cast to bfloat16 truncates)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=0.0)
+    torch.testing.assert_close(k, ref_k, equal_nan=True, **tol)
+    torch.testing.assert_close(v, ref_v, equal_nan=True, **tol)
+    assert renumbered.block_tables.flatten().tolist() == list(range(9))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -46,8 +46,8 @@ class AttentionBackend(Plugin, ABC):
     lengths from the metadata's tensors and takes `max_seqlen_q` as an upper bound (a captured step runs
     with its bucket's token count, the tokens past the batch forming one padding sequence)."""
     handles_rotation: bool = False
-    """True when the backend reads a rotated cache (KVLayer.rotation) itself, through `layer.dequantize` or a
-    kernel that turns q and its output: it then gets q, k, v in the model's basis. Else PagedAttention turns
+    """True when the backend reads a rotated cache (KVLayer.rotation) itself, through `layer.dequantize` or by
+    turning q and its output on its own: it then gets q, k, v in the model's basis. Else PagedAttention turns
     q, k, v into the cache's basis, hands it a layer without rotation, and turns the output back (a GEMM
     each, every layer)."""
 

@@ -43,6 +43,32 @@ def test_store_kernel_exact(scales):
     assert torch.equal(vc.view(torch.uint8), rv.view(torch.uint8))
 
 
+@pytest.mark.parametrize("rotated", [True, False])
+def test_prefill_page_gather_kernel_equals_index_select_then_dequantize(rotated):
+    """`flash`'s prefill over cached context reads a float8 cache's pages through one kernel a layer (scaled,
+    turned back, tensor-core dots in bfloat16): the plain way's result to a bfloat16 rounding."""
+    from nanoplug.api import AttentionMetadata
+    from nanoplug.plugins.attention.dequantized_pages import DequantizedPages
+
+    torch.manual_seed(0)
+    page, heads, dim = 256, 8, 128
+    kc = (torch.randn(30, page, heads, dim, device="cuda") * 3).to(FP8)
+    vc = (torch.randn(30, page, heads, dim, device="cuda") * 3).to(FP8)
+    rot = fp8.hadamard(dim).to("cuda", torch.bfloat16) if rotated else None
+    layer = KVLayer(0, torch.tensor(0.8, device="cuda"), torch.tensor(1.7, device="cuda"), rot)
+    tables = torch.randperm(29, device="cuda")[:24].to(torch.int32).view(4, 6)
+    lens = torch.tensor([1500, 300, 700, 1536], dtype=torch.int32, device="cuda")
+    meta = AttentionMetadata(is_prefill=True, cu_seqlens_q=torch.arange(5, dtype=torch.int32, device="cuda"),
+                             cu_seqlens_k=torch.cumsum(torch.cat([lens.new_zeros(1), lens]), 0).int(), seq_lens=lens,
+                             slot_mapping=lens.long(), block_tables=tables, max_seqlen_q=1, max_seqlen_k=1536)
+    pages = DequantizedPages()
+    pages.prepare(meta, page)
+    k, v, _ = pages.gather(kc, vc, layer, torch.bfloat16)
+    ref_k, ref_v = pages.gather_plain(kc, vc, layer, torch.bfloat16)
+    torch.testing.assert_close(k, ref_k, rtol=2 ** -7, atol=2e-3)  # near 0: the dots add in another order
+    torch.testing.assert_close(v, ref_v, rtol=2 ** -7, atol=2e-3)
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return str(write_random_checkpoint(tmp_path_factory.mktemp("gpu-fp8") / "q3", **GPU_SHAPE))

@@ -147,8 +147,8 @@ class FlashAttention(AttentionBackend):
         self.split_decode = triton_decode.TritonDecode(spec) if split else None
         self.fp8_pages = DequantizedPages() if self.fp8 else None
         self.split_step = False
-        # it reads a float8 cache only through the Triton kernel (which turns q and the output) and dequantized
-        # pages (turned back as they are read): a rotated float8 cache costs no GEMMs of PagedAttention's
+        # it reads a float8 cache only through `paged_decode` (which turns q and the output) and dequantized
+        # pages (turned back as they are read): PagedAttention's K and V GEMMs are not needed
         self.handles_rotation = self.fp8
 
     def prepare(self, meta: AttentionMetadata) -> None:

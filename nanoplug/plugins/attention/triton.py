@@ -35,7 +35,7 @@ class TritonAttention(SdpaAttention):
         super().__init__(spec)
         self.decode = triton_decode.TritonDecode(spec)
         self.triton_step = False
-        # decode by the kernel, which turns q and the output; prefill reads a cache of another dtype only through
+        # decode by `paged_decode`, which turns q and the output; prefill reads a cache of another dtype only through
         # `layer.dequantize`, which turns K and V back
         self.handles_rotation = self.cast
 

@@ -27,38 +27,22 @@ from nanoplug.api import import_triton, interpreting
 triton, tl, TRITON_ERROR = import_triton()
 if triton is not None:
 
-    @triton.jit
-    def _turn(x, rot_ptr, dims, dim_ok, HEAD_DIM: tl.constexpr, BACK: tl.constexpr, IEEE: tl.constexpr):
-        """x [rows, HEAD_DIM_P] times R (or R^T when BACK), float32 accumulation, in x's dtype (float32 exact)."""
-        if BACK:  # R^T[i, j] = R[j, i]
-            r = tl.load(rot_ptr + dims[None, :] * HEAD_DIM + dims[:, None], mask=dim_ok[:, None] & dim_ok[None, :],
-                        other=0.0)
-        else:
-            r = tl.load(rot_ptr + dims[:, None] * HEAD_DIM + dims[None, :], mask=dim_ok[:, None] & dim_ok[None, :],
-                        other=0.0)
-        if IEEE:
-            return tl.dot(x.to(tl.float32), r.to(tl.float32), input_precision="ieee")
-        return tl.dot(x, r.to(x.dtype)).to(x.dtype)
-
     # the block table's address and row stride vary with the step (eager tables, graph buffers): not specialized
     # on, or each alignment would compile a kernel of its own
     @triton.jit(do_not_specialize=["tables_ptr", "stride_tb"])
     def _decode_split_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, rot_ptr, tables_ptr, seq_lens_ptr,
+        q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, seq_lens_ptr,
         out_ptr, part_out_ptr, part_lse_ptr, qk_scale,
         stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_tb,
         stride_ob, stride_oh,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr,
         IEEE: tl.constexpr, F8_AS_F16: tl.constexpr, TILE_IN_PAGE: tl.constexpr, FULL_TILES: tl.constexpr,
-        ROTATE: tl.constexpr,
     ):
         """Attention of one KV head's query group over one split of its sequence's context.
 
         `qk_scale` is the softmax scale times log2(e): the softmax runs in base 2. With one split the
         normalized output goes straight to `out`; else the partial and its log2-sum-exp to the buffers.
-        ROTATE: the cache holds K and V times R (KVLayer.rotation): q is turned into that basis here and the
-        output back (R^T), two small dots a program instead of two GEMM launches a layer.
         """
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -81,8 +65,6 @@ if triton is not None:
             q = q.to(tl.float32)
         elif F8_AS_F16:  # float8 widens to float16 in one instruction (to bfloat16 it takes a detour)
             q = q.to(tl.float16)
-        if ROTATE:
-            q = _turn(q, rot_ptr, dims, dim_ok, HEAD_DIM, False, IEEE)
         if SCALED:  # folded into the scores and the output: K and V stay exact in the dot's dtype
             qk_scale = qk_scale * tl.load(k_scale_ptr)
 
@@ -140,15 +122,11 @@ if triton is not None:
         out_mask = row_ok[:, None] & dim_ok[None, :]
         if num_splits == 1:
             out = acc / l_i[:, None]
-            if ROTATE:
-                out = _turn(out.to(q.dtype), rot_ptr, dims, dim_ok, HEAD_DIM, True, IEEE)
             tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=out_mask)
         else:
             empty = l_i == 0.0  # a split past the sequence's end: weight 0 in the merge, values 0 not garbage
             out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
-            if ROTATE:  # the merge is a weighted sum: each partial may be turned back on its own
-                out = _turn(out.to(q.dtype), rot_ptr, dims, dim_ok, HEAD_DIM, True, IEEE)
             lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
             row = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [B, H, S] layout
             tl.store(part_out_ptr + row[:, None] * HEAD_DIM_P + dims[None, :], out, mask=out_mask)
@@ -180,12 +158,14 @@ LOG2E = 1.4426950408889634
 @dataclass(frozen=True)
 class DecodeConfig:
     """Launch settings. The defaults suit an H200 with head_dim 64-128 (benchmarks/gpu_decode_variants.py):
-    a 128-token tile is 16 KiB of fp8 K per head, 4 warps, 3 pipeline stages; splits until about 4
-    programs per SM are in flight."""
+    a 128-token tile is 16 KiB of fp8 K per head, 4 warps, 3 pipeline stages over a 16-bit cache and 2 over
+    a float8 one (faster on the bench run's batches: benchmarks/gpu_fp8_decode_workload.py); splits until
+    about 4 programs per SM are in flight."""
 
     block_n: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    num_stages_8bit: int = 2
     programs_per_sm: int = 4
     max_splits: int = 32
 
@@ -205,7 +185,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """q: [B, H, D], one query per sequence at the end of its context of `seq_lens[b]` tokens (its own
     K/V already stored); caches [num_blocks, page, Hkv, D]; block_tables int32 [B, W]. -> [B, H, D].
     `rotation` [D, D]: the cache holds K and V times it (KVLayer.rotation); q and the output stay in the
-    model's basis."""
+    model's basis. They are turned by two GEMMs around the kernel (one rounding each, in q's dtype): turned
+    inside it, each program loads R twice and the whole kernel was slower over the bench run's batches
+    (benchmarks/gpu_fp8_decode_workload.py)."""
+    if rotation is not None:
+        q = torch.matmul(q, rotation)
+        return torch.matmul(paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, k_scale, v_scale,
+                                         cfg), rotation.T)
     if q.stride(-1) != 1:
         q = q.contiguous()
     batch, heads, dim = q.shape
@@ -225,7 +211,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     ieee = q.dtype == torch.float32 or interpreting()
     _decode_split_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, k_scale if scaled else seq_lens, v_scale if scaled else seq_lens,
-        rotation.contiguous() if rotation is not None else seq_lens, block_tables, seq_lens, out, part_out, part_lse,
+        block_tables, seq_lens, out, part_out, part_lse,
         scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
@@ -234,7 +220,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         PAGE=page, BLOCK_N=cfg.block_n, SCALED=scaled, IEEE=ieee,
         F8_AS_F16=not ieee and k_cache.element_size() == 1, TILE_IN_PAGE=page % cfg.block_n == 0,
         FULL_TILES=page % cfg.block_n == 0 and dim == dim_p and k_cache.element_size() != 2,
-        ROTATE=rotation is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages if k_cache.element_size() > 1 else cfg.num_stages_8bit,
     )
     if splits > 1:
         _merge_splits_kernel[(batch, heads)](

@@ -88,7 +88,9 @@ if triton is not None:
         tl.store(v_cache_ptr + dst, quantize_e4m3(v, tl.load(v_scale_ptr)), mask=mask)
 
 
-ROTATED_ROWS = 16  # head rows a program: tl.dot's least M, and enough programs to fill the GPU at batch 256
+# head rows a program: tl.dot's least M, and enough programs to fill the GPU at batch 256; 8 warps load the
+# rotation faster than 4 (benchmarks/RESULTS.md, session 15)
+ROTATED_ROWS = 16
 
 
 def quantize_reference(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -155,7 +157,7 @@ class Fp8Store(KVCacheStore):
             _store_fp8_rotated_kernel[(triton.cdiv(n * heads, ROTATED_ROWS),)](
                 k, v, k_cache, v_cache, slot_mapping, layer.k_scale, layer.v_scale, layer.rotation.contiguous(), n,
                 k.stride(0), v.stride(0), HEADS=heads, DIM=dim, DIM_P=max(16, triton.next_power_of_2(dim)),
-                ROWS=ROTATED_ROWS, IEEE=ieee)
+                ROWS=ROTATED_ROWS, IEEE=ieee, num_warps=8)
             return
         k, v = k.reshape(n, row), v.reshape(n, row)
         if k.stride(-1) != 1:
