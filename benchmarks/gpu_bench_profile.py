@@ -143,7 +143,6 @@ def main() -> None:
     steps = [e for e in events if e.name == "engine step"]
     launches = [e for e in events if e.name.startswith("launch ")]
     waits = [e for e in events if e.name == "wait"]
-    samples = [e for e in events if e.name == "sample"]
     syncs = [e for e in events if e.name in SYNCS]
     kernels = [(e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]
     window = (min(e.time_range.start for e in steps), max(e.time_range.end for e in steps))

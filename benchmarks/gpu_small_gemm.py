@@ -5,7 +5,7 @@ The figures behind small_gemm.py's choices (benchmarks/RESULTS.md, session 9).
 
 usage: python benchmarks/gpu_small_gemm.py [ROWS, e.g. 1,2,4,8]
 """
-import itertools, sys, time
+import itertools, sys
 import torch, triton, triton.language as tl
 import torch.nn.functional as F
 

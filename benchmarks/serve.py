@@ -28,7 +28,6 @@ import os
 import platform
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import threading
