@@ -5,8 +5,9 @@ For every 32nd decode step of the run (its running sequences and their context l
 generator; the split count `flash` would pick), each variant runs 28 times (one per layer) inside a CUDA
 graph: us per call, and the run's estimated total (the sum over the sampled steps times 32, times 28 layers).
 Variants: `bf16` (the 16-bit cache, as `flash` decodes it on Hopper); `fp8` (shipped: q and the output turned
-by the cache's rotation in two GEMMs around the kernel); `fp8 unrotated` (a cache kept without rotation: the
-kernel alone); then the shipped path under other launch settings (`--configs`: DecodeConfig fields, e.g.
+by the cache's Hadamard rotation inside the kernel); `fp8 gemms` (turned by two GEMMs around the kernel, as
+any other rotation is); `fp8 unrotated` (a cache kept without rotation: the kernel alone); then the shipped
+path under other launch settings (`--configs`: DecodeConfig fields, e.g.
 `num_stages_8bit=3;num_warps=8,num_stages_8bit=1`).
 
 usage: python benchmarks/gpu_fp8_decode_workload.py [--every 32] [--configs num_stages_8bit=3]
@@ -44,7 +45,7 @@ def main() -> None:
     cfg = td.DecodeConfig()
     others = {f"fp8 {c}": td.DecodeConfig(**{k: int(v) for k, v in (f.split("=") for f in c.split(","))})
               for c in args.configs.split(";") if c}
-    names = ["bf16", "fp8", "fp8 unrotated", *others]
+    names = ["bf16", "fp8", "fp8 gemms", "fp8 unrotated", *others]
     totals = dict.fromkeys(names, 0.0)
     print("columns:", ", ".join(names))
     print(f"{'step':>5} {'batch':>5} {'splits':>6} " + " ".join(f"{i:>8}" for i in range(len(names))) + "   (us per call)")
@@ -52,13 +53,15 @@ def main() -> None:
         b = len(lens)
         splits, scale = td.num_splits(b, KVH, MAX_LEN, sms, cfg), D ** -0.5
         calls = {"bf16": lambda: td.paged_decode(q, k16, v16, table, used, scale, splits),
-                 "fp8": lambda: td.paged_decode(q, k8, v8, table, used, scale, splits, one, one, rotation=rot),
+                 "fp8": lambda: td.paged_decode(q, k8, v8, table, used, scale, splits, one, one, rotation=rot,
+                                                hadamard=True),
+                 "fp8 gemms": lambda: td.paged_decode(q, k8, v8, table, used, scale, splits, one, one, rotation=rot),
                  "fp8 unrotated": lambda: td.paged_decode(q, k8, v8, table, used, scale, splits, one, one)}
         for name, other in others.items():
             calls[name] = lambda other=other: td.paged_decode(q, k8, v8, table, used, scale, splits, one, one, other,
-                                                              rotation=rot)
+                                                              rotation=rot, hadamard=True)
         ref = calls["fp8"]().float()
-        for name in names[3:]:
+        for name in [n for n in names if n.startswith("fp8") and n != "fp8 unrotated"]:
             err = (calls[name]().float() - ref).abs().max().item()
             assert err < 2e-2, (name, err)
         times = {n: graph_us(f, calls=LAYERS) for n, f in calls.items()}

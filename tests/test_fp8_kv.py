@@ -147,17 +147,38 @@ def test_decode_reads_a_plain_cache_too():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_decode_reads_a_float8_cache_without_scales_as_scaled_by_one():
+    q, kc, vc, tables, lens = _decode_case([33, 7, 64])
+    out = triton_decode.paged_decode(q, kc, vc, tables, lens, 0.125, 2, cfg=triton_decode.DecodeConfig(block_n=16))
+    one = torch.tensor(1.0)
+    torch.testing.assert_close(out, reference_decode(q, kc, vc, tables, lens, 0.125, one, one), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("dim", [64, 48])  # a Hadamard matrix, and a random orthogonal one (padded to 64)
+@pytest.mark.parametrize("dim", [64, 48])  # a Hadamard matrix (turned in the kernel), a random orthogonal one (GEMMs)
 def test_decode_over_a_rotated_cache_turns_q_and_the_output(splits, dim):
-    """The kernel given the cache's rotation R equals attention of q R over the cache, turned back by R^T."""
+    """The kernel given the cache's rotation R equals attention of q R over the cache, turned back by R^T;
+    over Sylvester's matrix its butterflies equal the two GEMMs it otherwise runs around the kernel."""
     seq_lens = [1, 17, 100, 40]
     q, kc, vc, tables, lens = _decode_case(seq_lens, heads=6, kv_heads=2, dim=dim)
     r, ks, vs = fp8.hadamard(dim), torch.tensor(0.8), torch.tensor(1.7)
-    out = triton_decode.paged_decode(q, kc, vc, tables, lens, 0.125, splits, ks, vs,
-                                     triton_decode.DecodeConfig(block_n=16), rotation=r)
+    hadamard = triton_decode.is_hadamard(r)
+    assert hadamard == (dim == 64)
+    cfg = triton_decode.DecodeConfig(block_n=16)
+    out = triton_decode.paged_decode(q, kc, vc, tables, lens, 0.125, splits, ks, vs, cfg, rotation=r, hadamard=hadamard)
     ref = reference_decode(q @ r, kc, vc, tables, lens, 0.125, ks, vs) @ r.T
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    if hadamard:
+        gemms = triton_decode.paged_decode(q, kc, vc, tables, lens, 0.125, splits, ks, vs, cfg, rotation=r)
+        torch.testing.assert_close(out, gemms, rtol=1e-5, atol=1e-5)
+
+
+def test_is_hadamard_recognizes_a_multiple_of_sylvesters_matrix_only():
+    h = fp8.hadamard(128)
+    assert triton_decode.is_hadamard(h) and triton_decode.is_hadamard(h.bfloat16()) and triton_decode.is_hadamard(2 * h)
+    assert not triton_decode.is_hadamard(None) and not triton_decode.is_hadamard(fp8.hadamard(48))
+    assert not triton_decode.is_hadamard(h[torch.randperm(128, generator=torch.Generator().manual_seed(0))])
+    assert not triton_decode.is_hadamard(torch.eye(128))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -257,6 +278,7 @@ def test_engine_fp8_cache_triton_decode_equals_the_oracle_reading_the_same_cache
 
     llm, got = _generate("triton", "fp8")
     assert llm.engine.worker.kv_cache.dtype == FP8
+    assert llm.engine.worker.ctx.decode.decode.hadamard  # q and the output turned inside the kernel
     _, want = _generate("manual", "fp8")
     assert got[-1].num_cached_tokens > 0
     for a, b in zip(want, got):

@@ -76,6 +76,31 @@ def test_decode_kernel_matches_float32_reference(batch, shape, cache_dtype):
         torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2, msg=f"splits={splits}")
 
 
+@pytest.mark.parametrize("batch", [1, 64, 256])
+@pytest.mark.parametrize("shape", **SHAPES)
+def test_fp8_decode_turns_a_hadamard_basis_in_the_kernel_as_the_gemms_do(batch, shape):
+    """The fast path against the plain one over a cache kept in the fp8 store's basis (Sylvester's Hadamard
+    matrix, bf16): q and the output turned by the kernel's butterflies, and by two GEMMs around it; both
+    against float32 attention of q R over the cache, turned back."""
+    heads, kv_heads, dim, page = shape
+    q, kc, vc, tables, lens = _decode_inputs(batch, heads, kv_heads, dim, page, 2048, FP8)
+    ks, vs = torch.tensor(0.9, device="cuda"), torch.tensor(1.3, device="cuda")
+    rot = fp8.hadamard(dim).cuda().bfloat16()
+    assert triton_decode.is_hadamard(rot)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = triton_decode.num_splits(batch, kv_heads, 4096, sms, triton_decode.DecodeConfig())
+    ref = _reference(q.float() @ rot.float(), kc, vc, tables, lens, dim ** -0.5, ks, vs) @ rot.float().T
+    for s in sorted({1, splits}):
+        fused = triton_decode.paged_decode(q, kc, vc, tables, lens, dim ** -0.5, s, ks, vs, rotation=rot,
+                                           hadamard=True).float()
+        gemms = triton_decode.paged_decode(q, kc, vc, tables, lens, dim ** -0.5, s, ks, vs, rotation=rot).float()
+        assert not fused.isnan().any()
+        torch.testing.assert_close(fused, ref, atol=2e-2, rtol=2e-2, msg=f"splits={s}")
+        torch.testing.assert_close(fused, gemms, atol=2e-2, rtol=2e-2, msg=f"splits={s}")
+        # the kernel's turning rounds once less (float32 in registers, not a bf16 GEMM output): no farther
+        assert (fused - ref).abs().max() <= (gemms - ref).abs().max() * 1.5 + 1e-3
+
+
 @pytest.mark.parametrize("batch", [1, 7, 64, 256])
 @pytest.mark.parametrize("shape", **SHAPES)
 def test_split_decode_matches_flash_attention_4(batch, shape):
