@@ -129,11 +129,12 @@ def decode_kernels():
 
     default = td.DecodeConfig()
     results = {}
-    configs = [default] + [td.DecodeConfig(block_n=n, num_warps=w, num_stages=s)
+    configs = [default] + [td.DecodeConfig(block_n=n, num_warps=w, num_stages_8bit=s)
                            for n, w, s in ((32, 4, 3), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 3), (128, 8, 3))]
     for cfg in configs:
         for splits in sorted({1, td.num_splits(batch, kv_heads, 2048, sms, cfg), 2, 4}):
-            label = f"triton fp8 block_n={cfg.block_n} warps={cfg.num_warps} stages={cfg.num_stages} splits={splits}"
+            label = (f"triton fp8 block_n={cfg.block_n} warps={cfg.num_warps} stages={cfg.num_stages_8bit} "
+                     f"splits={splits}")
             try:
                 results[label] = report(label, timed(lambda: td.paged_decode(
                     q, k8, v8, tables, lens, dim ** -0.5, splits, one, one, cfg)), 1)
@@ -141,7 +142,7 @@ def decode_kernels():
                 print(f"{label}: {type(exc).__name__}: {str(exc)[:200]}")
     splits = td.num_splits(batch, kv_heads, 2048, sms, default)
     fp8_default = results.get(f"triton fp8 block_n={default.block_n} warps={default.num_warps} "
-                              f"stages={default.num_stages} splits={splits}")
+                              f"stages={default.num_stages_8bit} splits={splits}")
     bf16_triton = report("triton bf16 (default settings)", timed(lambda: td.paged_decode(
         q, k16, v16, tables, lens, dim ** -0.5, splits, None, None, default)), 2)
     fa4 = None
