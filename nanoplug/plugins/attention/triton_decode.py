@@ -37,13 +37,20 @@ triton, tl, TRITON_ERROR = import_triton()
 if triton is not None:
 
     @triton.jit
-    def _split_bounds(seq_lens_ptr, b, split, num_splits, BLOCK_N: tl.constexpr):
-        """The context positions [start, end) of this split: whole tiles, an empty range past the end."""
+    def _program(seq_lens_ptr, b, kvh, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr):
+        """This program's split (grid axis 2), the context positions [start, end) it covers (whole tiles, an
+        empty range past the end), and its query heads' and head dims' indices with their masks."""
+        split = tl.program_id(2)
+        num_splits = tl.num_programs(2)  # a grid size, not a constexpr: one compiled kernel serves every count
         seq_len = tl.load(seq_lens_ptr + b)
         tiles = (seq_len + BLOCK_N - 1) // BLOCK_N  # (not tl.cdiv: a jit function the CPU interpreter runs
         per_split = (tiles + num_splits - 1) // num_splits * BLOCK_N  # only if triton was imported under it)
         start = split * per_split
-        return start, tl.minimum(start + per_split, seq_len)
+        end = tl.minimum(start + per_split, seq_len)
+        rows = tl.arange(0, GROUP_P)
+        dims = tl.arange(0, HEAD_DIM_P)
+        return split, num_splits, start, end, kvh * GROUP + rows, rows < GROUP, dims, dims < HEAD_DIM
 
     @triton.jit
     def _load_tile(k_cache_ptr, v_cache_ptr, tables_ptr, b, kvh, stride_tb, stride_kb, stride_kt, stride_kh,
@@ -119,15 +126,8 @@ if triton is not None:
         cache. `qk_scale` is the softmax scale times log2(e): the softmax runs in base 2."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
-        split = tl.program_id(2)
-        num_splits = tl.num_programs(2)  # a grid size, not a constexpr: one compiled kernel serves every count
-        start, end = _split_bounds(seq_lens_ptr, b, split, num_splits, BLOCK_N)
-
-        rows = tl.arange(0, GROUP_P)
-        dims = tl.arange(0, HEAD_DIM_P)
-        heads = kvh * GROUP + rows
-        row_ok = rows < GROUP
-        dim_ok = dims < HEAD_DIM
+        split, num_splits, start, end, heads, row_ok, dims, dim_ok = _program(
+            seq_lens_ptr, b, kvh, BLOCK_N, GROUP, GROUP_P, HEAD_DIM, HEAD_DIM_P)
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
                     mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
         if IEEE:
@@ -178,15 +178,8 @@ if triton is not None:
         Sylvester's), so q is turned by R here and the output by R^T = R."""
         kvh = tl.program_id(0)  # a sequence's KV heads side by side: their rows share the cache's lines
         b = tl.program_id(1)
-        split = tl.program_id(2)
-        num_splits = tl.num_programs(2)
-        start, end = _split_bounds(seq_lens_ptr, b, split, num_splits, BLOCK_N)
-
-        rows = tl.arange(0, GROUP_P)
-        dims = tl.arange(0, HEAD_DIM_P)
-        heads = kvh * GROUP + rows
-        row_ok = rows < GROUP
-        dim_ok = dims < HEAD_DIM
+        split, num_splits, start, end, heads, row_ok, dims, dim_ok = _program(
+            seq_lens_ptr, b, kvh, BLOCK_N, GROUP, GROUP_P, HEAD_DIM, HEAD_DIM_P)
         q_t = tl.load(q_ptr + b * stride_qb + heads[None, :] * stride_qh + dims[:, None],
                       mask=dim_ok[:, None] & row_ok[None, :], other=0.0).to(tl.float32)
         if HADAMARD:
