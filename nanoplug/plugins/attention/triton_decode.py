@@ -143,7 +143,7 @@ if triton is not None:
             k, v = _load_tile(k_cache_ptr, v_cache_ptr, tables_ptr, b, kvh, stride_tb, stride_kb, stride_kt, stride_kh,
                               stride_vb, stride_vt, stride_vh, tile_start, end, pos, live, dims, dim_ok, PAGE, BLOCK_N,
                               TILE_IN_PAGE, FULL_TILES)
-            k, v = k.to(tl.float32).to(q.dtype), v.to(tl.float32).to(q.dtype)
+            k, v = k.to(q.dtype), v.to(q.dtype)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
