@@ -1,5 +1,5 @@
 """The GEMMs of one SmolLM2-135M decode step on CPU: F.linear, MKL's packed sgemm and nanoplug's GEMM
-(nanoplug/plugins/platforms/cpu/kernels), at 1-64 rows.
+(nanoplug/kernels/cpu), at 1-64 rows.
 
 The step's 121 GEMMs (30 layers of qkv, o, gate+up, down, then the LM head) run back to back on
 separate random weights, so the weights stream from memory as in a real decode step (540 MB). Best of 3.
@@ -14,7 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from nanoplug.plugins.platforms.cpu import kernels as cpu_kernels
+from nanoplug.kernels import cpu as cpu_kernels
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate+up, down
 LAYERS, VOCAB = 30, 49152

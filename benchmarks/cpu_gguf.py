@@ -206,7 +206,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from nanoplug.default_model import default_gguf_path, default_model_path
+    from nanoplug.checkpoint.default_model import default_gguf_path, default_model_path
 
     gguf = args.gguf or str(default_gguf_path())
     folder = str(default_model_path(float32=True))  # the float32 engine of the batch figure

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from nanoplug.plugins.platforms.cpu.kernels.quant_ops import BLOCKS, FORMATS, quant_kernels
+from nanoplug.kernels.cpu.quant_ops import BLOCKS, FORMATS, quant_kernels
 
 SHAPES = [("Q4_1", 3072, 576), ("Q8_0", 49152, 576)]
 

@@ -68,7 +68,7 @@ def main() -> None:
     import transformers
     from transformers import AutoTokenizer
 
-    from nanoplug.checkpoints import write_random_checkpoint
+    from nanoplug.bench.checkpoints import write_random_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="nanoplug-bench-") as tmp:
         path = args.model or str(write_random_checkpoint(Path(tmp) / "qwen3-small", "Qwen3ForCausalLM", **SHAPE))

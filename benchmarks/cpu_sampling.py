@@ -13,7 +13,7 @@ import time
 
 def run(mode: str) -> None:
     from nanoplug import LLM, SamplingParams
-    from nanoplug.default_model import default_model_path
+    from nanoplug.checkpoint.default_model import default_model_path
     from nanoplug.plugins.platforms.cpu.platform import CpuPlatform
 
     if mode == "plain":

@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parse_args(parser)
     if args.model is None:
-        from nanoplug.default_model import default_model_path
+        from nanoplug.checkpoint.default_model import default_model_path
 
         args.model = str(default_model_path(float32=True))
     from transformers import AutoTokenizer

@@ -18,7 +18,7 @@ import torch
 
 import nanoplug
 from nanoplug import LLM, SamplingParams
-from nanoplug.bench import workload, write_checkpoint
+from nanoplug.bench.throughput import workload, write_checkpoint
 
 
 def _commit() -> str:

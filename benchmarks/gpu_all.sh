@@ -26,7 +26,7 @@ step() {  # step NAME TIMEOUT COMMAND...: run, log, keep the figure lines for th
 }
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'; } >>"$log" 2>&1
-python3 -c 'from nanoplug.bench import write_checkpoint; write_checkpoint()' >>"$log" 2>&1
+python3 -c 'from nanoplug.bench.throughput import write_checkpoint; write_checkpoint()' >>"$log" 2>&1
 case $part in
   flash)
     step "pytest -m gpu (FA4)" 240 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider

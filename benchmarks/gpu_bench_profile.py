@@ -23,7 +23,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from nanoplug import LLM, SamplingParams
-from nanoplug.bench import workload, write_checkpoint
+from nanoplug.bench.throughput import workload, write_checkpoint
 
 SYNCS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")  # blocking calls
 

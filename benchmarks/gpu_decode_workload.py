@@ -19,8 +19,8 @@ import torch
 from flash_attn.cute.interface import flash_attn_varlen_func
 
 from _cuda_timing import graph_us
-from nanoplug.bench import workload
-from nanoplug.plugins.attention import triton_decode as td
+from nanoplug.bench.throughput import workload
+from nanoplug.kernels.attention import triton_decode as td
 
 dev, dt = torch.device("cuda"), torch.bfloat16
 H, KVH, D, LAYERS = 16, 8, 128, 28

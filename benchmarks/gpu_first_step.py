@@ -13,7 +13,7 @@ import time
 import torch
 
 from nanoplug import LLM, SamplingParams
-from nanoplug.bench import workload, write_checkpoint
+from nanoplug.bench.throughput import workload, write_checkpoint
 
 llm = LLM(str(write_checkpoint()), attention=sys.argv[1] if len(sys.argv) > 1 else "flash", kv_cache="triton",
           max_model_len=4096)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from _cuda_timing import cuda_ms
 from gpu_fp8_kv import DECODE_SHAPE, decode_case
-from nanoplug.plugins.attention import triton_decode as td
+from nanoplug.kernels.attention import triton_decode as td
 
 
 @triton.jit

@@ -20,8 +20,8 @@ import torch
 
 from _cuda_timing import graph_us
 from gpu_decode_workload import D, KVH, LAYERS, dev, dt, sampled_steps
-from nanoplug.plugins.attention import triton_decode as td
-from nanoplug.plugins.cache.fp8 import hadamard
+from nanoplug.kernels.attention import triton_decode as td
+from nanoplug.plugins.kv_cache.fp8 import hadamard
 
 PAGE, MAX_LEN = 256, 4096
 

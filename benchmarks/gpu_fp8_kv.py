@@ -1,7 +1,7 @@
 """The fp8 KV cache against the bf16 cache on one GPU, in one process, each stage on its own (a failure
 prints its error and the other stages still run); a markdown table last.
 
-(a) `nanoplug bench`'s workload (nanoplug/bench.py, exactly) with `attention="flash"`, `kv_cache="triton"`
+(a) `nanoplug bench`'s workload (nanoplug/bench/throughput.py, exactly) with `attention="flash"`, `kv_cache="triton"`
     (bf16) then `kv_cache="fp8"`: output tok/s of each and the ratio (target: fp8 >= 1.15x).
 (b) perplexity of the default model (SmolLM2-135M, real weights, bf16 on CUDA) on
     benchmarks/data/apache-2.0.txt through each cache (target: fp8 within 1%). The text is prefilled in
@@ -44,7 +44,7 @@ def stage(name, fn):
 
 def bench_throughput():
     from nanoplug import LLM, SamplingParams
-    from nanoplug.bench import workload, write_checkpoint
+    from nanoplug.bench.throughput import workload, write_checkpoint
 
     model = str(write_checkpoint())
     result = {}
@@ -71,7 +71,7 @@ def bench_throughput():
 
 def perplexity():
     from nanoplug import LLM, SamplingParams
-    from nanoplug.default_model import default_model_path
+    from nanoplug.checkpoint.default_model import default_model_path
 
     model = str(default_model_path(progress=False, float32=True))
     text = TEXT.read_text()
@@ -110,7 +110,7 @@ def decode_case(batch, heads, kv_heads, dim, page):
 
 
 def decode_kernels():
-    from nanoplug.plugins.attention import triton_decode as td
+    from nanoplug.kernels.attention import triton_decode as td
 
     dev = torch.device("cuda")
     batch, kv_heads, dim = DECODE_SHAPE["batch"], DECODE_SHAPE["kv_heads"], DECODE_SHAPE["dim"]

@@ -66,7 +66,7 @@ def guarded(name: str, fn, *args):
 def _random_packed(fmt: str, rows: int, cols: int):
     import torch
 
-    from nanoplug.plugins.adapters.gguf_blocks import Packed
+    from nanoplug.kernels.gguf.blocks import Packed
 
     dev, g = torch.device("cuda"), cols // 32
     if fmt == "Q8_0":
@@ -107,8 +107,8 @@ def kernels_bench(sweep: bool) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from nanoplug.plugins.adapters import gguf_kernels as K
-    from nanoplug.plugins.adapters.fp8 import FP8LinearMethod, quantize_rows
+    from nanoplug.kernels.gguf import triton_kernels as K
+    from nanoplug.plugins.weight_formats.fp8 import FP8LinearMethod, quantize_rows
 
     results, dev = {}, torch.device("cuda")
     log(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
@@ -159,7 +159,7 @@ def sweep_configs(fmt: str) -> list:
     """The GEMV configs to try for a format: for Q8_0 float activations (PRMT conversions) over tiles, and the
     best int8 ones; for the 4-bit formats int8 activations (dp4a; two to three times the float GEMV's speed
     in the sweep of 2026-12-01). A few with the K loop unrolled."""
-    from nanoplug.plugins.adapters.gguf_kernels import GemvConfig as C
+    from nanoplug.kernels.gguf.triton_kernels import GemvConfig as C
 
     if fmt == "Q8_0":
         return [C(2, 32, 1), C(1, 64, 4), C(1, 32, 1), C(2, 64, 2), C(4, 64, 2), C(4, 128, 4), C(4, 32, 1),
@@ -174,7 +174,7 @@ def sweep_configs(fmt: str) -> list:
 def best_configs(results: dict) -> dict:
     """Per format and K (long: over gguf_kernels.LONG_K columns), the swept config with the least time for one
     token's calls of that K; the 4-bit formats share one kernel, so Q4_1's best serves Q4_0 and Q4_K."""
-    from nanoplug.plugins.adapters.gguf_kernels import LONG_K
+    from nanoplug.kernels.gguf.triton_kernels import LONG_K
 
     calls = {f"{r}x{c}": n for r, c, n in SWEEP_SHAPES}
     totals: dict = {}
@@ -205,7 +205,7 @@ def write_checkpoint(layers: int) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer, Qwen3Config
 
-    from nanoplug.checkpoints import qwen_tokenizer_dir
+    from nanoplug.bench.checkpoints import qwen_tokenizer_dir
 
     folder = WORK / f"qwen3-{SHAPE['hidden_size']}h-{layers}l"
     if (folder / "model.safetensors").is_file():
@@ -243,7 +243,7 @@ def write_checkpoint(layers: int) -> Path:
 
 
 def write_gguf_file(folder: Path, fmt: str) -> Path:
-    from nanoplug.checkpoints import write_gguf
+    from nanoplug.bench.checkpoints import write_gguf
 
     out = WORK / f"{folder.name}-{fmt}.gguf"
     if not out.is_file():
@@ -264,7 +264,7 @@ def engine_child(path: str, quantization: str, result: str, device: str) -> None
     if not os.environ.get("NANOPLUG_BENCH_GEMV") and (WORK / "best_gemv.json").is_file():
         os.environ["NANOPLUG_BENCH_GEMV"] = (WORK / "best_gemv.json").read_text()
     if os.environ.get("NANOPLUG_BENCH_GEMV"):  # the kernels stage's sweep winners
-        from nanoplug.plugins.adapters import gguf_kernels
+        from nanoplug.kernels.gguf import triton_kernels as gguf_kernels
 
         best = json.loads(os.environ["NANOPLUG_BENCH_GEMV"])
         gguf_kernels.GEMV_CONFIG.update({(k.split()[0], k.split()[1] == "True"): gguf_kernels.GemvConfig(*v)

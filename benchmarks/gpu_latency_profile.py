@@ -12,8 +12,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from nanoplug import SamplingParams
-from nanoplug.bench import open_engine
-from nanoplug.bench_latency import FreshPrompts
+from nanoplug.bench.throughput import open_engine
+from nanoplug.bench.latency import FreshPrompts
 
 
 def timed_steps(core, prompt, params):

@@ -28,8 +28,8 @@ import torch
 from safetensors.torch import save_file
 
 from nanoplug import LLM, SamplingParams
-from nanoplug.bench import default_checkpoint_dir, workload, write_checkpoint
-from nanoplug.checkpoints import QWEN3_0_6B_SHAPE
+from nanoplug.bench.throughput import default_checkpoint_dir, workload, write_checkpoint
+from nanoplug.bench.checkpoints import QWEN3_0_6B_SHAPE
 
 PROJECTIONS = {  # name -> (block, in features, out features) of Qwen3-0.6B
     "q_proj": ("self_attn", 1024, 16 * 128), "k_proj": ("self_attn", 1024, 8 * 128),

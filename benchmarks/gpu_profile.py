@@ -12,7 +12,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from nanoplug import LLM
-from nanoplug.bench import workload, write_checkpoint
+from nanoplug.bench.throughput import workload, write_checkpoint
 
 attention = sys.argv[1] if len(sys.argv) > 1 else "flash"
 llm = LLM(str(write_checkpoint()), attention=attention, kv_cache="triton", max_model_len=4096)

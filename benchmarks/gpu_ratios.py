@@ -20,9 +20,9 @@ import time
 import torch
 
 from nanoplug import LLM, SamplingParams
-from nanoplug.bench import write_checkpoint
-from nanoplug.core.runner import StepBatch
-from nanoplug.core.sampler import SamplingBatch
+from nanoplug.bench.throughput import write_checkpoint
+from nanoplug.worker.runner import StepBatch
+from nanoplug.worker.sampler import SamplingBatch
 
 BLOCK = 256
 
@@ -70,8 +70,8 @@ def bench_prefill(model: str) -> None:
 def bench_store() -> None:
     import triton.testing
 
-    from nanoplug.plugins.cache.torch import TorchStore
-    from nanoplug.plugins.cache.triton import TritonStore
+    from nanoplug.plugins.kv_cache.torch import TorchStore
+    from nanoplug.plugins.kv_cache.triton import TritonStore
 
     heads, dim, blocks = 8, 128, 2048
     kc = torch.randn(blocks, BLOCK, heads, dim, device="cuda", dtype=torch.bfloat16)

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpu_gguf import _time_us  # noqa: E402
 
-from nanoplug.plugins.platforms.cuda import fused_kernels as K  # noqa: E402
+from nanoplug.kernels.cuda import fused_ops as K  # noqa: E402
 
 for rows, width in ((1, 24576), (1, 6144), (256, 6144), (2048, 6144)):
     x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)

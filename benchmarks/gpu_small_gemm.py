@@ -9,7 +9,7 @@ import itertools, sys
 import torch, triton, triton.language as tl
 import torch.nn.functional as F
 
-from nanoplug.plugins.platforms.cuda.small_gemm import _small_gemm_kernel
+from nanoplug.kernels.cuda.small_gemm import _small_gemm_kernel
 
 @triton.jit
 def gemv_dot(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,

@@ -16,7 +16,7 @@ import time
 import triton.runtime.jit as jit
 
 from nanoplug import LLM
-from nanoplug.bench import write_checkpoint
+from nanoplug.bench.throughput import write_checkpoint
 
 T0 = time.perf_counter()
 compiles: list[tuple[float, str, float]] = []  # (seconds, kernel, seconds since start)

@@ -13,7 +13,7 @@ from collections import defaultdict
 import torch
 
 from nanoplug import LLM
-from nanoplug.bench import workload, write_checkpoint
+from nanoplug.bench.throughput import workload, write_checkpoint
 
 attention = sys.argv[1] if len(sys.argv) > 1 else "flash"
 kv_cache = sys.argv[2] if len(sys.argv) > 2 else "triton"

@@ -73,7 +73,7 @@ def outputs_child(tp: int, dtype: str, attention: str, kv_cache: str, model: str
     import torch
 
     from nanoplug import LLM, SamplingParams
-    from nanoplug.bench import workload
+    from nanoplug.bench.throughput import workload
 
     prompts = [p[:CHECK_PROMPT_LEN] for p in workload()[0][:NUM_CHECK_PROMPTS]]
     options = dict(dtype=dtype, attention=attention, kv_cache=kv_cache, max_model_len=4096, device=device,
@@ -119,7 +119,7 @@ ENGINE_LINE = (r"engine: steps (overlapped|one at a time); KV cache ([\d,]+) tok
 
 
 def engine_facts(text: str) -> dict:
-    """What `nanoplug bench` says of how its engine ran (nanoplug.bench.describe_engine's line)."""
+    """What `nanoplug bench` says of how its engine ran (nanoplug.bench.throughput.describe_engine's line)."""
     m = re.search(ENGINE_LINE, text)
     if not m:
         return {"engine": None}
@@ -217,7 +217,7 @@ def main() -> int:
         if model is None:
             return 1
     if model is None:
-        rc, text = run_child(["-c", "from nanoplug.bench import write_checkpoint; print(write_checkpoint())"], 300)
+        rc, text = run_child(["-c", "from nanoplug.bench.throughput import write_checkpoint; print(write_checkpoint())"], 300)
         if rc != 0:
             log(f"could not write the benchmark checkpoint: {text[-800:]}")
             return 1

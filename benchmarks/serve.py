@@ -1,7 +1,7 @@
 """Load generator for `nanoplug serve`: requests/s, output tok/s, TTFT and ITL at several concurrencies,
 with the offline `nanoplug bench` figure of the same requests beside them.
 
-The requests are BENCHMARK.md's workload (`nanoplug.bench.workload`: random token-id prompts of
+The requests are BENCHMARK.md's workload (`nanoplug.bench.throughput.workload`: random token-id prompts of
 100..max_input_len tokens, temperature 0.6, eos ignored, 100..max_output_len new tokens), sent as
 streaming `/v1/completions` by the official async `openai` client. At concurrency C, C workers send
 max(C, --min-requests) requests; at C = 256 these are exactly `nanoplug bench`'s 256 requests.
@@ -209,11 +209,11 @@ class Server:
 
 def resolve_model(name: str | None) -> str:
     if name is None:
-        from nanoplug.default_model import default_model_path
+        from nanoplug.checkpoint.default_model import default_model_path
 
         return str(default_model_path(progress=True))
     if name == "qwen3-0.6b-random":
-        from nanoplug.bench import write_checkpoint
+        from nanoplug.bench.throughput import write_checkpoint
 
         return str(write_checkpoint())
     return name
@@ -263,7 +263,7 @@ def main() -> int:
     ap.add_argument("--enforce-eager", action="store_true")
     args = ap.parse_args()
 
-    from nanoplug.bench import workload
+    from nanoplug.bench.throughput import workload
 
     largest = max(max(args.concurrency), args.min_requests)
     prompts, params = workload(largest, args.max_input_len, args.max_output_len)

@@ -15,15 +15,15 @@ __all__ = ["LLM", "AdapterSpec", "EngineConfig", "SamplingParams", "RequestOutpu
 __version__ = "0.1.0"
 
 _LAZY = {
-    "LLM": "nanoplug.core.llm",
-    "RequestOutput": "nanoplug.core.outputs",
-    "CompletionOutput": "nanoplug.core.outputs",
-    "StreamDelta": "nanoplug.core.outputs",
-    "TokenLogprobs": "nanoplug.core.logprobs",
-    "AdapterSpec": "nanoplug.core.config",
-    "EngineConfig": "nanoplug.core.config",
-    "SamplingParams": "nanoplug.core.config",
-    "Registry": "nanoplug.core.registry",  # the plugins this process sees: LLM(path, registry=...)
+    "LLM": "nanoplug.engine.llm",
+    "RequestOutput": "nanoplug.engine.outputs",
+    "CompletionOutput": "nanoplug.engine.outputs",
+    "StreamDelta": "nanoplug.engine.outputs",
+    "TokenLogprobs": "nanoplug.worker.logprobs",
+    "AdapterSpec": "nanoplug.config",
+    "EngineConfig": "nanoplug.config",
+    "SamplingParams": "nanoplug.config",
+    "Registry": "nanoplug.engine.registry",  # the plugins this process sees: LLM(path, registry=...)
 }
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from nanoplug.checkpoints import write_random_checkpoint
+from nanoplug.bench.checkpoints import write_random_checkpoint
 
-# name -> (architecture, shape overrides of nanoplug.checkpoints.TINY_SHAPE)
+# name -> (architecture, shape overrides of nanoplug.bench.checkpoints.TINY_SHAPE)
 CHECKPOINTS = {
     "qwen3": ("Qwen3ForCausalLM", dict(tie_word_embeddings=False)),  # GQA: 4 heads over 2 KV heads
     "qwen3_tied": ("Qwen3ForCausalLM", dict(tie_word_embeddings=True, seed=1)),

@@ -7,7 +7,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from nanoplug.checkpoints import quantize_q4_k  # noqa: F401  (gguf-py cannot quantize Q4_K)
+from nanoplug.bench.checkpoints import quantize_q4_k  # noqa: F401  (gguf-py cannot quantize Q4_K)
 
 # the mixed file: every block format the CPU kernels serve, fused layers whose parts differ in format,
 # and an F16 embedding (dequantized at load: a dense tied LM head). Q4_K needs rows that are whole

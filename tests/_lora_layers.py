@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from nanoplug.plugins.adapters.multi_lora import MaskedSlots, MultiLoraLinear, TiledSlots
+from nanoplug.plugins.adapters.lora.per_request import MaskedSlots, MultiLoraLinear, TiledSlots
 
 
 class Base(nn.Module):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import types
 
 from nanoplug.api import PLUGIN_API_VERSION, hookimpl
-from nanoplug.core.registry import Registry
+from nanoplug.engine.registry import Registry
 
 
 def registry_with_platform(name: str, platform: type) -> Registry:

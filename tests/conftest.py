@@ -33,7 +33,7 @@ _import_triton_for_the_interpreter()
 @pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory):
     """A tiny random Qwen3 checkpoint (2 layers, head size 16, GQA 4:2) with the real Qwen3 tokenizer."""
-    from nanoplug.checkpoints import write_random_checkpoint
+    from nanoplug.bench.checkpoints import write_random_checkpoint
 
     return write_random_checkpoint(tmp_path_factory.mktemp("checkpoints") / "qwen3")
 

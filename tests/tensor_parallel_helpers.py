@@ -94,7 +94,7 @@ def torchrun_rank(checkpoint: str, out_dir: str) -> None:
 
     from nanoplug import LLM
 
-    from nanoplug.core.errors import NanoplugError
+    from nanoplug.errors import NanoplugError
 
     runs = {}
     for overlap in (False, True):  # steps one after another, then overlapped

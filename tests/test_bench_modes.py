@@ -13,11 +13,11 @@ from types import SimpleNamespace
 import pytest
 
 from _checkpoints import checkpoint
-from nanoplug import bench, bench_latency
-from nanoplug.bench_latency import BODY_IDS, FreshPrompts
+from nanoplug.bench import latency as bench_latency, throughput as bench
+from nanoplug.bench.latency import BODY_IDS, FreshPrompts
 from nanoplug.cli import main
-from nanoplug.core.engine_core import EngineCore
-from nanoplug.core.errors import ConfigError
+from nanoplug.engine.engine_core import EngineCore
+from nanoplug.errors import ConfigError
 
 ENGINE = dict(device="cpu", kv_block_size=16, max_model_len=256, num_kv_blocks=256)
 ENGINE_FLAGS = ["--device", "cpu", "--kv-block-size", "16", "--max-model-len", "256"]

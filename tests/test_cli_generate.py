@@ -14,15 +14,15 @@ import pytest
 
 import _processes
 from _checkpoints import checkpoint
-from nanoplug.plugins.platforms.cpu import kernels as cpu_kernels
+from nanoplug.kernels import cpu as cpu_kernels
 from nanoplug.cli import main
-from nanoplug.core.errors import ModelLoadError
+from nanoplug.errors import ModelLoadError
 
 
 @pytest.fixture(scope="module")
 def smollm2_dirs():
     """The default model's folders: the GGUF one (the default) and the float32 one (--float32)."""
-    from nanoplug.default_model import default_model_path
+    from nanoplug.checkpoint.default_model import default_model_path
 
     return default_model_path(progress=True), default_model_path(progress=True, float32=True)
 
@@ -33,7 +33,7 @@ def nanoplug_cli(*args: str, env: dict | None = None) -> subprocess.CompletedPro
 
 
 def test_generate_end_to_end_reuses_the_cache(smollm2_dirs):
-    from nanoplug.default_model import GGUF_NAME
+    from nanoplug.checkpoint.default_model import GGUF_NAME
 
     gguf_dir, float32_dir = smollm2_dirs
     files = [gguf_dir / GGUF_NAME, float32_dir / "model.safetensors"]
@@ -112,7 +112,7 @@ def test_sampling_options_and_seed(capsys):
 
 
 def test_chat_loop_keeps_history_and_resets(capsys, monkeypatch, smollm2_dirs):
-    from nanoplug.core.llm import LLM
+    from nanoplug.engine.llm import LLM
 
     seen: list[list[dict]] = []
     original = LLM.chat_prompt_ids
@@ -172,7 +172,7 @@ def test_invalid_utf8_in_argv_is_one_line_in_a_real_process():
 
 
 def test_chat_text_never_becomes_a_control_token_in_the_cli(capsys, monkeypatch):
-    from nanoplug.core.llm import LLM
+    from nanoplug.engine.llm import LLM
 
     seen: list[list[int]] = []
     original = LLM.chat_prompt_ids

@@ -107,7 +107,7 @@ def test_env_switch_hides_third_party_plugins(broken_dist, monkeypatch, capsys):
 
 
 def test_unbuilt_builtin_shows_its_import_error(monkeypatch, capsys):
-    from nanoplug.core import registry as registry_module
+    from nanoplug.engine import registry as registry_module
 
     original_init = registry_module.Registry.__init__
 

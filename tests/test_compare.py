@@ -12,10 +12,10 @@ os.environ["TRITON_INTERPRET"] = "1"  # before any triton kernel is defined: the
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from nanoplug.checkpoints import write_random_checkpoint  # noqa: E402
+from nanoplug.bench.checkpoints import write_random_checkpoint  # noqa: E402
 from nanoplug.cli import compare  # noqa: E402
 
-import nanoplug.plugins.cache.triton as triton_store  # noqa: E402
+import nanoplug.plugins.kv_cache.triton as triton_store  # noqa: E402
 
 importlib.reload(triton_store)
 CASES = ("prefill", "decode", "prefix-hit", "chunked", "decode-mixed")

@@ -15,8 +15,8 @@ from nanoplug import LLM, SamplingParams
 from nanoplug.api import ModelFacts, Target
 from nanoplug.api.layers.embedding import VocabParallelEmbedding
 from nanoplug.plugins.attention.cpu import CpuAttention
-from nanoplug.plugins.cache.fp16 import Fp16Store
-from nanoplug.plugins.platforms.cpu import kernels as cpu_kernels
+from nanoplug.plugins.kv_cache.fp16 import Fp16Store
+from nanoplug.kernels import cpu as cpu_kernels
 from nanoplug.plugins.platforms.cpu.graphs import GRAPH_BATCH_SIZES, CpuDecodeGraphs
 
 CHECKPOINTS.setdefault("head64", ("Qwen3ForCausalLM", dict(head_dim=64, num_attention_heads=6,
@@ -74,7 +74,7 @@ def test_replayed_steps_give_the_eager_tokens_and_logits(engines, monkeypatch, n
 
 
 def test_the_default_gguf_model_replays_its_decode_steps(monkeypatch):
-    from nanoplug.default_model import default_model_path
+    from nanoplug.checkpoint.default_model import default_model_path
 
     folder = str(default_model_path())
     options = dict(device="cpu", kv_block_size=16, max_model_len=512, cpu={"kv_cache_gb": 0.1},
@@ -111,7 +111,7 @@ def test_a_computation_the_recording_cannot_see_is_caught_at_start_up(path, engi
 
 
 def test_a_cache_write_the_recording_cannot_see_is_caught_at_start_up(path, engines, monkeypatch, caplog):
-    from nanoplug.plugins.cache.torch import TorchStore
+    from nanoplug.plugins.kv_cache.torch import TorchStore
 
     def numpy_store(self, k, v, k_cache, v_cache, slot_mapping, layer):  # as Triton's CPU interpreter writes
         slots = slot_mapping.numpy()

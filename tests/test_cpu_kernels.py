@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (nanoplug/plugins/platforms/cpu/kernels) against the torch code they replace, on the same inputs:
+"""The C++ CPU kernels (nanoplug/kernels/cpu) against the torch code they replace, on the same inputs:
 each op alone (odd sizes, strided views, the threaded sizes), the `cpu` attention backend and the fused
 ops inside an engine (same tokens and logits as the plain engine), and the build: cached, and a clear
 reason, with the plain path chosen, where no compiler works. The packed GEMM's engine-level checks are
@@ -14,10 +14,10 @@ import torch.nn.functional as F
 
 from _checkpoints import CHECKPOINTS, PROMPTS, checkpoint
 from nanoplug import LLM, SamplingParams
-from nanoplug.plugins.platforms.cpu import kernels as cpu_kernels
+from nanoplug.kernels import cpu as cpu_kernels
 from nanoplug.plugins.platforms.cpu import packed_linear
 from nanoplug.api import ModelFacts, Target
-from nanoplug.plugins.platforms.cpu.kernels import build
+from nanoplug.kernels.cpu import build
 from nanoplug.plugins.attention.cpu import CpuAttention
 from nanoplug.api import RotaryEmbedding, add_rms_norm, apply_rope, rms_norm, silu_and_mul
 

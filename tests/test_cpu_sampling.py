@@ -8,7 +8,7 @@ import torch
 from _checkpoints import PROMPTS, checkpoint
 from _sampling import check_temperature_sampler
 from nanoplug import LLM, SamplingParams
-from nanoplug.plugins.platforms.cpu import sampling
+from nanoplug.kernels.cpu import sampling
 
 
 def test_draws_follow_softmax_of_logits_over_temperature():

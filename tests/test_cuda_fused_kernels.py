@@ -19,7 +19,7 @@ from nanoplug.api import add_rms_norm, apply_rope, rms_norm, silu_and_mul
 
 @pytest.fixture(scope="module")
 def kernels():
-    import nanoplug.plugins.platforms.cuda.fused_kernels as module
+    import nanoplug.kernels.cuda.fused_ops as module
 
     with interpreted(module) as reloaded:
         yield reloaded

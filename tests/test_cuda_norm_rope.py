@@ -35,7 +35,7 @@ def _round_to_nearest_even(original):
 def kernels():
     import triton.runtime.interpreter as interpreter
 
-    import nanoplug.plugins.platforms.cuda.fused_kernels as module
+    import nanoplug.kernels.cuda.fused_ops as module
 
     with interpreted(module) as reloaded, pytest.MonkeyPatch.context() as mp:
         mp.setattr(interpreter, "_convert_float", _round_to_nearest_even(interpreter._convert_float))

@@ -15,12 +15,12 @@ import torch
 from _sampling import check_temperature_sampler
 from _triton_interpreter import interpreted
 from nanoplug.api import SamplingBatch
-from nanoplug.core.sampler import Sampler
+from nanoplug.worker.sampler import Sampler
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    import nanoplug.plugins.platforms.cuda.sampling_kernel as module
+    import nanoplug.kernels.cuda.sampling as module
 
     with interpreted(module) as reloaded:
         yield reloaded

@@ -17,7 +17,7 @@ from _triton_interpreter import interpreted
 
 @pytest.fixture(scope="module")
 def gemm():
-    import nanoplug.plugins.platforms.cuda.small_gemm as module
+    import nanoplug.kernels.cuda.small_gemm as module
 
     with interpreted(module) as reloaded:
         yield reloaded

@@ -1,4 +1,4 @@
-"""Tests for nanoplug.default_model (the embedded SmolLM2-135M-Instruct checkpoint).
+"""Tests for nanoplug.checkpoint.default_model (the embedded SmolLM2-135M-Instruct checkpoint).
 
 The real conversion runs once per session into the normal cache (``$NANOPLUG_CACHE``,
 ``$XDG_CACHE_HOME/nanoplug`` or ``~/.cache/nanoplug``), so later runs reuse it.
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from nanoplug import default_model as dm
+from nanoplug.checkpoint import default_model as dm
 
 PROMPT = "The capital of France is"
 
@@ -106,7 +106,7 @@ def test_float32_weights_are_gguf_py_dequantization(float32_dir, model_dir):
     import numpy as np
     from safetensors import safe_open
 
-    from nanoplug.gguf_file import GGUFFile, unpermute_rows
+    from nanoplug.checkpoint.gguf_file import GGUFFile, unpermute_rows
 
     reader = gguf.GGUFReader(str(model_dir / dm.GGUF_NAME))
     by_name = {t.name: t for t in reader.tensors}

@@ -11,7 +11,7 @@ import pytest
 from _checkpoints import PROMPTS, checkpoint
 from _engine_checks import assert_idle
 from nanoplug import LLM, SamplingParams
-from nanoplug.core.errors import RequestError
+from nanoplug.errors import RequestError
 
 OPTIONS = dict(kv_block_size=16, attention="sdpa", kv_cache="torch", num_kv_blocks=96, max_model_len=256)
 GREEDY = dict(temperature=0, ignore_eos=True)

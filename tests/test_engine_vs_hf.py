@@ -181,8 +181,8 @@ print("RESULT" + json.dumps({"runs": runs, "preemptions": llm.engine.scheduler.n
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("nanoplug.plugins.cache.triton") is None,
-                    reason="nanoplug.plugins.cache.triton is not written yet")
+@pytest.mark.skipif(importlib.util.find_spec("nanoplug.plugins.kv_cache.triton") is None,
+                    reason="nanoplug.plugins.kv_cache.triton is not written yet")
 @pytest.mark.parametrize("attention", ["manual", "sdpa"])
 def test_triton_kv_store_greedy_equals_transformers(attention):
     """The Triton store kernel under TRITON_INTERPRET=1 (set before triton is imported: a fresh process)."""

@@ -19,7 +19,7 @@ import torch
 import _processes
 from nanoplug import LLM, SamplingParams
 from nanoplug.api import Target
-from nanoplug.core.registry import Registry
+from nanoplug.engine.registry import Registry
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "nanoplug-example-plugin"
 DIST = "nanoplug-example-plugin"

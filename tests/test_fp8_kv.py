@@ -17,9 +17,9 @@ import torch  # noqa: E402
 
 from nanoplug.api import KVLayer  # noqa: E402
 
-import nanoplug.plugins.attention.dequantized_pages as dequantized_pages  # noqa: E402
-import nanoplug.plugins.attention.triton_decode as triton_decode  # noqa: E402
-import nanoplug.plugins.cache.fp8 as fp8  # noqa: E402
+import nanoplug.kernels.attention.dequantized_pages as dequantized_pages  # noqa: E402
+import nanoplug.kernels.attention.triton_decode as triton_decode  # noqa: E402
+import nanoplug.plugins.kv_cache.fp8 as fp8  # noqa: E402
 
 fp8 = importlib.reload(fp8)
 triton_decode = importlib.reload(triton_decode)
@@ -361,8 +361,8 @@ def test_a_rotated_cache_leaves_attention_unchanged():
     from _checkpoints import relative_error
     from nanoplug import LLM, SamplingParams, hookimpl
     from nanoplug.api import PLUGIN_API_VERSION
-    from nanoplug.core.registry import Registry
-    from nanoplug.plugins.cache.torch import TorchStore
+    from nanoplug.engine.registry import Registry
+    from nanoplug.plugins.kv_cache.torch import TorchStore
 
     class RotatedStore(TorchStore):
         def rotation(self, head_dim):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from _checkpoints import prompt_logprobs
 from nanoplug import LLM, SamplingParams
 from nanoplug.api import Layers
-from nanoplug.plugins.adapters.fp8 import FP8, FP8LinearMethod, dequantize_rows, quantize_rows
+from nanoplug.plugins.weight_formats.fp8 import FP8, FP8LinearMethod, dequantize_rows, quantize_rows
 
 pytestmark = pytest.mark.skipif(FP8 is None, reason="this torch has no float8_e4m3fn")
 

@@ -1,4 +1,4 @@
-"""The GGUF weight format end to end (nanoplug/gguf_file.py, the loader, plugins/adapters/gguf.py), against
+"""The GGUF weight format end to end (nanoplug/checkpoint/gguf_file.py, the loader, plugins/adapters/gguf.py), against
 references no one here wrote:
 
 - the reader gives gguf-py's tensors (names, types, shapes, bytes) under transformers' Hugging Face names,
@@ -25,7 +25,7 @@ from _checkpoints import prompt_logprobs
 from _gguf_files import MIXED, requantize
 from nanoplug import LLM, SamplingParams
 from nanoplug.api.errors import PluginUnavailableError
-from nanoplug.gguf_file import GGUFFile, unpermute_rows
+from nanoplug.checkpoint.gguf_file import GGUFFile, unpermute_rows
 
 TEXT = Path(__file__).parent.parent / "benchmarks" / "data" / "apache-2.0.txt"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
@@ -35,14 +35,14 @@ OPTIONS = dict(device="cpu", kv_block_size=16, max_model_len=2560, cpu={"kv_cach
 
 @pytest.fixture(scope="module")
 def folders():
-    from nanoplug.default_model import default_model_path
+    from nanoplug.checkpoint.default_model import default_model_path
 
     return default_model_path(progress=True), default_model_path(progress=True, float32=True)
 
 
 @pytest.fixture(scope="module")
 def gguf_path(folders):
-    from nanoplug.default_model import GGUF_NAME
+    from nanoplug.checkpoint.default_model import GGUF_NAME
 
     return folders[0] / GGUF_NAME
 
@@ -105,7 +105,7 @@ def test_reader_gives_gguf_py_tensors_under_transformers_names(gguf_path):
 
 
 def test_every_tensor_of_the_file_dequantizes_exactly(gguf_path):
-    from nanoplug.plugins.platforms.cpu.kernels.quant_ops import quant_kernels
+    from nanoplug.kernels.cpu.quant_ops import quant_kernels
 
     qk = quant_kernels()
     for t in GGUFFile(gguf_path).tensors():

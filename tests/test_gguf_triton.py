@@ -25,10 +25,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import nanoplug.plugins.adapters.gguf_kernels as kernels  # noqa: E402
+import nanoplug.kernels.gguf.triton_kernels as kernels  # noqa: E402
 from _checkpoints import prompt_logprobs  # noqa: E402
-from nanoplug.checkpoints import quantize_q4_k, write_gguf, write_random_checkpoint  # noqa: E402
-from nanoplug.plugins.adapters.gguf_blocks import FORMATS, repack  # noqa: E402
+from nanoplug.bench.checkpoints import quantize_q4_k, write_gguf, write_random_checkpoint  # noqa: E402
+from nanoplug.kernels.gguf.blocks import FORMATS, repack  # noqa: E402
 
 kernels = importlib.reload(kernels)
 ROWS, COLS = 37, 768  # rows not a multiple of any block; 24 groups of 32, 3 Q4_K super-blocks

@@ -14,7 +14,7 @@ from _graph_guard import Compilations, StepLog, check_startup_line, mixed_worklo
 from nanoplug import LLM, SamplingParams
 from nanoplug.api import GraphCaptureError
 from nanoplug.api.layers.embedding import VocabParallelEmbedding
-from nanoplug.plugins.platforms.cpu import kernels as cpu_kernels
+from nanoplug.kernels import cpu as cpu_kernels
 from nanoplug.plugins.platforms.cpu.graphs import GRAPH_BATCH_SIZES
 
 CHECKPOINTS.setdefault("head64", ("Qwen3ForCausalLM", dict(head_dim=64, num_attention_heads=6,

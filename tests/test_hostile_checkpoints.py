@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 
 from _checkpoints import checkpoint, scratch_dir
 from nanoplug import LLM, SamplingParams
-from nanoplug.core.errors import ModelLoadError, WeightShapeError
-from nanoplug.core.loader import copy_weight, load_hf_config
+from nanoplug.errors import ModelLoadError, WeightShapeError
+from nanoplug.checkpoint.loader import copy_weight, load_hf_config
 
 OPTIONS = dict(kv_block_size=16, attention="manual", kv_cache="torch", num_kv_blocks=32, max_model_len=128)
 Tensors = dict[str, torch.Tensor]
@@ -349,7 +349,7 @@ def _symlink_out(folder: Path) -> str:
 def test_a_shard_index_pointing_outside_the_folder_is_refused_unread(name, edit, why, monkeypatch):
     folder = sharded(f"escape_{name}", edit)
     opened = []
-    import nanoplug.core.loader as loader
+    import nanoplug.checkpoint.loader as loader
 
     real_open = loader.safe_open
     monkeypatch.setattr(loader, "safe_open", lambda path, **kw: opened.append(path) or real_open(path, **kw))
@@ -389,7 +389,7 @@ def _lora_folder(name: str) -> Path:
     ("adapter_model.safetensors", b"\x00" * 3, "is not a readable safetensors file"),
 ])
 def test_a_damaged_lora_folder_names_the_file(file, content, expected):
-    from nanoplug.plugins.adapters.peft_folder import read_peft_lora
+    from nanoplug.plugins.adapters.lora.peft_folder import read_peft_lora
 
     folder = _lora_folder(f"lora_{file}_{len(content)}")
     assert read_peft_lora(folder).modules  # intact, it reads

@@ -20,11 +20,11 @@ import torch
 from _checkpoints import checkpoint
 from nanoplug import LLM, EngineConfig, SamplingParams, hookimpl
 from nanoplug.cli.plugins import listing
-from nanoplug.core.errors import PluginLoadError
+from nanoplug.errors import PluginLoadError
 from nanoplug.api import PLUGIN_API_VERSION, AttentionBackend, ModelArchitecture, Target
-from nanoplug.core.registry import Registry
+from nanoplug.engine.registry import Registry
 from nanoplug.plugins.attention.manual import ManualAttention
-from nanoplug.plugins.cache.torch import TorchStore
+from nanoplug.plugins.kv_cache.torch import TorchStore
 from nanoplug.plugins.models.qwen3 import Qwen3ForCausalLM
 
 

@@ -20,10 +20,10 @@ import torch
 from _checkpoints import PROMPTS, checkpoint, prompt_ids, scratch_dir, tokenizer
 from _engine_checks import assert_idle
 from nanoplug import LLM, SamplingParams
-from nanoplug.checkpoints import qwen_tokenizer_dir
-from nanoplug.core.chat_template import chat_token_ids, guarded_chat_token_ids
-from nanoplug.core.context_length import ALLOW_LONG, model_context_length
-from nanoplug.core.errors import ConfigError, EngineClosedError, ModelLoadError, RequestError
+from nanoplug.bench.checkpoints import qwen_tokenizer_dir
+from nanoplug.engine.chat_template import chat_token_ids, guarded_chat_token_ids
+from nanoplug.engine.context_length import ALLOW_LONG, model_context_length
+from nanoplug.errors import ConfigError, EngineClosedError, ModelLoadError, RequestError
 
 OPTIONS = dict(kv_block_size=16, attention="sdpa", kv_cache="torch", num_kv_blocks=64, max_model_len=256)
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -206,7 +206,7 @@ def transformers_ids(tok, messages) -> list[int]:
 def chat_tokenizers():
     from transformers import AutoTokenizer
 
-    from nanoplug.default_model import default_model_path
+    from nanoplug.checkpoint.default_model import default_model_path
 
     return {"qwen3": AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir())),
             "smollm2": AutoTokenizer.from_pretrained(str(default_model_path(progress=True)))}

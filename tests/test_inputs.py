@@ -1,4 +1,4 @@
-"""A step's inputs are planned in one place (nanoplug/core/inputs.py) for eager steps and graph replays.
+"""A step's inputs are planned in one place (nanoplug/worker/inputs.py) for eager steps and graph replays.
 
 The planner's padded form (a graph's buffers: rows past the batch write to the scratch block) must give
 the eager form's values for the batch's rows; and a platform whose "graphs" replay decode steps on such
@@ -16,8 +16,8 @@ from _checkpoints import PROMPTS, checkpoint
 from nanoplug import LLM, SamplingParams
 from nanoplug.api import (PLUGIN_API_VERSION, AttentionMetadata, PrefillGraphs, SamplingBatch, StepBatch, StepGraphs,
                           StepInputs, hookimpl)
-from nanoplug.core.inputs import plan_fresh_prefill, plan_inputs
-from nanoplug.core.registry import Registry
+from nanoplug.worker.inputs import plan_fresh_prefill, plan_inputs
+from nanoplug.engine.registry import Registry
 from nanoplug.plugins.attention.manual import ManualAttention
 from nanoplug.plugins.attention.sdpa import SdpaAttention
 from nanoplug.plugins.platforms.cpu.platform import CpuPlatform

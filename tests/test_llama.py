@@ -13,7 +13,7 @@ import torch
 
 from _checkpoints import PROMPTS, relative_error
 from nanoplug import LLM, SamplingParams
-from nanoplug.checkpoints import write_random_checkpoint
+from nanoplug.bench.checkpoints import write_random_checkpoint
 
 LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=32, rope_theta=500000.0)

@@ -10,8 +10,8 @@ import torch
 
 from _checkpoints import checkpoint, hf_model, prompt_ids, scratch_dir
 from nanoplug import LLM, SamplingParams
-from nanoplug.checkpoints import write_random_checkpoint
-from nanoplug.core.errors import ModelLoadError
+from nanoplug.bench.checkpoints import write_random_checkpoint
+from nanoplug.errors import ModelLoadError
 
 OPTIONS = dict(kv_block_size=16, attention="manual", kv_cache="torch", num_kv_blocks=32, max_model_len=128)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

@@ -12,10 +12,11 @@ from hypothesis import given, settings, strategies as st
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
 
 from nanoplug import SamplingParams
-from nanoplug.core.errors import RequestError
+from nanoplug.errors import RequestError
 from nanoplug.api import LogitsProcessingBatch, SlotInit
-from nanoplug.core.logits_processors import LogitsProcessors, PenaltySlots, add_sample_row, check_token_ids
-from nanoplug.core.sampler import Sampler, SamplingBatch
+from nanoplug.engine.penalties import PenaltySlots, add_sample_row, check_token_ids
+from nanoplug.worker.logits_processors import LogitsProcessors
+from nanoplug.worker.sampler import Sampler, SamplingBatch
 
 VOCAB = 40
 CPU = torch.device("cpu")

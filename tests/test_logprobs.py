@@ -8,10 +8,10 @@ import torch
 
 from _checkpoints import hf_model, prompt_ids
 from nanoplug import SamplingParams
-from nanoplug.core import logprobs
+from nanoplug.worker import logprobs
 from nanoplug.api import LogitsProcessingBatch, LogprobsTensors, SlotInit
-from nanoplug.core.logits_processors import add_sample_row
-from nanoplug.core.sampler import Sampler, SamplingBatch
+from nanoplug.engine.penalties import add_sample_row
+from nanoplug.worker.sampler import Sampler, SamplingBatch
 
 CPU = torch.device("cpu")
 

@@ -22,8 +22,8 @@ from safetensors.torch import load_file, save_file
 
 from _checkpoints import PROMPTS, checkpoint, prompt_ids, relative_error, scratch_dir
 from nanoplug import LLM, SamplingParams
-from nanoplug.checkpoints import write_random_checkpoint
-from nanoplug.core.errors import AdapterError, GraphCaptureError, ModelLoadError, RequestError
+from nanoplug.bench.checkpoints import write_random_checkpoint
+from nanoplug.errors import AdapterError, GraphCaptureError, ModelLoadError, RequestError
 
 ALL_SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ENGINE = dict(kv_block_size=16, attention="manual", kv_cache="torch", num_kv_blocks=96, max_model_len=256)

@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import nanoplug.plugins.adapters.lora_kernels as kernels  # noqa: E402
+import nanoplug.kernels.lora.triton_kernels as kernels  # noqa: E402
 from _lora_layers import adapted_layer, mixed_ids, poison_unused, reference  # noqa: E402
 from test_lora import check_per_request_equals_merged, check_tensor_parallel_per_request  # noqa: E402
 

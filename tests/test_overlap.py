@@ -10,7 +10,7 @@ import torch
 from _checkpoints import PROMPTS, checkpoint
 from _engine_checks import assert_idle, interrupt_generate
 from nanoplug import LLM, SamplingParams
-from nanoplug.core.sequence import PENDING
+from nanoplug.engine.sequence import PENDING
 
 OPTIONS = dict(kv_block_size=16, attention="sdpa", kv_cache="torch", num_kv_blocks=64, max_model_len=256)
 

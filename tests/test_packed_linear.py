@@ -13,7 +13,7 @@ from torch import nn
 
 from _checkpoints import PROMPTS, checkpoint
 from nanoplug import LLM, SamplingParams
-from nanoplug.plugins.platforms.cpu import kernels as cpu_kernels
+from nanoplug.kernels import cpu as cpu_kernels
 from nanoplug.plugins.platforms.cpu import packed_linear
 from nanoplug.plugins.platforms.cpu.packed_linear import MAX_ROWS, MKL_MIN_ROWS, PackedWeight, linear, pack_linear_weights
 

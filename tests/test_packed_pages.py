@@ -22,7 +22,7 @@ from nanoplug.api import AttentionMetadata
 
 @pytest.fixture(scope="module")
 def packed():
-    import nanoplug.plugins.attention.packed_pages as module
+    import nanoplug.kernels.attention.packed_pages as module
 
     with interpreted(module) as reloaded:
         yield reloaded
@@ -151,7 +151,7 @@ def test_the_packed_path_of_sdpa_gives_manuals_tokens_and_logits(packed, monkeyp
 
     from _checkpoints import checkpoint, relative_error
     from nanoplug import LLM, SamplingParams
-    from nanoplug.plugins.attention import sdpa_cuda
+    from nanoplug.kernels.attention import varlen_sdpa as sdpa_cuda
 
     fn = varlen_as_in_torch_2_11
     monkeypatch.setattr(sdpa_cuda, "_varlen", lambda: (fn, frozenset(inspect.signature(fn).parameters)))

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from nanoplug.plugins.platforms.cpu.kernels import build
-from nanoplug.plugins.platforms.cpu.kernels.quant_ops import BLOCKS, FORMATS, quant_kernels
+from nanoplug.kernels.cpu import build
+from nanoplug.kernels.cpu.quant_ops import BLOCKS, FORMATS, quant_kernels
 
 EPS32 = np.finfo(np.float32).eps
 

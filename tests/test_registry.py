@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from nanoplug import LLM, SamplingParams, hookimpl
-from nanoplug.core.errors import PluginLoadError, PluginUnavailableError, UnknownPluginError
+from nanoplug.errors import PluginLoadError, PluginUnavailableError, UnknownPluginError
 from nanoplug.api import PLUGIN_API_VERSION, Target
-from nanoplug.core.registry import KIND_HOOKS, PluginEntry, Registry, default_registry
+from nanoplug.engine.registry import KIND_HOOKS, PluginEntry, Registry, default_registry
 from nanoplug.plugins.attention.manual import ManualAttention
 
 

@@ -10,9 +10,9 @@ import pytest
 from _checkpoints import PROMPTS, checkpoint, prompt_ids, scratch_dir, tokenizer
 from _engine_checks import assert_idle, interrupt_generate
 from nanoplug import LLM, SamplingParams
-from nanoplug.checkpoints import qwen_tokenizer_dir
-from nanoplug.core.detokenizer import IncrementalDetokenizer
-from nanoplug.core.errors import RequestError
+from nanoplug.bench.checkpoints import qwen_tokenizer_dir
+from nanoplug.engine.detokenizer import IncrementalDetokenizer
+from nanoplug.errors import RequestError
 
 OPTIONS = dict(kv_block_size=16, attention="sdpa", kv_cache="torch", num_kv_blocks=64, max_model_len=256)
 LONG = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

@@ -9,7 +9,7 @@ import torch
 
 from _checkpoints import checkpoint, prompt_ids
 from nanoplug import LLM, SamplingParams
-from nanoplug.core.sampler import Sampler, SamplingBatch
+from nanoplug.worker.sampler import Sampler, SamplingBatch
 
 
 def batch(n: int = 1, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, positions=None) -> SamplingBatch:

@@ -12,8 +12,8 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 from _checkpoints import PROMPTS, checkpoint, hf_logits, hf_model, prompt_ids, tokenizer
 from _engine_checks import assert_idle
 from nanoplug import LLM, SamplingParams
-from nanoplug.core.errors import RequestError
-from nanoplug.core.logits_processors import LogitsProcessors
+from nanoplug.errors import RequestError
+from nanoplug.worker.logits_processors import LogitsProcessors
 
 BLOCK = 16
 OPTIONS = dict(kv_block_size=BLOCK, attention="sdpa", kv_cache="torch", num_kv_blocks=64, max_model_len=256)

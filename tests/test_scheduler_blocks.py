@@ -10,10 +10,10 @@ import random
 
 import pytest
 
-from nanoplug.core.blocks import BlockManager, block_hash
-from nanoplug.core.config import EngineConfig, SamplingParams
-from nanoplug.core.scheduler import Scheduler
-from nanoplug.core.sequence import Sequence, Status
+from nanoplug.engine.blocks import BlockManager, block_hash
+from nanoplug.config import EngineConfig, SamplingParams
+from nanoplug.engine.scheduler import Scheduler
+from nanoplug.engine.sequence import Sequence, Status
 
 BS = 4
 

@@ -31,10 +31,10 @@ import xxhash
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from nanoplug.core.blocks import BlockManager
-from nanoplug.core.config import EngineConfig, SamplingParams
-from nanoplug.core.scheduler import Scheduled, Scheduler
-from nanoplug.core.sequence import PENDING, Sequence, Status
+from nanoplug.engine.blocks import BlockManager
+from nanoplug.config import EngineConfig, SamplingParams
+from nanoplug.engine.scheduler import Scheduled, Scheduler
+from nanoplug.engine.sequence import PENDING, Sequence, Status
 
 MODE = os.environ.get("NANOPLUG_HYPOTHESIS", "ci")
 if MODE not in ("ci", "explore", "long"):

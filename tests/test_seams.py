@@ -13,7 +13,7 @@ from _checkpoints import PROMPTS, checkpoint, relative_error
 from nanoplug import LLM, SamplingParams
 from nanoplug.api import (PLUGIN_API_VERSION, KVCacheStore, LinearMethod, Target, WeightAdapter, WeightShapeError,
                           check_shape, hookimpl)
-from nanoplug.core.registry import Registry
+from nanoplug.engine.registry import Registry
 
 OPTIONS = dict(kv_block_size=16, num_kv_blocks=64, max_model_len=256, dtype="float32", device="cpu")
 

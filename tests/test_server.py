@@ -16,7 +16,7 @@ import pytest
 from _checkpoints import PROMPTS, checkpoint
 from _server import API_KEY, ENGINE, start_server
 from nanoplug import LLM, SamplingParams
-from nanoplug.core.config import SamplingParams as EngineSamplingParams
+from nanoplug.config import SamplingParams as EngineSamplingParams
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is the capital of France?"}]
 

@@ -21,7 +21,7 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def smollm2_dir():
-    from nanoplug.default_model import default_model_path
+    from nanoplug.checkpoint.default_model import default_model_path
 
     return str(default_model_path(progress=True, float32=True))
 

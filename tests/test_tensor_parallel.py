@@ -17,11 +17,11 @@ import torch
 import tensor_parallel_helpers as helpers
 from _processes import gone
 from nanoplug import LLM, EngineConfig
-from nanoplug.checkpoints import write_random_checkpoint
-from nanoplug.core.errors import PluginUnavailableError
+from nanoplug.bench.checkpoints import write_random_checkpoint
+from nanoplug.errors import PluginUnavailableError
 from nanoplug.api import ModelFacts, Target
-from nanoplug.core.registry import Registry
-from nanoplug.plugins.parallel.pool import WorkerError
+from nanoplug.engine.registry import Registry
+from nanoplug.plugins.parallel.tensor.pool import WorkerError
 
 HERE = Path(__file__).resolve().parent
 DEADLINE_S = 180  # a fault must surface well within this, on a busy 2-core machine
@@ -221,7 +221,7 @@ def test_merged_column_rejects_parts_that_do_not_split():
 
 # ------------------------------------------------------------------- choice and early errors
 def _target(path: str, device: str = "cpu", tensor_parallel_size: int = 1) -> Target:
-    from nanoplug.core.loader import load_hf_config
+    from nanoplug.checkpoint.loader import load_hf_config
 
     return Target(device=torch.device(device), dtype=torch.float32, model=ModelFacts.from_hf_config(load_hf_config(path)),
                   tensor_parallel_size=tensor_parallel_size)

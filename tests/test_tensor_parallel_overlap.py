@@ -14,8 +14,8 @@ import tensor_parallel_helpers as helpers
 from _engine_checks import interrupt_generate
 from _processes import gone
 from nanoplug import LLM, Registry, SamplingParams
-from nanoplug.core.sequence import PENDING
-from nanoplug.plugins.parallel.pool import WorkerError
+from nanoplug.engine.sequence import PENDING
+from nanoplug.plugins.parallel.tensor.pool import WorkerError
 
 DEADLINE_S = 180  # a fault must surface well within this, on a busy 2-core machine
 PROMPTS = helpers.PROMPTS + ["The capital of France is", "1, 2, 3, 4,"]
@@ -23,7 +23,7 @@ PROMPTS = helpers.PROMPTS + ["The capital of France is", "1, 2, 3, 4,"]
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from nanoplug.checkpoints import write_random_checkpoint
+    from nanoplug.bench.checkpoints import write_random_checkpoint
 
     return str(write_random_checkpoint(tmp_path_factory.mktemp("tp_overlap") / "qwen3", tie_word_embeddings=True))
 

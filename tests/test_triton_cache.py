@@ -12,9 +12,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from nanoplug.api import KVLayer, ModelFacts, Target  # noqa: E402
-from nanoplug.plugins.cache.torch import TorchStore  # noqa: E402
+from nanoplug.plugins.kv_cache.torch import TorchStore  # noqa: E402
 
-import nanoplug.plugins.cache.triton as triton_store  # noqa: E402
+import nanoplug.plugins.kv_cache.triton as triton_store  # noqa: E402
 
 triton_store = importlib.reload(triton_store)
 

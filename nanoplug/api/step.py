@@ -156,7 +156,7 @@ class StepResult:
 class StepInputs:
     """One step's inputs on the host, laid out as the device reads them.
 
-    Planned in one place (nanoplug/core/inputs.py) for eager steps and for graph replays alike. A
+    Planned in one place (nanoplug/worker/inputs.py) for eager steps and for graph replays alike. A
     graph replays a fixed number of rows R: rows past the batch's sequences are padding (one token
     each, at position 0, writing to the scratch block, context length 1)."""
 

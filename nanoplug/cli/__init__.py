@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     from pydantic import ValidationError
 
-    from nanoplug.core.errors import NanoplugError
+    from nanoplug.errors import NanoplugError
 
     try:
         return int(args.func(args) or 0)

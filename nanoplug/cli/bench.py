@@ -1,13 +1,13 @@
-"""`nanoplug bench`: the throughput workload of BENCHMARK.md (nanoplug/bench.py), output tokens/s; static
+"""`nanoplug bench`: the throughput workload of BENCHMARK.md (nanoplug/bench/throughput.py), output tokens/s; static
 batches against continuous batching; or, with --latency, TTFT, batch-1 decode and prefill
-(nanoplug/bench_latency.py)."""
+(nanoplug/bench/latency.py)."""
 from __future__ import annotations
 
 import argparse
 
 # dest -> the flag, for the options that apply to one kind of run only
 WORKLOAD_OPTIONS = {"num_seqs": "--num-seqs", "max_input_len": "--max-input-len", "max_output_len": "--max-output-len"}
-# (flag, dest, what it sizes) of --latency's sizes; each default is nanoplug/bench_latency.py's dest.upper()
+# (flag, dest, what it sizes) of --latency's sizes; each default is nanoplug/bench/latency.py's dest.upper()
 LATENCY_SIZES = [("--latency-prompts", "ttft_prompts", "time-to-first-token prompts"),
                  ("--ttft-prompt-len", "ttft_prompt_len", "tokens of each of them"),
                  ("--decode-prompt-len", "decode_prompt_len", "prompt tokens of the batch-1 decode"),
@@ -18,7 +18,7 @@ LATENCY_OPTIONS = {dest: flag for flag, dest, _ in LATENCY_SIZES}
 
 
 def add_parser(sub) -> None:
-    from nanoplug import bench, bench_latency as lat
+    from nanoplug.bench import latency as lat, throughput as bench
 
     p = sub.add_parser("bench", help="the throughput benchmark (256 random requests, Qwen3-0.6B shape), or --latency",
                        description=f"{bench.__doc__}\n{lat.__doc__}",
@@ -62,8 +62,8 @@ def given(args, options: dict[str, str]) -> list[str]:
 
 
 def run(args) -> int:
-    from nanoplug import bench
-    from nanoplug.core.errors import ConfigError
+    from nanoplug.bench import throughput as bench
+    from nanoplug.errors import ConfigError
 
     options = dict(attention=args.attention, kv_cache=args.kv_cache, max_model_len=args.max_model_len,
                    kv_block_size=args.kv_block_size, tensor_parallel_size=args.tensor_parallel_size, cuda={"enforce_eager": args.enforce_eager},
@@ -117,7 +117,7 @@ def print_throughput(result, labelled: bool) -> None:
 
 
 def print_latency(args, options: dict) -> int:
-    from nanoplug.bench_latency import run_latency
+    from nanoplug.bench.latency import run_latency
 
     sizes = {dest: getattr(args, dest) for dest in LATENCY_OPTIONS if getattr(args, dest) is not None}
     r = run_latency(args.model, **sizes, **options)

@@ -10,7 +10,7 @@ import sys
 
 from nanoplug.cli.options import (OptionError, add_engine_options, add_sampling_options, build_llm, command_line_text,
                                   sampling_params)
-from nanoplug.core.errors import RequestError
+from nanoplug.errors import RequestError
 
 EXIT_COMMANDS = ("/exit", "/quit", "/bye")
 HELP = "type a message and press Enter; /reset clears the conversation, /exit or Ctrl-D quits"

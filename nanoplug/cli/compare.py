@@ -105,7 +105,7 @@ def run_backend(model: str, name: str, kind: str = "attention", device: str = "a
                 block_size: int | None = None, **options: Any) -> Outcome:
     """Run the whole scenario through one backend; a backend that cannot serve returns its reasons."""
     from nanoplug import LLM
-    from nanoplug.core.errors import NanoplugError
+    from nanoplug.errors import NanoplugError
 
     outcome = Outcome(name)
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
@@ -152,7 +152,7 @@ def differences(outcome: Outcome, reference: Outcome) -> dict[str, tuple[float, 
 
 
 def default_model() -> str:
-    from nanoplug.checkpoints import write_random_checkpoint
+    from nanoplug.bench.checkpoints import write_random_checkpoint
 
     folder = Path(tempfile.gettempdir()) / "nanoplug-compare" / "tiny-qwen3"
     return str(write_random_checkpoint(folder))

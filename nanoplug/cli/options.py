@@ -9,7 +9,7 @@ import logging
 import sys
 from typing import Any
 
-from nanoplug.core.errors import ModelLoadError, NanoplugError
+from nanoplug.errors import ModelLoadError, NanoplugError
 
 log = logging.getLogger("nanoplug.cli")
 
@@ -55,7 +55,7 @@ def sampling_params(args: argparse.Namespace, **extra: Any):
 def command_line_text(what: str, text: str) -> str:
     """`text` from the command line, refused when it is not valid UTF-8 (Python keeps such bytes as lone
     surrogates, which no tokenizer takes)."""
-    from nanoplug.core.request_input import lone_surrogate
+    from nanoplug.engine.requests import lone_surrogate
 
     bad = lone_surrogate(text)
     if bad:
@@ -83,7 +83,7 @@ def model_path(args: argparse.Namespace) -> str:
     """The --model value, or the embedded default model (converted once, then read from the cache)."""
     if args.model:
         return args.model
-    from nanoplug.default_model import DefaultModelError, default_model_path
+    from nanoplug.checkpoint.default_model import DefaultModelError, default_model_path
 
     try:
         path = default_model_path(progress=True, float32=getattr(args, "float32", False))

@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from nanoplug.api.hookspecs import KIND_HOOKS
-from nanoplug.core.registry import Registry
+from nanoplug.engine.registry import Registry
 
 
 def add_parser(sub: Any) -> None:
@@ -29,13 +29,13 @@ def add_parser(sub: Any) -> None:
 def build_target(model: str | None, device: str, dtype: str, registry: Registry):
     """The Target availability is judged against: the engine's own device, platform and dtype rules."""
     from nanoplug.api import ModelFacts, Target
-    from nanoplug.core.config import EngineConfig
-    from nanoplug.core.startup import platform_and_dtype
+    from nanoplug.config import EngineConfig
+    from nanoplug.engine.startup import platform_and_dtype
 
     config = EngineConfig(model=model or "", device=device, dtype=dtype)
     hf_config, facts = None, None
     if model:
-        from nanoplug.core.loader import load_hf_config
+        from nanoplug.checkpoint.loader import load_hf_config
 
         hf_config = load_hf_config(config.model)
         facts = ModelFacts.from_hf_config(hf_config)

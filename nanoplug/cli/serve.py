@@ -38,8 +38,8 @@ def add_parser(sub) -> None:
 def engine_config(args: argparse.Namespace):
     from pydantic import ValidationError
 
-    from nanoplug.core.config import EngineConfig
-    from nanoplug.core.model_source import resolve_model_path
+    from nanoplug.config import EngineConfig
+    from nanoplug.checkpoint.source import resolve_model_path
 
     import torch
 
@@ -70,9 +70,9 @@ def run(args: argparse.Namespace) -> int:
         import fastapi, msgspec, prometheus_client, sse_starlette, uvicorn  # noqa: F401,E401
     except ImportError as exc:
         raise OptionError(f"nanoplug serve needs {exc.name}: pip install 'nanoplug[serve]'") from exc
-    from nanoplug.default_model import DEFAULT_MODEL_NAME
+    from nanoplug.checkpoint.default_model import DEFAULT_MODEL_NAME
     from nanoplug.server.app import ServerSettings
-    from nanoplug.server.runner import serve
+    from nanoplug.server.launch import serve
 
     if args.max_waiting < 0:
         raise OptionError("--max-waiting must be 0 or more")

@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-from nanoplug.core.config import EngineConfig
-from nanoplug.core.engine_core import EngineCore
+from nanoplug.config import EngineConfig
+from nanoplug.engine.engine_core import EngineCore
 from nanoplug.server.errors import APIError
 from nanoplug.server.prepare import PromptChoices, prepare_all
 from nanoplug.server.render import token_texts

@@ -35,8 +35,8 @@ from typing import Any, Union
 
 import msgspec
 
-from nanoplug.core.config import EngineConfig, SamplingParams
-from nanoplug.core.errors import ModelLoadError, RequestError
+from nanoplug.config import EngineConfig, SamplingParams
+from nanoplug.errors import ModelLoadError, RequestError
 from nanoplug.server.errors import APIError
 from nanoplug.server.prepare import PromptChoices, prepare_all
 from nanoplug.server.render import token_texts
@@ -287,9 +287,9 @@ class EngineProcess:
 
 
 def _tokenizer(model: str) -> Any:
-    from nanoplug.core.loader import checkpoint_dir
-    from nanoplug.core.model_source import resolve_model_path
-    from nanoplug.core.tokenizer import load_tokenizer
+    from nanoplug.checkpoint.loader import checkpoint_dir
+    from nanoplug.checkpoint.source import resolve_model_path
+    from nanoplug.engine.tokenizer import load_tokenizer
 
     return load_tokenizer(checkpoint_dir(resolve_model_path(model)))
 
@@ -297,7 +297,7 @@ def _tokenizer(model: str) -> Any:
 # -------------------------------------------------------------------------------- the child
 def main(fd: int) -> int:
     """The engine process: read requests from the socket, step, write updates back."""
-    from nanoplug.core.engine_core import EngineCore
+    from nanoplug.engine.engine_core import EngineCore
     from nanoplug.server.stepper import Stepper
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front end decides

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanoplug.core.errors import RequestError
+from nanoplug.errors import RequestError
 
 log = logging.getLogger("nanoplug.server")
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Union
 
-from nanoplug.core.config import SamplingParams
-from nanoplug.core.errors import RequestError
+from nanoplug.config import SamplingParams
+from nanoplug.errors import RequestError
 
 Prompt = Union[str, list[int], list[dict]]  # text, token ids, or chat messages
 # one prompt and each of its choices: (engine request id, SamplingParams)

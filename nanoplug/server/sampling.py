@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from nanoplug.core.config import SamplingParams
+from nanoplug.config import SamplingParams
 from nanoplug.server.errors import bad_request
 from nanoplug.server.protocol import ChatRequest, CompletionRequest, _Sampling
 

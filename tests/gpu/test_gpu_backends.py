@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from _two_processes import fa4_importable
-from nanoplug.checkpoints import write_random_checkpoint
+from nanoplug.bench.checkpoints import write_random_checkpoint
 from nanoplug.cli import compare
 
 pytestmark = pytest.mark.gpu
@@ -63,9 +63,9 @@ def test_triton_store_cuda_matches_torch(model, reference):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_store_kernel_exact(dtype):
-    from nanoplug.plugins.cache.torch import TorchStore
+    from nanoplug.plugins.kv_cache.torch import TorchStore
     from nanoplug.api import KVLayer
-    from nanoplug.plugins.cache.triton import TritonStore
+    from nanoplug.plugins.kv_cache.triton import TritonStore
 
     torch.manual_seed(0)
     n, heads, dim = 300, 8, 128

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from nanoplug.api import AttentionSpec
-from nanoplug.plugins.attention import flash, triton_decode
-from nanoplug.plugins.cache import fp8
+from nanoplug.kernels.attention import triton_decode
+from nanoplug.plugins.attention import flash
+from nanoplug.plugins.kv_cache import fp8
 
 pytestmark = pytest.mark.gpu
 FP8 = torch.float8_e4m3fn

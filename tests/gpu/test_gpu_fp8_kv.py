@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from nanoplug.api import KVLayer
-from nanoplug.checkpoints import write_random_checkpoint
+from nanoplug.bench.checkpoints import write_random_checkpoint
 from nanoplug.cli import compare
-from nanoplug.plugins.cache import fp8
+from nanoplug.plugins.kv_cache import fp8
 
 pytestmark = pytest.mark.gpu
 FP8 = torch.float8_e4m3fn
@@ -48,7 +48,7 @@ def test_prefill_page_gather_kernel_equals_index_select_then_dequantize(rotated)
     """`flash`'s prefill over cached context reads a float8 cache's pages through one kernel a layer (scaled,
     turned back, tensor-core dots in bfloat16): the plain way's result to a bfloat16 rounding."""
     from nanoplug.api import AttentionMetadata
-    from nanoplug.plugins.attention.dequantized_pages import DequantizedPages
+    from nanoplug.kernels.attention.dequantized_pages import DequantizedPages
 
     torch.manual_seed(0)
     page, heads, dim = 256, 8, 128
@@ -101,7 +101,7 @@ def test_backends_over_fp8_cache_match_manual(model, fp8_reference, name, eager)
 @pytest.mark.parametrize("attention", ["flash", "triton"])
 def test_engine_fp8_graphs_equal_eager(model, attention):
     from nanoplug import LLM, SamplingParams
-    from nanoplug.core.errors import NanoplugError
+    from nanoplug.errors import NanoplugError
 
     from _checkpoints import relative_error
 

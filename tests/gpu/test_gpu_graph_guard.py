@@ -23,7 +23,7 @@ import torch
 from _checkpoints import relative_error
 from _graph_guard import StepLog
 from _two_processes import reason_here
-from nanoplug.checkpoints import write_random_checkpoint
+from nanoplug.bench.checkpoints import write_random_checkpoint
 from nanoplug.plugins.platforms.cuda.graphs import GRAPH_BATCH_SIZES
 
 pytestmark = pytest.mark.gpu
@@ -108,7 +108,7 @@ class TritonCalls:
     """Every call of our Triton paged-decode kernel's launcher (triton_decode.paged_decode): (rows, capturing)."""
 
     def __init__(self):
-        from nanoplug.plugins.attention import triton_decode
+        from nanoplug.kernels.attention import triton_decode
 
         self.calls: list[tuple[int, bool]] = []
         self._module, self._launch = triton_decode, triton_decode.paged_decode
@@ -141,7 +141,7 @@ def runs(request, model):
     """{eager: {batch: (outputs, stats of its steps, decode batch sizes, xformers decode calls)}, "captured":
     xformers decode calls while graphs were captured, by query rows} for one attention backend; None in
     place of that where it cannot load in this process (tests/gpu/_two_processes.py) and its error says why."""
-    from nanoplug.core.errors import NanoplugError
+    from nanoplug.errors import NanoplugError
 
     attention = request.param
     watch = WATCHERS[attention]() if attention in WATCHERS and reason_here(attention) is None else None

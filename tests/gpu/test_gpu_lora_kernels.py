@@ -21,7 +21,7 @@ import torch
 from _checkpoints import relative_error
 from _graph_guard import Compilations
 from _lora_layers import adapted_layer, mixed_ids, poison_unused, reference, write_lora
-from nanoplug.checkpoints import write_random_checkpoint
+from nanoplug.bench.checkpoints import write_random_checkpoint
 
 pytestmark = pytest.mark.gpu
 IN, SIZES = 1024, [256, 128, 128]  # a qkv-like layer; the input splits over four shrink programs

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def kernels():
-    import nanoplug.plugins.platforms.cuda.fused_kernels as module
+    import nanoplug.kernels.cuda.fused_ops as module
 
     if not torch.cuda.is_available() or module.triton is None:
         pytest.skip("needs CUDA and triton")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from _checkpoints import relative_error
-from nanoplug.checkpoints import write_random_checkpoint
+from nanoplug.bench.checkpoints import write_random_checkpoint
 
 pytestmark = pytest.mark.gpu
 GPU_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,

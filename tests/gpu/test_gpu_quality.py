@@ -24,7 +24,7 @@ TEXT = Path(__file__).parents[2] / "benchmarks" / "data" / "apache-2.0.txt"
 @pytest.fixture(scope="module")
 def folder():
     assert torch.cuda.is_available(), "the gpu tests need a CUDA GPU"
-    from nanoplug.default_model import default_model_path
+    from nanoplug.checkpoint.default_model import default_model_path
 
     return str(default_model_path(progress=False, float32=True))
 

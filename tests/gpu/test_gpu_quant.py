@@ -17,9 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the shared he
 
 from _checkpoints import prompt_logprobs  # noqa: E402
 from nanoplug import LLM, SamplingParams  # noqa: E402
-from nanoplug.checkpoints import quantize_q4_k, write_gguf, write_random_checkpoint  # noqa: E402
-from nanoplug.plugins.adapters import gguf_kernels as kernels  # noqa: E402
-from nanoplug.plugins.adapters.gguf_blocks import FORMATS, repack  # noqa: E402
+from nanoplug.bench.checkpoints import quantize_q4_k, write_gguf, write_random_checkpoint  # noqa: E402
+from nanoplug.kernels.gguf import triton_kernels as kernels  # noqa: E402
+from nanoplug.kernels.gguf.blocks import FORMATS, repack  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 ROWS, COLS = 1000, 4096  # rows not a multiple of any block
@@ -121,7 +121,7 @@ def test_kernels_replay_in_a_cuda_graph(fmt, m):
 
 def test_fp8_scaled_mm_matches_the_reference():
     from nanoplug.api import Layers
-    from nanoplug.plugins.adapters.fp8 import FP8, FP8_MAX, FP8LinearMethod, dequantize_rows
+    from nanoplug.plugins.weight_formats.fp8 import FP8, FP8_MAX, FP8LinearMethod, dequantize_rows
 
     class Group:
         rank, world_size = 0, 1

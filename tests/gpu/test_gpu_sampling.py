@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the shared he
 from _checkpoints import PROMPTS, checkpoint, hf_logits, prompt_ids  # noqa: E402
 from nanoplug import LLM, SamplingParams  # noqa: E402
 from nanoplug.api import LogitsProcessingBatch, SamplingBatch, SlotInit  # noqa: E402
-from nanoplug.core.logits_processors import add_sample_row  # noqa: E402
-from nanoplug.core.sampler import Sampler  # noqa: E402
+from nanoplug.engine.penalties import add_sample_row  # noqa: E402
+from nanoplug.worker.sampler import Sampler  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 OPTIONS = dict(kv_block_size=16, num_kv_blocks=64, max_model_len=256, dtype="float32")
@@ -82,7 +82,7 @@ def test_the_temperature_kernel_draws_from_softmax_and_never_syncs():
     """The cuda platform's one-pass temperature sampler on a full Qwen3 vocabulary: the frequencies of 20,000
     draws (bf16 logits, mass spread over a few tokens and a long tail) follow softmax(logits / T), and a
     temperature-only batch through the engine's Sampler makes the host wait for nothing."""
-    from nanoplug.plugins.platforms.cuda import sampling_kernel
+    from nanoplug.kernels.cuda import sampling as sampling_kernel
 
     dev, vocab, rows, temperature = torch.device("cuda"), 151936, 20000, 0.6
     base = torch.randn(vocab, generator=torch.Generator().manual_seed(0)) * 2

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from _checkpoints import relative_error
-from nanoplug.checkpoints import write_random_checkpoint
-from nanoplug.plugins.attention import sdpa_cuda
+from nanoplug.bench.checkpoints import write_random_checkpoint
+from nanoplug.kernels.attention import varlen_sdpa as sdpa_cuda
 
 pytestmark = pytest.mark.gpu
 GPU_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,

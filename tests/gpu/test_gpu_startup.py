@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from _graph_guard import Compilations, StepLog, check_startup_line, mixed_workload
-from nanoplug.checkpoints import write_random_checkpoint
+from nanoplug.bench.checkpoints import write_random_checkpoint
 
 pytestmark = pytest.mark.gpu
 GPU_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -33,7 +33,7 @@ def model(tmp_path_factory):
 
 def start(model, attention):
     from nanoplug import LLM
-    from nanoplug.core.errors import NanoplugError
+    from nanoplug.errors import NanoplugError
 
     try:
         return LLM(model, attention=attention, **ENGINE)

@@ -2,7 +2,7 @@
 
 On a CPU, `sdpa`'s decode gathers every sequence's keys and values into a padded batch before it
 attends (two `index_select`s and a mask per layer); for a small model that costs as much as the
-attention itself. This backend's decode kernel (nanoplug/plugins/platforms/cpu/kernels) walks each sequence's block
+attention itself. This backend's decode kernel (nanoplug/kernels/cpu) walks each sequence's block
 table instead, with the query heads of a KV head sharing each K/V read, split over torch's threads.
 Prefill and mixed steps, where PyTorch's CPU flash kernel does well, go through `sdpa`'s path.
 float32 steps, over a float32 or float16 (`kv_cache="fp16"`) cache; the kernels are compiled once per machine at first use (a C++ compiler is needed).
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from nanoplug.plugins.platforms.cpu import kernels as cpu_kernels
+from nanoplug.kernels import cpu as cpu_kernels
 from nanoplug.api import AttentionMetadata, Target
-from nanoplug.plugins.attention.paged_decode import PagedDecode
+from nanoplug.kernels.attention.paged_decode import PagedDecode
 from nanoplug.plugins.attention.sdpa import SdpaAttention
 
 

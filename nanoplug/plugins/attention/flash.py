@@ -33,9 +33,9 @@ from typing import Any, Callable
 import torch
 
 from nanoplug.api import AttentionBackend, AttentionMetadata, Target
-from nanoplug.api.cache import cache_root
-from nanoplug.plugins.attention import triton_decode
-from nanoplug.plugins.attention.dequantized_pages import DequantizedPages
+from nanoplug.api.disk_cache import cache_root
+from nanoplug.kernels.attention import triton_decode
+from nanoplug.kernels.attention.dequantized_pages import DequantizedPages
 
 INSTALL_HINT = "pip install flash-attn (FlashAttention-2, Ampere or newer) or pip install flash-attn-4 (Hopper/Blackwell)"
 

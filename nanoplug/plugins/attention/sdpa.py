@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from nanoplug.api import AttentionBackend, AttentionMetadata, Target
-from nanoplug.plugins.attention.paged_decode import PagedDecode
-from nanoplug.plugins.attention.sdpa_cuda import CudaVarlenAttention
+from nanoplug.kernels.attention.paged_decode import PagedDecode
+from nanoplug.kernels.attention.varlen_sdpa import CudaVarlenAttention
 
 
 class SdpaAttention(AttentionBackend):

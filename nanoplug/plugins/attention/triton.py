@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from nanoplug.api import AttentionMetadata, Target, triton_reasons
-from nanoplug.plugins.attention import triton_decode
+from nanoplug.kernels.attention import triton_decode
 from nanoplug.plugins.attention.sdpa import SdpaAttention
 
 

@@ -1,7 +1,7 @@
 """Model `llama` (LlamaForCausalLM). Llama 2/3 and SmolLM2 (rope scaling from the config)."""
 from __future__ import annotations
 
-from nanoplug.plugins.models.decoder import DecoderForCausalLM
+from nanoplug.api.decoder import DecoderForCausalLM
 
 
 class LlamaForCausalLM(DecoderForCausalLM):

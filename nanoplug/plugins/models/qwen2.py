@@ -1,7 +1,7 @@
 """Model `qwen2` (Qwen2ForCausalLM). Qwen2: q/k/v bias, no q/k norm."""
 from __future__ import annotations
 
-from nanoplug.plugins.models.decoder import DecoderForCausalLM
+from nanoplug.api.decoder import DecoderForCausalLM
 
 
 class Qwen2ForCausalLM(DecoderForCausalLM):

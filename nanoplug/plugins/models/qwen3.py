@@ -1,7 +1,7 @@
 """Model `qwen3` (Qwen3ForCausalLM). Qwen3: q/k RMSNorm, grouped-query attention, no q/k/v bias."""
 from __future__ import annotations
 
-from nanoplug.plugins.models.decoder import DecoderForCausalLM
+from nanoplug.api.decoder import DecoderForCausalLM
 
 
 class Qwen3ForCausalLM(DecoderForCausalLM):

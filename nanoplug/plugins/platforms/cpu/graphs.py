@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanoplug.api import AttentionMetadata, StepGraphs, StepInputs, StepLimits
-from nanoplug.plugins.platforms.cpu.kernels.record import set_plan
+from nanoplug.kernels.cpu.record import set_plan
 
 log = logging.getLogger("nanoplug")
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32)  # larger batches pay little Python per token

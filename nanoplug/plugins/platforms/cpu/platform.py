@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from nanoplug.api import GraphCaptureError, LinearMethod, Platform, Target
-from nanoplug.plugins.platforms.cpu import kernels as cpu_kernels
-from nanoplug.plugins.platforms.cpu import sampling
+from nanoplug.kernels import cpu as cpu_kernels
+from nanoplug.kernels.cpu import sampling
 from nanoplug.plugins.platforms.cpu.graphs import CaptureError, CpuDecodeGraphs
 from nanoplug.plugins.platforms.cpu.packed_linear import PackedLinearMethod
 

@@ -3,7 +3,7 @@
 The graphs' inputs live in two device buffers fed from pinned host buffers: a replay costs two
 host-to-device copies, with no allocation. Two sets of host buffers are used in turn: the host plans
 into one while the copy of the last step may still be reading the other. The engine plans a step's
-inputs into `inputs(size)` exactly as it plans an eager step's (nanoplug/core/inputs.py): rows past
+inputs into `inputs(size)` exactly as it plans an eager step's (nanoplug/worker/inputs.py): rows past
 the batch are padding that writes to the scratch block.
 """
 from __future__ import annotations

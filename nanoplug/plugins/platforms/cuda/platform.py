@@ -23,8 +23,8 @@ import torch
 
 from nanoplug.api import (FusedOps, GraphCaptureError, Platform, ProcessGroup, SamplingBatch, StepBatch, StepLimits,
                           Target, add_rms_norm, apply_rope, rms_norm, silu_and_mul)
-from nanoplug.api.cache import cache_root
-from nanoplug.plugins.platforms.cuda import fused_kernels, sampling_kernel, small_gemm
+from nanoplug.api.disk_cache import cache_root
+from nanoplug.kernels.cuda import fused_ops as fused_kernels, sampling as sampling_kernel, small_gemm
 from nanoplug.plugins.platforms.cuda.graphs import DecodeGraphs
 from nanoplug.plugins.platforms.cuda.prefill_graphs import CudaPrefillGraphs
 

@@ -1,0 +1,295 @@
+"""`LLM`: the public API (generate, stream, chat) on top of one EngineCore.
+
+Several threads may call `generate` and `stream` at once, and their requests join the same steps:
+whichever caller holds the step lock runs one `EngineCore.step()` for everyone and hands each update
+to the caller that owns its request (a leader/follower lock: no caller holds a lock for a whole
+`generate`, so no caller waits for another's requests to finish).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence as Seq
+
+from nanoplug.config import DEPRECATED_OPTIONS, EngineConfig, SamplingParams
+from nanoplug.engine.engine_core import EngineCore, EngineRequest
+from nanoplug.checkpoint.loader import checkpoint_dir
+from nanoplug.checkpoint.source import resolve_model_path
+from nanoplug.engine.outputs import CompletionOutput, RequestOutput, RequestUpdate, StreamDelta
+from nanoplug.engine.registry import Registry
+from nanoplug.engine.requests import params_list, prompt_list
+
+__all__ = ["LLM", "RequestOutput", "StreamDelta"]
+
+
+class LLM:
+    """An inference engine for one checkpoint: `LLM(path, attention="sdpa", kv_cache="torch", ...)`."""
+
+    engine: EngineCore | None = None
+
+    def __init__(self, model: str | os.PathLike, registry: Registry | None = None, **options: Any):
+        unknown = sorted(set(options) - set(EngineConfig.model_fields) - set(DEPRECATED_OPTIONS))
+        if unknown:
+            raise TypeError(
+                f"unknown option(s) {', '.join(map(repr, unknown))} for LLM; valid options: "
+                + ", ".join(sorted(f for f in EngineConfig.model_fields if f != "model"))
+            )
+        if not isinstance(model, (str, os.PathLike)):
+            raise TypeError(f"model is a {type(model).__name__}; give a checkpoint folder (a str or pathlib.Path) "
+                            "or a Hugging Face model id")
+        path = resolve_model_path(model)
+        if isinstance(model, os.PathLike):
+            checkpoint_dir(path)  # a Path names a folder: say so if it is not one (never a hub lookup)
+        self.engine = EngineCore(EngineConfig(model=path, **options), registry)
+        self._step_lock = threading.Lock()  # its holder runs one step for every caller
+        self._cond = threading.Condition()  # guards the mailboxes below; notified after each step
+        self._box_of: dict[str, list[RequestUpdate]] = {}  # request id -> its caller's mailbox
+        self._callers = 0
+
+    # ------------------------------------------------------------------- the engine's facts
+    config = property(lambda self: self.engine.config)
+    tokenizer = property(lambda self: self.engine.tokenizer)
+    eos_token_ids = property(lambda self: self.engine.eos_token_ids)
+    choices = property(lambda self: self.engine.choices)
+    device = property(lambda self: self.engine.device)
+    dtype = property(lambda self: self.engine.dtype)
+    registry = property(lambda self: self.engine.registry)
+
+    def describe_plugins(self) -> list[str]:
+        """One line per kind: what was asked, what was chosen, and why."""
+        return self.engine.describe_plugins()
+
+    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """The conversation through the checkpoint's chat template, as token ids."""
+        return self.engine.chat_prompt_ids(messages)
+
+    # ------------------------------------------------------------------------------ public
+    def generate(self, prompts: str | list[int] | Seq[str | list[int]],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt, batched continuously; one output per prompt, in order.
+
+        A prompt is a string or token ids (ints, numpy/torch integers, a 1-d integer array); sampling_params
+        is one SamplingParams (or dict of its fields) for all, one per prompt, or None for the defaults.
+        Anything else is a RequestError that says what to pass (core/request_input.py)."""
+        self.engine._check_open()
+        prompts = prompt_list(prompts)
+        params = params_list(sampling_params, len(prompts))
+        # every prompt is checked before any is queued: bad input never costs others their work
+        requests = [self.engine.make_request(p, sp, index=i, incremental_text=False)
+                    for i, (p, sp) in enumerate(zip(prompts, params))]
+        outputs = {r.request_id: _Collected(i, r) for i, r in enumerate(requests)}
+        bar = _Progress(len(requests)) if use_tqdm else None
+        start = time.perf_counter()
+        try:
+            for updates in self._run(requests):
+                finished = 0
+                for update in updates:
+                    outputs[update.request_id].add(update)
+                    finished += update.finished
+                if bar:
+                    now = time.perf_counter()
+                    bar.update(self.engine.last_step, now - start, finished)
+                    start = now
+        finally:
+            if bar:
+                bar.close()
+        return [c.output() for c in outputs.values()]
+
+    def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Yield the text and token ids each step adds to one request, the last delta marked finished.
+
+        With n > 1 each delta says which sample it extends (`index`), and each sample's last is marked finished."""
+        (params,) = params_list(sampling_params, 1)
+        request = self.engine.make_request(prompt, params)
+        for updates in self._run([request]):
+            for u in updates:
+                done = u.finish_reason is not None  # this sample's last update
+                if u.token_ids or done:
+                    yield StreamDelta(u.text, u.token_ids, done, u.finish_reason, u.index, u.logprobs)
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Apply the checkpoint's chat template to one conversation (or a list of them) and generate."""
+        self.engine._check_open()
+        conversations = messages if messages and isinstance(messages[0], (list, tuple)) else [messages]
+        prompts = [self.chat_prompt_ids(c) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # ------------------------------------------------------------------- stepping together
+    def _run(self, requests: list[EngineRequest]) -> Iterator[list[RequestUpdate]]:
+        """Add `requests` and yield their updates as steps produce them, until each has finished. If the
+        caller stops early (an error, Ctrl-C, a stream closed), its unfinished requests are aborted."""
+        box: list[RequestUpdate] = []
+        pending = {r.request_id for r in requests}
+        with self._cond:
+            self._callers += 1
+            for r in requests:
+                self._box_of[r.request_id] = box
+        last: list[RequestUpdate] | None = None
+        try:
+            for r in requests:
+                self.engine.add_request(r)
+            while pending:
+                updates = self._next(box)
+                pending.difference_update(u.request_id for u in updates if u.finished)
+                if not pending:  # the caller is out before it hears the end: a stream whose reader stops
+                    last = updates  # at its last delta must not keep others' aborted requests from settling
+                    break
+                yield updates
+            self._settle(quiet=False)
+        except BaseException:  # GeneratorExit included: the caller stopped reading
+            for request_id in pending:
+                self.engine.abort(request_id)
+            self._settle(quiet=True)
+            raise
+        finally:
+            with self._cond:
+                self._callers -= 1
+                for r in requests:
+                    self._box_of.pop(r.request_id, None)
+        if last is not None:
+            yield last
+
+    def _next(self, box: list[RequestUpdate]) -> list[RequestUpdate]:
+        """The updates in `box`, running a step for every caller when no one else is."""
+        while True:
+            with self._cond:
+                if box:
+                    updates = box[:]
+                    box.clear()
+                    return updates
+                if self._step_lock.locked():  # another caller is stepping: wait for its delivery
+                    self._cond.wait()
+                    continue
+            if self._step_lock.acquire(blocking=False):
+                self._step_and_deliver()
+
+    def _step_and_deliver(self) -> None:
+        """One engine step (the step lock held), each update handed to its caller's mailbox."""
+        try:
+            updates = self.engine.step()
+        except BaseException:
+            with self._cond:
+                self._step_lock.release()
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            box_of = self._box_of
+            for u in updates:
+                box = box_of.get(u.request_id)
+                if box is not None:
+                    box.append(u)
+            self._step_lock.release()
+            self._cond.notify_all()
+
+    def _settle(self, quiet: bool) -> None:
+        """The last caller out runs the engine until it is idle: the step that ran ahead of a finished
+        request is collected, and aborted requests give their blocks back now, not at someone's next step.
+        `quiet`: another error is on its way up; one from settling must not hide it."""
+        try:
+            while True:
+                with self._cond:
+                    if self._callers != 1 or self.engine is None or not self.engine.has_unfinished():
+                        return
+                if self._step_lock.acquire(blocking=False):
+                    self._step_and_deliver()
+                else:
+                    with self._cond:
+                        if self._step_lock.locked():
+                            self._cond.wait()
+        except Exception:
+            if not quiet:
+                raise
+
+    # ------------------------------------------------------------------------------ closing
+    def close(self) -> None:
+        engine = self.engine
+        if engine is not None:
+            engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+@dataclass
+class _Collected:
+    """One generate request's updates, gathered into its RequestOutput (one _Sample per sample)."""
+
+    index: int
+    request: EngineRequest
+    samples: dict[int, "_Sample"] = field(default_factory=dict)
+    prompt_logprobs: list[Any] | None = None
+
+    def add(self, update: RequestUpdate) -> None:
+        sample = self.samples.get(update.index)
+        if sample is None:
+            sample = self.samples[update.index] = _Sample()
+        sample.add(update)
+        if update.prompt_logprobs is not None:
+            self.prompt_logprobs = update.prompt_logprobs
+
+    def output(self) -> RequestOutput:
+        r = self.request
+        samples = [self.samples[i] for i in sorted(self.samples)]
+        outputs = [CompletionOutput(i, "".join(s.text), s.token_ids, s.last.finish_reason,
+                                    s.logprobs if r.params.logprobs is not None else None, s.logits)
+                   for i, s in zip(sorted(self.samples), samples)]
+        return RequestOutput(index=self.index, prompt=r.prompt, prompt_token_ids=list(r.prompt_token_ids),
+                             outputs=outputs, num_cached_tokens=samples[0].last.num_cached_tokens,
+                             prompt_logprobs=self.prompt_logprobs)
+
+
+@dataclass
+class _Sample:
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    logits: list[Any] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    last: RequestUpdate | None = None
+
+    def add(self, update: RequestUpdate) -> None:
+        self.token_ids += update.token_ids
+        if update.text:
+            self.text.append(update.text)
+        if update.logits:
+            self.logits += update.logits
+        if update.logprobs:
+            self.logprobs += update.logprobs
+        self.last = update
+
+
+class _Progress:
+    """A tqdm bar with prefill and decode throughput."""
+
+    def __init__(self, total: int):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, desc="Generating", dynamic_ncols=True)
+        self.tokens = {True: 0, False: 0}  # is_prefill -> tokens computed
+        self.seconds = {True: 0.0, False: 0.0}
+
+    def rate(self, prefill: bool) -> float:
+        return self.tokens[prefill] / max(self.seconds[prefill], 1e-9)
+
+    def update(self, last_step: tuple[bool, int, int], seconds: float, finished: int) -> None:
+        is_prefill, tokens, _ = last_step
+        self.tokens[is_prefill] += tokens
+        self.seconds[is_prefill] += seconds
+        self.bar.set_postfix_str(f"prefill {self.rate(True):,.0f} tok/s, decode {self.rate(False):,.0f} tok/s",
+                                 refresh=False)
+        self.bar.update(finished)
+
+    def close(self) -> None:
+        self.bar.close()

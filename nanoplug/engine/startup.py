@@ -1,0 +1,154 @@
+"""Start-up decisions, made once per engine: the checkpoint's config and facts, the device, the
+platform, the dtype, and one plugin of each kind (the only time the registry is consulted).
+
+Each decision is logged as asked, chosen and why (`Choices.describe`).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nanoplug.api import ModelFacts, Target
+from nanoplug.api.errors import ModelLoadError
+from nanoplug.config import AdapterSpec, EngineConfig
+from nanoplug.checkpoint.loader import load_hf_config
+from nanoplug.engine.registry import Registry, Resolution
+
+log = logging.getLogger("nanoplug")
+KINDS_SHOWN = ("model", "attention", "prefill_attention", "kv_cache", "parallel", "platform")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The checkpoint's Hugging Face config and the facts plugins judge it by, read once."""
+
+    path: str
+    hf_config: Any
+    facts: ModelFacts
+
+    @property
+    def quant_method(self) -> str | None:
+        """The weight format the checkpoint is stored in: its config's quantization_config.quant_method,
+        or "gguf" for a folder whose weights are a GGUF file; None for plain weights."""
+        qconfig = getattr(self.hf_config, "quantization_config", None) or {}
+        method = qconfig.get("quant_method") if isinstance(qconfig, dict) else getattr(qconfig, "quant_method", None)
+        if method is None:
+            from pathlib import Path
+
+            from nanoplug.checkpoint.gguf_file import QUANT_METHOD, gguf_in
+
+            method = QUANT_METHOD if Path(self.path).is_dir() and gguf_in(Path(self.path)) else None
+        return method
+
+    @classmethod
+    def load(cls, path: str, registry: Registry) -> "Checkpoint":
+        hf_config = load_hf_config(path)
+        arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
+        if arch not in registry.entries["model"]:  # before reading fields an unknown config may not have
+            raise ModelLoadError(
+                f"architecture {arch!r} of {path!r} is not supported; supported architectures: "
+                + ", ".join(registry.names("model"))
+            )
+        return cls(path, hf_config, ModelFacts.from_hf_config(hf_config))
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {name!r} asked for, but torch sees no CUDA GPU; use device='cpu'")
+    return device
+
+
+def saved_dtype(hf_config: Any) -> torch.dtype | None:
+    """The dtype the checkpoint was saved in, if it says."""
+    saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    saved = getattr(torch, saved, None) if isinstance(saved, str) else saved
+    return saved if isinstance(saved, torch.dtype) else None
+
+
+@dataclass
+class Choices:
+    """One engine's plugins, by kind: each a Resolution (asked, chosen, why)."""
+
+    by_kind: dict[str, Resolution]
+    adapters: list[Resolution] = field(default_factory=list)
+
+    def __getitem__(self, kind: str) -> Any:
+        return self.adapters if kind == "adapters" else self.by_kind[kind]
+
+    def describe(self) -> list[str]:
+        """One line per kind: what was asked, what was chosen, and why."""
+        lines = []
+        for key in KINDS_SHOWN:
+            res = self.by_kind[key]
+            lines.append(res.describe().replace(res.kind, key, 1))
+        return lines + [r.describe() for r in self.adapters]
+
+
+def platform_and_dtype(registry: Registry, config: EngineConfig, hf_config: Any = None) -> tuple[Resolution, torch.device, torch.dtype]:
+    """The device, the platform that serves it, and the dtype (the platform's default for "auto")."""
+    device = resolve_device(config.device)
+    asked_dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
+    # a platform is judged by its device; the dtype it would default to is not known yet
+    platform = registry.resolve("platform", config.platform,
+                                Target(device=device, dtype=asked_dtype or torch.float32,
+                                       block_size=config.kv_block_size,
+                                       tensor_parallel_size=config.tensor_parallel_size))
+    dtype = asked_dtype or platform.cls.default_dtype(saved_dtype(hf_config) if hf_config is not None else None)
+    return platform, device, dtype
+
+
+def with_weight_format(registry: Registry, config: EngineConfig, checkpoint: Checkpoint) -> EngineConfig:
+    """The config with the checkpoint's weight format as its first adapter, when one is to be kept.
+
+    A quantized checkpoint names its format (`quantization_config.quant_method`, e.g. "gguf"); the
+    adapter plugin of that name keeps its weights in it. `quantization="auto"` uses it when it can serve
+    this engine (and no merged LoRA must change the weights), else the loader dequantizes them to the
+    dtype and the reason is logged; a plugin name insists (an error says why it cannot serve); None
+    always dequantizes."""
+    method = checkpoint.quant_method
+    if config.quantization is None or (method is None and config.quantization == "auto"):
+        return config
+    name = method if config.quantization == "auto" else config.quantization
+    if config.quantization == "auto":
+        platform, device, dtype = platform_and_dtype(registry, config, checkpoint.hf_config)
+        target = Target(device=device, dtype=dtype, model=checkpoint.facts, block_size=config.kv_block_size,
+                        tensor_parallel_size=config.tensor_parallel_size)
+        reasons = registry.reasons("adapter", name, target) if name in registry.names("adapter") else \
+            [f"no adapter plugin is named {name!r}"]
+        if any(spec.merge for spec in config.adapters):
+            reasons.append("a merged adapter changes the weights, which needs them dequantized")
+        if reasons:
+            log.info("weights of %s: dequantized to %s, not kept as %s (%s)", checkpoint.path,
+                     str(dtype).removeprefix("torch."), name, "; ".join(reasons))
+            return config
+    spec = {"kind": name, "path": checkpoint.path, "name": f"weights:{name}"}
+    return config.model_copy(update={"adapters": [AdapterSpec(**spec), *config.adapters]})
+
+
+def resolve_plugins(registry: Registry, config: EngineConfig, checkpoint: Checkpoint) -> tuple[Choices, Target]:
+    """Pick the plugin of each kind for this engine, and the Target they were judged against."""
+    platform, device, dtype = platform_and_dtype(registry, config, checkpoint.hf_config)
+    target = Target(device=device, dtype=dtype, model=checkpoint.facts, block_size=config.kv_block_size,
+                    tensor_parallel_size=config.tensor_parallel_size)
+    kv_cache = registry.resolve("kv_cache", config.kv_cache, target)
+    cache_dtype = kv_cache.cls().cache_dtype(dtype)
+    if cache_dtype != dtype:  # backends judge whether they can read a cache of another dtype
+        target = Target(device=device, dtype=dtype, model=checkpoint.facts, block_size=config.kv_block_size,
+                        tensor_parallel_size=config.tensor_parallel_size, kv_cache_dtype=cache_dtype)
+    by_kind = {
+        "platform": platform,
+        "kv_cache": kv_cache,
+        "model": registry.resolve("model", checkpoint.facts.architecture, target),
+        "attention": registry.resolve("attention", config.attention, target),
+        "parallel": registry.resolve("parallel", config.parallel, target),
+    }
+    by_kind["prefill_attention"] = (registry.resolve("attention", config.prefill_attention, target)
+                                    if config.prefill_attention else by_kind["attention"])
+    adapters = [registry.resolve("adapter", spec.kind, target) for spec in config.adapters]
+    return Choices(by_kind, adapters), target

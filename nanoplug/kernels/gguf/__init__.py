@@ -1,0 +1,1 @@
+"""GGUF blocks repacked for Triton, and the Triton dequantize and GEMV kernels over them."""

@@ -1,0 +1,1 @@
+"""Built-in weight formats: how a checkpoint's linear weights are stored and applied."""

@@ -1,0 +1,121 @@
+"""Turns the last-token logits of each sequence into its next token.
+
+Greedy at temperature 0; otherwise temperature, top-k, top-p and min-p filter the distribution and
+one exponential-race draw picks the token. A request with a seed draws its noise from a generator
+seeded by (seed, its token position), so it gets the same tokens whatever else is in the batch. A
+platform may draw batches sampled at a temperature alone itself (`Platform.temperature_sampler`, one
+pass over the logits), keyed by a seed the sampler gives it every step.
+
+Penalties and logit bias (core/logits_processors.py) change the logits first, and logprobs
+(core/logprobs.py) are read from the raw logits; a batch with neither takes the plain path.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from nanoplug.api import LogprobsTensors, SamplingBatch, to_device  # noqa: F401  (SamplingBatch: the step's settings)
+from nanoplug.worker import logprobs as logprobs_math
+from nanoplug.worker.logits_processors import LogitsProcessors
+
+
+def _seeded_noise(seed: int, position: int, vocab: int, device: torch.device) -> torch.Tensor:
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed((seed * 1_000_003 + position) & ((1 << 63) - 1))
+    return torch.empty(vocab).exponential_(generator=gen).to(device)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0, greedy=None, temperature=None):
+        """greedy: a faster `logits.argmax(dim=-1)` for this device, if there is one (same ties: first max);
+        temperature: a faster draw for batches sampled at a temperature alone (Platform.temperature_sampler)."""
+        self.device = device
+        self.greedy = greedy or _argmax
+        self.temperature = temperature
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self.step_seeds = random.Random(seed)  # the temperature sampler's noise key, one per step
+        self.processors = LogitsProcessors(device)
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The next token of every row. `logits` itself is never changed."""
+        if batch.processing is None:
+            return self._sample(logits, batch)
+        tokens = self._sample(self.processors.apply(logits, batch.processing), batch)
+        self.processors.record(tokens, batch.processing)
+        return tokens
+
+    @torch.no_grad()
+    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> LogprobsTensors:
+        """Raw logprobs of the sampled `tokens` of the rows in `batch.logprob_rows` (call only when there are any)."""
+        rows = to_device(batch.logprob_rows, torch.int64, logits.device)
+        return logprobs_math.compute(logits.index_select(0, rows), tokens.index_select(0, rows),
+                                     max(batch.num_top_logprobs))
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if batch.all_greedy:
+            return self.greedy(logits)
+        dev = logits.device
+        temps = to_device(batch.temperatures, torch.float32, dev)
+        if self.temperature is not None and batch.temperature_only:
+            sampled = self.temperature(logits, torch.where(temps > 0, temps, 1.0), self.step_seeds.getrandbits(31))
+            return self._greedy_where_cold(logits, batch, temps, sampled)
+        probs = self.probabilities(logits, batch, temps)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, seed in enumerate(batch.seeds):
+            if seed is not None:
+                noise[row] = _seeded_noise(seed, batch.positions[row], probs.shape[1], dev)
+        return self._greedy_where_cold(logits, batch, temps, probs.div_(noise).argmax(dim=-1))
+
+    def _greedy_where_cold(self, logits, batch: SamplingBatch, temps: torch.Tensor, sampled: torch.Tensor):
+        """`sampled`, with the greedy token in rows at temperature 0."""
+        if any(t == 0.0 for t in batch.temperatures):
+            sampled = torch.where(temps == 0, self.greedy(logits), sampled)
+        return sampled
+
+    @classmethod
+    def probabilities(cls, logits: torch.Tensor, batch: SamplingBatch, temps: torch.Tensor | None = None) -> torch.Tensor:
+        """The distribution each row samples from: temperature, then top-k, top-p and min-p filtering.
+
+        min-p keeps tokens with at least min_p times the top token's probability; applying it after
+        top-k/top-p gives the same set as before them, since renormalising keeps the ratios."""
+        dev = logits.device
+        if temps is None:
+            temps = to_device(batch.temperatures, torch.float32, dev)
+        logits = logits.float() / torch.where(temps > 0, temps, 1.0).unsqueeze(1)
+        if any(k > 0 for k in batch.top_ks):
+            logits = cls._top_k(logits, batch.top_ks)
+        if any(p < 1.0 for p in batch.top_ps):
+            logits = cls._top_p(logits, to_device(batch.top_ps, torch.float32, dev))
+        probs = torch.softmax(logits, dim=-1)
+        if any(p > 0.0 for p in batch.min_ps):
+            min_p = to_device(batch.min_ps, torch.float32, dev).unsqueeze(1)
+            probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        return probs
+
+    @staticmethod
+    def _top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+        vocab = logits.shape[1]
+        ks = [k if 0 < k < vocab else 0 for k in top_ks]  # 0: the row keeps every token
+        if max(ks) == 0:
+            return logits
+        # only the largest k is sorted out, not the whole vocabulary, even when some rows keep all
+        k = to_device(ks, torch.int64, logits.device).unsqueeze(1)
+        kth = logits.topk(max(ks), dim=-1).values.gather(1, (k - 1).clamp(min=0))
+        kth = kth.masked_fill(k == 0, float("-inf"))
+        return logits.masked_fill(logits < kth, float("-inf"))
+
+    @staticmethod
+    def _top_p(logits: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # drop a token when the tokens before it already reach top_p; the first always stays
+        drop = (probs.cumsum(dim=-1) - probs) >= top_ps.unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        return torch.empty_like(logits).scatter_(1, order, sorted_logits)
