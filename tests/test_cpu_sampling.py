@@ -1,4 +1,4 @@
-"""The cpu platform's temperature sampler (plugins/platforms/cpu/sampling.py): its draws follow
+"""The cpu platform's temperature sampler (nanoplug/kernels/cpu/sampling.py): its draws follow
 softmax(logits / T) as the plain sampler's do, a -inf logit is never drawn, the same seed gives the same
 tokens; and a CPU engine sends temperature-only batches to it, seeded requests still to the plain path."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The CUDA platform's Triton kernels for the small ops (plugins/platforms/cuda/fused_kernels.py), on CPU through
+"""The CUDA platform's Triton kernels for the small ops (nanoplug/kernels/cuda/fused_ops.py), on CPU through
 the Triton interpreter, against the layer library's plain ops on the same inputs: RMSNorm over 2-D rows and over
 the heads of a strided [T, H, D] view (Qwen3's q/k norms), add + RMSNorm (both outputs), SiLU-and-mul with a
 width that is not a power of two, and RoPE on strided q and k, in float32 (within float32 noise) and bfloat16

@@ -1,4 +1,4 @@
-"""The CUDA platform's one-launch q/k norms + RoPE kernel (plugins/platforms/cuda/fused_kernels.py `norm_rope`), on
+"""The CUDA platform's one-launch q/k norms + RoPE kernel (nanoplug/kernels/cuda/fused_ops.py `norm_rope`), on
 CPU through the Triton interpreter, against the layer library's plain ops (rms_norm on q and on k, then
 apply_rope): bit for bit in float32, bfloat16 and float16 on q and k viewed out of one qkv projection, at
 batch 1 and more, head dims 64 and 128, grouped-query and not, with and without the norms. The inputs are

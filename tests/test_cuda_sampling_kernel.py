@@ -1,4 +1,4 @@
-"""The CUDA platform's one-pass temperature sampler (plugins/platforms/cuda/sampling_kernel.py), on CPU through the
+"""The CUDA platform's one-pass temperature sampler (nanoplug/kernels/cuda/sampling.py), on CPU through the
 Triton interpreter: its draws follow softmax(logits / T) as the plain sampler's do, a token far above the rest is
 found in whichever slice of the row it lies, -inf logits are never drawn, the same seed gives the same tokens;
 and the engine's Sampler sends temperature-only batches to a platform's temperature sampler (rows at

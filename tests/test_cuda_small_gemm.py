@@ -1,4 +1,4 @@
-"""The CUDA platform's one- and two-row linear kernel (plugins/platforms/cuda/small_gemm.py), on CPU through the
+"""The CUDA platform's one- and two-row linear kernel (nanoplug/kernels/cuda/small_gemm.py), on CPU through the
 Triton interpreter, against F.linear on the same inputs: one and two rows, K a multiple of the kernel's chunk and
 not, N not a multiple of its row block, with and without bias, float32 (within float32 noise) and bfloat16
 (within a rounding step); products it does not take go to F.linear unchanged; and a whole Qwen3 engine whose

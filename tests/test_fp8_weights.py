@@ -1,4 +1,4 @@
-"""The `fp8` weight format (plugins/adapters/fp8.py) on CPU, where it takes its reference path:
+"""The `fp8` weight format (nanoplug/plugins/weight_formats/fp8.py) on CPU, where it takes its reference path:
 
 - a layer's product equals quantize (e4m3, one scale per output row) - dequantize - F.linear exactly,
   and the quantized weight is within e4m3's half-ulp (2^-4 relative) of the original;

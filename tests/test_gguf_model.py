@@ -1,4 +1,4 @@
-"""The GGUF weight format end to end (nanoplug/checkpoint/gguf_file.py, the loader, plugins/adapters/gguf.py), against
+"""The GGUF weight format end to end (nanoplug/checkpoint/gguf_file.py, the loader, nanoplug/plugins/weight_formats/gguf.py), against
 references no one here wrote:
 
 - the reader gives gguf-py's tensors (names, types, shapes, bytes) under transformers' Hugging Face names,

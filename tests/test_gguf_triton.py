@@ -1,4 +1,4 @@
-"""The Triton GGUF kernels (plugins/adapters/gguf_kernels.py) and the `gguf_triton` weight format, on CPU
+"""The Triton GGUF kernels (nanoplug/kernels/gguf/triton_kernels.py) and the `gguf_triton` weight format, on CPU
 through the Triton interpreter (TRITON_INTERPRET=1 must be set before the kernels are defined, so the
 module is reloaded after setting it, whatever another test imported first), against references no one
 here wrote:

@@ -1,4 +1,4 @@
-"""The per-request LoRA kernels (plugins/adapters/lora_kernels.py) on CPU through the Triton interpreter
+"""The per-request LoRA kernels (nanoplug/kernels/lora/triton_kernels.py) on CPU through the Triton interpreter
 (TRITON_INTERPRET=1 must be set before the kernels are defined, so the module is reloaded after setting it,
 whatever another test imported first):
 

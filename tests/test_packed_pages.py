@@ -1,4 +1,4 @@
-"""The page-packing kernel of attention `sdpa` on CUDA (plugins/attention/packed_pages.py), on CPU through the
+"""The page-packing kernel of attention `sdpa` on CUDA (nanoplug/kernels/attention/packed_pages.py), on CPU through the
 Triton interpreter, against a plain torch gather: contexts of one token, exactly a page, several pages and
 several of the kernel's chunks, padded rows naming the scratch block, heads whose row is not a power of two,
 bit for bit in float32 and bfloat16; nothing written past the packed tokens; a step split into groups (a

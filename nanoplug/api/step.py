@@ -30,7 +30,7 @@ class SlotInit:
 
 @dataclass
 class LogitsProcessingBatch:
-    """One step's penalties and logit biases, for the sample rows that have any (see core/logits_processors.py).
+    """One step's penalties and logit biases, for the sample rows that have any (see nanoplug/worker/logits_processors.py).
 
     Penalized rows are listed in `rows`, each with its token-count slot and its three penalties;
     `inits` fill new slots first. The bias is flat (row, token id, value) triples over all biased rows."""
@@ -95,7 +95,7 @@ class StepBatch:
     from_previous_at: list[int] = field(default_factory=list)
     from_previous_rows: list[int] = field(default_factory=list)
     # (from, to) KV blocks copied after this step's forward: a prompt's partly filled last block, for the
-    # other samples of an n > 1 request (core/blocks.py, fork). sample_rows then repeats that sequence's row
+    # other samples of an n > 1 request (nanoplug/engine/blocks.py, fork). sample_rows then repeats that sequence's row
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # prompt logprobs: the input positions whose logits score the next prompt token, that token, and the
     # most alternatives any of them asked for
@@ -118,7 +118,7 @@ class StepLimits:
 class LogprobsTensors:
     """Log-probabilities of R chosen tokens: each one's, its rank, and the K most likely tokens of its row.
 
-    Computed on the device (core/logprobs.py); `pack` makes one tensor of them to copy to the host."""
+    Computed on the device (nanoplug/worker/logprobs.py); `pack` makes one tensor of them to copy to the host."""
 
     logprobs: torch.Tensor  # [R] float32: the chosen token's
     ranks: torch.Tensor  # [R] int64: tokens at least as likely as it (1: the most likely)

@@ -3,9 +3,9 @@ time through `step`, what each step added to each request out as `RequestUpdate`
 
 It is the one owner of requests and of everything in flight: the scheduler's sequences, each
 request's output state, and, with overlapped steps, the step launched but not yet collected. Start-up
-(core/startup.py) resolves the plugins once and starts the parallel strategy's worker; each step is
+(nanoplug/engine/startup.py) resolves the plugins once and starts the parallel strategy's worker; each step is
 schedule -> build the step's data -> launch on the worker -> collect -> apply the tokens (scheduler)
-and turn them into updates (core/outputs.py).
+and turn them into updates (nanoplug/engine/outputs.py).
 
 `add_request` and `abort` may be called from any thread: they go through an inbox that `step`
 drains. `step` itself runs on one thread at a time (LLM's step lock, or the server's loop).
@@ -431,7 +431,7 @@ class EngineCore:
 
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """The conversation through the checkpoint's chat template, as token ids. Text inside the messages
-        never becomes a special token (see core/chat_template.py); the template's own tokens do."""
+        never becomes a special token (see nanoplug/engine/chat_template.py); the template's own tokens do."""
         self._check_open()
         if self.tokenizer is None:
             raise RequestError("chat needs the checkpoint's tokenizer and chat template, but this LLM was created "

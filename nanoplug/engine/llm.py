@@ -73,7 +73,7 @@ class LLM:
 
         A prompt is a string or token ids (ints, numpy/torch integers, a 1-d integer array); sampling_params
         is one SamplingParams (or dict of its fields) for all, one per prompt, or None for the defaults.
-        Anything else is a RequestError that says what to pass (core/request_input.py)."""
+        Anything else is a RequestError that says what to pass (nanoplug/engine/requests.py)."""
         self.engine._check_open()
         prompts = prompt_list(prompts)
         params = params_list(sampling_params, len(prompts))

@@ -6,8 +6,8 @@ seeded by (seed, its token position), so it gets the same tokens whatever else i
 platform may draw batches sampled at a temperature alone itself (`Platform.temperature_sampler`, one
 pass over the logits), keyed by a seed the sampler gives it every step.
 
-Penalties and logit bias (core/logits_processors.py) change the logits first, and logprobs
-(core/logprobs.py) are read from the raw logits; a batch with neither takes the plain path.
+Penalties and logit bias (nanoplug/worker/logits_processors.py) change the logits first, and logprobs
+(nanoplug/worker/logprobs.py) are read from the raw logits; a batch with neither takes the plain path.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Per-request LoRA on CUDA through the Triton kernels (plugins/adapters/lora_kernels.py), in bf16:
+"""Per-request LoRA on CUDA through the Triton kernels (nanoplug/kernels/lora/triton_kernels.py), in bf16:
 
 - a layer's update equals the float64 per-token reference (each token: its own adapter) and the plain
   masked path to bf16 rounding, for 1 to 300 tokens and 4 or 32 adapters; the factors of adapters no

@@ -1,5 +1,5 @@
 """Attention `sdpa` on CUDA where torch's `varlen_attn` reads no page tables (torch 2.11; here forced by pages
-of 16 tokens on any torch): paged steps pack each sequence's live pages (plugins/attention/packed_pages.py)
+of 16 tokens on any torch): paged steps pack each sequence's live pages (nanoplug/kernels/attention/packed_pages.py)
 and attend through `varlen_attn`. With a packed buffer too small for a whole batch, decode steps and
 prefill chunks over cached context run as several groups; under CUDA graphs, their logits equal those of
 an eager engine whose buffer holds the whole batch in one group, to the bf16 tolerance, position by

@@ -56,7 +56,7 @@ def test_start_up_is_logged_and_nothing_compiles_or_captures_after_it(model, att
             assert before.graphs_error is None and before.graph_captures > 0
             assert worker.graph_limit == 256  # (cuda/graphs.py GRAPH_BATCH_SIZES up to max_num_seqs)
             norms = [m for m in worker.model.modules() if type(m).__name__ == "RMSNorm"]
-            assert norms and all(m.fused.__module__.endswith("cuda.fused_kernels") for m in norms), \
+            assert norms and all(m.fused.__module__.endswith("cuda.fused_ops") for m in norms), \
                 "the small ops should run as the platform's Triton kernels (which the guard watches)"
             assert compiled.watching_triton == (importlib.util.find_spec("triton") is not None)
             dynamo, triton = compiled.dynamo_graphs(), list(compiled.triton)
