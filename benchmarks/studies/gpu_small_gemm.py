@@ -1,9 +1,9 @@
 """Small-m GEMMs y = x @ W.T on a Qwen3-0.6B decoder layer's shapes and its LM head: cuBLAS (F.linear) against
-nanoplug's one/two-row kernel (plugins/platforms/cuda/small_gemm.py) over a sweep of its block sizes, warps and
+nanoplug's one/two-row kernel (nanoplug/kernels/cuda/small_gemm.py) over a sweep of its block sizes, warps and
 stages, and a tl.dot variant; each timed over 28 weight copies inside one CUDA graph (so L2 holds none).
 The figures behind small_gemm.py's choices (benchmarks/RESULTS.md, session 9).
 
-usage: python benchmarks/gpu_small_gemm.py [ROWS, e.g. 1,2,4,8]
+usage: python benchmarks/studies/gpu_small_gemm.py [ROWS, e.g. 1,2,4,8]
 """
 import itertools, sys
 import torch, triton, triton.language as tl
