@@ -40,19 +40,19 @@ case $part in
     step "compare xformers,sdpa" 60 python3 -m nanoplug compare --attention flash,xformers,sdpa,manual --model /tmp/nanoplug-bench/qwen3-0.6b-random --dtype bfloat16
     ;;
   ratios)
-    step "ratios" 300 python3 benchmarks/gpu_ratios.py
+    step "ratios" 300 python3 benchmarks/studies/gpu_ratios.py
     step "bench flash torch-store" 150 python3 -m nanoplug bench --attention flash --kv-cache torch
     step "bench manual (32 seqs)" 100 python3 -m nanoplug bench --attention manual --kv-cache triton --num-seqs 32
     ;;
   final)  # the headline figure again after host-path fixes, manual on a smaller run, a decode profile
     step "bench flash" 150 python3 -m nanoplug bench --attention flash --kv-cache triton
     step "bench manual (8 seqs, 128 out)" 90 python3 -m nanoplug bench --attention manual --kv-cache triton --num-seqs 8 --max-output-len 128
-    step "profile decode (flash)" 120 python3 benchmarks/gpu_profile.py flash
+    step "profile (flash)" 150 python3 benchmarks/gpu_bench_profile.py --attention flash
     ;;
   overlap)  # the bench with overlapped steps (the default) and without, and where a step's time goes
     step "bench flash (overlap)" 150 python3 -m nanoplug bench --attention flash --kv-cache triton
     step "bench flash --no-overlap" 150 python3 -m nanoplug bench --attention flash --kv-cache triton --no-overlap
-    step "steps flash (overlap)" 150 python3 benchmarks/gpu_steps.py flash triton 1
+    step "steps flash (overlap)" 150 python3 benchmarks/studies/gpu_steps.py flash triton 1
     ;;
   checks)  # the gpu tests and the bench with 128-token pages (FlashAttention-4's TMA page size)
     step "pytest -m gpu (FA4)" 240 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider

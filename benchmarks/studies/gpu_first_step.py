@@ -1,7 +1,7 @@
 """What the host does in the bench workload's first steps (after start-up and the warm-up request):
 a cProfile of them, to catch kernels compiled on first use inside the timed run.
 
-usage: python benchmarks/gpu_first_step.py [attention]   (default flash)
+usage: python benchmarks/studies/gpu_first_step.py [attention]   (default flash)
 """
 from __future__ import annotations
 

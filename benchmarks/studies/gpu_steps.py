@@ -1,7 +1,7 @@
 """Where the bench workload's wall time goes, step by step: scheduling, building the step, the
 runner's host work, waiting for the GPU, and the engine's bookkeeping after the tokens come back.
 
-usage: python benchmarks/gpu_steps.py [attention] [kv_cache] [overlap: 1|0]   (default flash triton 1)
+usage: python benchmarks/studies/gpu_steps.py [attention] [kv_cache] [overlap: 1|0]   (default flash triton 1)
 Columns are host milliseconds per step in each part; "wait" is the host waiting for the GPU's tokens.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@
 The step's 121 GEMMs (30 layers of qkv, o, gate+up, down, then the LM head) run back to back on
 separate random weights, so the weights stream from memory as in a real decode step (540 MB). Best of 3.
 
-    python benchmarks/cpu_gemm.py [--rows 1 4 16 32 64]
+    python benchmarks/studies/cpu_gemm.py [--rows 1 4 16 32 64]
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ settings, against a variant that loads K/V tiles by TMA (host-side tensor descri
 and FlashAttention-4 over the same cache in bf16; batch 256 of 1-2k-token contexts in the bench model's shape.
 
 Prints time per call, the K/V bytes read per second and the largest difference from the shipped kernel.
-usage: python benchmarks/gpu_decode_variants.py
+usage: python benchmarks/studies/gpu_decode_variants.py
 """
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
 from _cuda_timing import cuda_ms
 from gpu_fp8_kv import DECODE_SHAPE, decode_case
 from nanoplug.kernels.attention import triton_decode as td

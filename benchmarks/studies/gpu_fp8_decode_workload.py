@@ -10,7 +10,7 @@ any other rotation is); `fp8 unrotated` (a cache kept without rotation: the kern
 path under other launch settings (`--configs`: DecodeConfig fields, e.g.
 `num_stages_8bit=3;num_warps=8,num_stages_8bit=1`).
 
-usage: python benchmarks/gpu_fp8_decode_workload.py [--every 32] [--configs num_stages_8bit=3]
+usage: python benchmarks/studies/gpu_fp8_decode_workload.py [--every 32] [--configs num_stages_8bit=3]
 """
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ import argparse
 
 import torch
 
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
 from _cuda_timing import graph_us
 from gpu_decode_workload import D, KVH, LAYERS, dev, dt, sampled_steps
 from nanoplug.kernels.attention import triton_decode as td

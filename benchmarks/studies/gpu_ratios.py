@@ -7,7 +7,7 @@
 3. batch-1 decode latency, 512-token prompt, 256 new tokens: eager vs CUDA graphs vs graphs +
    torch.compile -- article: 28 ms -> 9 ms per token (RTX 3090).
 
-usage: python benchmarks/gpu_ratios.py [prefill|store|decode ...]   (default: all); JSON lines to stdout.
+usage: python benchmarks/studies/gpu_ratios.py [prefill|store|decode ...]   (default: all); JSON lines to stdout.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Where the time to first token and a batch-1 decode step go (issue 16 item 2): per engine step, its wall
 time; then a torch profile of one fresh 512-token request (top CPU ops and CUDA kernels).
 
-usage: python benchmarks/gpu_latency_profile.py [--attention flash] [--kv-cache triton] [--trace FILE]
+usage: python benchmarks/studies/gpu_latency_profile.py [--attention flash] [--kv-cache triton] [--trace FILE]
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 the FlashAttention-4 kernels built, with the fields of FA4's compile key in which they differ.
 
 A warm start: run once to fill the caches, then this in a fresh process. A fresh machine's start:
-`NANOPLUG_CACHE=$(mktemp -d) python benchmarks/gpu_startup_profile.py` (every cache lives under that root).
-usage: python benchmarks/gpu_startup_profile.py [--attention flash] [--kv-cache triton]
+`NANOPLUG_CACHE=$(mktemp -d) python benchmarks/studies/gpu_startup_profile.py` (every cache lives under that root).
+usage: python benchmarks/studies/gpu_startup_profile.py [--attention flash] [--kv-cache triton]
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 platform's temperature sampler (one uniform number a row) and with the plain sampler (an exponential number
 per logit), each in its own process.
 
-usage: python benchmarks/cpu_sampling.py [plain|platform]   (no argument: both, one after the other)
+usage: python benchmarks/studies/cpu_sampling.py [plain|platform]   (no argument: both, one after the other)
 """
 from __future__ import annotations
 

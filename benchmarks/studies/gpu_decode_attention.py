@@ -2,8 +2,8 @@
 on one batch-256 decode step of the bench workload's shape (Qwen3-0.6B: 16 query / 8 KV heads of 128).
 
 Prints time per call and the KV bytes read per second (the floor is the GPU's copy rate).
-usage: python benchmarks/gpu_decode_attention.py [context_len ...]
-       python benchmarks/gpu_decode_attention.py --splits BATCHES CONTEXT   (e.g. --splits 1,4,8,16,32,64 1500:
+usage: python benchmarks/studies/gpu_decode_attention.py [context_len ...]
+       python benchmarks/studies/gpu_decode_attention.py --splits BATCHES CONTEXT   (e.g. --splits 1,4,8,16,32,64 1500:
            the batch-q call with num_splits 1 and auto at smaller batches, where one split per (sequence,
            KV head) leaves SMs idle)
 """
@@ -15,6 +15,9 @@ import sys
 import torch
 from flash_attn.cute.interface import flash_attn_varlen_func
 
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
 from _cuda_timing import cuda_ms
 
 torch.manual_seed(0)

@@ -3,7 +3,7 @@ nanoplug's one/two-row kernel (nanoplug/kernels/cuda/small_gemm.py) over a sweep
 stages, and a tl.dot variant; each timed over 28 weight copies inside one CUDA graph (so L2 holds none).
 The figures behind small_gemm.py's choices (benchmarks/RESULTS.md, session 9).
 
-usage: python benchmarks/gpu_small_gemm.py [ROWS, e.g. 1,2,4,8]
+usage: python benchmarks/studies/gpu_small_gemm.py [ROWS, e.g. 1,2,4,8]
 """
 import itertools, sys
 import torch, triton, triton.language as tl

@@ -1,7 +1,7 @@
 """Where a decode step of the bench workload goes on the GPU machine: wall time per step against
 GPU kernel time per step (the rest is host work and launch gaps), and the top kernels.
 
-usage: python benchmarks/gpu_profile.py [attention]   (default flash)
+usage: python benchmarks/studies/gpu_profile.py [attention]   (default flash)
 """
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ LM head) is repacked into copies that together exceed the last-level cache, and 
 through, so each call reads its weight from memory as a decode step does. Each kernel path this CPU runs,
 int8 and float32 activations; best of `--repeats`.
 
-    python benchmarks/cpu_quant_gemm.py --threads 1 --cpu-time      # one core, CPU clock (a shared machine)
-    python benchmarks/cpu_quant_gemm.py --threads 2
+    python benchmarks/studies/cpu_quant_gemm.py --threads 1 --cpu-time      # one core, CPU clock (a shared machine)
+    python benchmarks/studies/cpu_quant_gemm.py --threads 2
 """
 from __future__ import annotations
 

@@ -1,14 +1,14 @@
-"""SiLU-and-mul on CUDA (platforms/cuda/fused_kernels.py) against torch's `F.silu(gate) * up`: bit equality and
+"""SiLU-and-mul on CUDA (nanoplug/kernels/cuda/fused_ops.py) against torch's `F.silu(gate) * up`: bit equality and
 microseconds per call in a CUDA graph, from batch-1 decode rows to a prefill's. On the GPU machine, from the
-repository root: `python3 benchmarks/gpu_silu.py`."""
+repository root: `python3 benchmarks/studies/gpu_silu.py`."""
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: gpu_gguf's timer
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 from gpu_gguf import _time_us  # noqa: E402
 
 from nanoplug.kernels.cuda import fused_ops as K  # noqa: E402

@@ -16,6 +16,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
 from _cuda_timing import cuda_ms
 from gpu_fp8_kv import DECODE_SHAPE, decode_case
 from nanoplug.kernels.attention import triton_decode as td

@@ -9,7 +9,7 @@ times (one per layer) inside a CUDA graph; the figures are per call, and the run
 sampled steps times 32, times 28 layers. Every kernel has run (and compiled) in the check against FA4's output
 before it is captured.
 
-usage: python benchmarks/gpu_decode_workload.py [--page 256] [--every 32] [--splits 1,2,4,8]
+usage: python benchmarks/studies/gpu_decode_workload.py [--page 256] [--every 32] [--splits 1,2,4,8]
 """
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ import argparse
 import torch
 from flash_attn.cute.interface import flash_attn_varlen_func
 
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
 from _cuda_timing import graph_us
 from nanoplug.bench.throughput import workload
 from nanoplug.kernels.attention import triton_decode as td
