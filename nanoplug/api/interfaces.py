@@ -9,8 +9,10 @@ from abc import ABC, abstractmethod
 from typing import Any, Callable, ClassVar, Protocol
 
 import torch
+from pydantic import BaseModel
 
 from nanoplug.api.linear import DenseLinearMethod, LinearMethod
+from nanoplug.api.options import NoOptions
 from nanoplug.api.step import (AttentionMetadata, AttentionSpec, KVCacheSpec, KVLayer, StepBatch, StepInputs,
                                StepLimits)
 from nanoplug.api.target import ModelFacts, Target
@@ -267,11 +269,13 @@ class Platform(Plugin):
 
     device_type: ClassVar[str] = ""
     """The torch device type it serves ("cpu", "cuda", ...)."""
+    Options: ClassVar[type[BaseModel]] = NoOptions
+    """Its typed options (a pydantic model): the engine validates `EngineConfig(<name>={...})` through it."""
     require_graphs: bool = False
     """Its options ask for decode graphs: a failed capture stops start-up instead of decoding eager."""
 
-    def __init__(self, options: Any, target: Target):
-        """options: this platform's part of the engine's config (e.g. `EngineConfig.cpu`), or {}."""
+    def __init__(self, options: BaseModel, target: Target):
+        """options: an instance of its `Options`, validated from the config's part under its name."""
         self.options = options
         self.target = target
         self.device = target.device  # this rank's, once `worker_device` has chosen it

@@ -46,6 +46,7 @@ class PluginClasses:
     adapters: list[Any]  # (class, AdapterSpec) pairs
     platform: Any
     platform_name: str
+    platform_options: Any  # an instance of the platform's Options, validated by the engine
 
 
 @dataclass
@@ -78,7 +79,7 @@ class ModelRunner(Worker):
         started = self._clock = time.perf_counter()
         config, plugins, facts = spec.config, spec.plugins, spec.facts
         self.config, self.group, self.facts = config, group, facts
-        self.platform = plugins.platform(config.options_of(plugins.platform_name), spec.target)
+        self.platform = plugins.platform(plugins.platform_options, spec.target)
         self.device = device = self.platform.worker_device(spec.target.device, group)
         self.dtype = dtype = spec.target.dtype
         self.block_size = config.kv_block_size
