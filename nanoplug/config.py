@@ -1,7 +1,7 @@
 """The run's choices, validated once: EngineConfig (how to serve) and SamplingParams (what to sample).
 
 Wrong values fail here, naming the field and the rule, before any weight is read. Numbers and
-switches are strict: `max_tokens="5"`, `max_tokens=True` or `enforce_eager="no"` are a caller's
+switches are strict: `max_tokens="5"`, `max_tokens=True` or `enable_prefix_caching="no"` are a caller's
 mistake (a value read from text and never converted), refused rather than guessed at. A float field
 takes an int (0 means 0.0), and an int field takes numpy's and torch's integer scalars.
 """
@@ -13,7 +13,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator
 
 from nanoplug.api.options import Bool, Float, Int, _integer_scalar
 
