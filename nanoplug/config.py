@@ -1,45 +1,27 @@
 """The run's choices, validated once: EngineConfig (how to serve) and SamplingParams (what to sample).
 
 Wrong values fail here, naming the field and the rule, before any weight is read. Numbers and
-switches are strict: `max_tokens="5"`, `max_tokens=True` or `enforce_eager="no"` are a caller's
+switches are strict: `max_tokens="5"`, `max_tokens=True` or `enable_prefix_caching="no"` are a caller's
 mistake (a value read from text and never converted), refused rather than guessed at. A float field
 takes an int (0 means 0.0), and an int field takes numpy's and torch's integer scalars.
 """
 from __future__ import annotations
 
-import operator
 import os
 import re
-import warnings
 from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator
+
+from nanoplug.api.options import Bool, Float, Int, _integer_scalar
 
 PluginName = Annotated[str, Field(min_length=1, pattern=r"^\S+$")]
 """A plugin name, or "auto": non-empty, no spaces."""
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 MAX_N = 128  # OpenAI's limit on samples per prompt
-
-
-def _integer_scalar(value: Any) -> Any:
-    """numpy's and torch's integer scalars become ints; anything else is left for the strict check."""
-    if isinstance(value, (bool, int, float, str, bytes)) or not hasattr(value, "__index__"):
-        return value
-    try:
-        return operator.index(value)  # numpy.int64(5) -> 5; numpy.bool_ and floats refuse
-    except TypeError:
-        return value
-
-
-Int = Annotated[int, BeforeValidator(_integer_scalar), Strict()]
-"""An int (or numpy/torch integer scalar); never a bool, a float or a string."""
-Float = Annotated[float, Strict()]
-"""A float or an int; never a bool or a string."""
-Bool = Annotated[bool, Strict()]
-"""True or False; never 1, "yes" or "false"."""
 
 
 def _token_id_key(value: Any) -> Any:
@@ -71,70 +53,23 @@ class AdapterSpec(BaseModel):
         return self.name or Path(self.path).name
 
 
-class CpuOptions(BaseModel):
-    """Options of the `cpu` platform: `EngineConfig(cpu={"kernels": False})`."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-    kv_cache_gb: Float = Field(4.0, gt=0, description="KV-cache memory when num_kv_blocks is None")
-    kernels: Bool | None = Field(None, description="nanoplug's C++ kernels for float32 steps (decode-sized GEMM, "
-                                 "RMSNorm, SiLU-and-mul, RoPE, greedy argmax), compiled once per machine; None: "
-                                 "when a C++ compiler is found")
-    weight_packing: Bool | None = Field(None, description="pack linear weights once for a decode-sized float32 GEMM "
-                                        "(nanoplug's with the kernels, else MKL's; a second copy of them); None: "
-                                        "when it fits in a quarter of the available memory")
-    graphs: Bool = Field(True, description="record a decode step per batch size once and replay it (the CPU's "
-                         "CUDA graphs: no Python per layer); with the kernels only; off: every step eager")
-    require_graphs: Bool = Field(False, description="stop start-up when decode steps cannot be recorded, instead "
-                                 "of running them eager with a warning")
-
-    @model_validator(mode="after")
-    def _graphs_possible(self) -> "CpuOptions":
-        if self.require_graphs and not (self.graphs and self.kernels is not False):
-            off = "graphs=False" if not self.graphs else "kernels=False (recordings need the C++ kernels)"
-            raise ValueError(f"require_graphs=True asks for recorded decode steps, but {off} turns them off; "
-                             "drop one of the two")
-        return self
-
-
-class CudaOptions(BaseModel):
-    """Options of the `cuda` platform: `EngineConfig(cuda={"enforce_eager": True})`."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-    memory_utilization: Float = Field(0.9, gt=0, le=1, description="share of GPU memory the engine may use")
-    enforce_eager: Bool = Field(False, description="no CUDA graphs, no fused small-op or small-batch GEMM kernels")
-    compile_fused_ops: Bool = Field(True, description="one kernel for each small op (Triton; torch.compile where "
-                                    "triton does not import), a Triton kernel for one- and two-row linear "
-                                    "layers and one for temperature sampling; off: the plain ops, cuBLAS and the "
-                                    "plain sampler, to measure without")
-    require_graphs: Bool = Field(False, description="stop start-up when decode cannot be captured as CUDA graphs, "
-                                 "instead of running it eager with a warning")
-
-    @model_validator(mode="after")
-    def _graphs_possible(self) -> "CudaOptions":
-        if self.require_graphs and self.enforce_eager:
-            raise ValueError("require_graphs=True asks for CUDA graphs, but enforce_eager=True turns them off; "
-                             "drop one of the two")
-        return self
-
-
-# the flat names these options had before they moved into their platform's part of the config
-DEPRECATED_OPTIONS = {
-    "cpu_kv_cache_gb": ("cpu", "kv_cache_gb"),
-    "cpu_kernels": ("cpu", "kernels"),
-    "cpu_weight_packing": ("cpu", "weight_packing"),
-    "gpu_memory_utilization": ("cuda", "memory_utilization"),
-    "enforce_eager": ("cuda", "enforce_eager"),
-    "compile_fused_ops": ("cuda", "compile_fused_ops"),
-}
+def _options_part(value: Any) -> Any:
+    """A platform's options: a dict, or an instance of its options model (only the fields set count)."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(exclude_unset=True)
+    if not isinstance(value, dict):
+        raise ValueError("not an EngineConfig field; a platform's options go under its name as a dict, e.g. "
+                         "cuda={'enforce_eager': True}")
+    return value
 
 
 class EngineConfig(BaseModel):
     """How one engine instance serves: the model, the plugin of each kind, and the memory limits.
 
-    The fields are generic; what only one platform understands lives in that platform's part
-    (`cpu`, `cuda`; a third-party platform's in `platform_options[name]`)."""
+    The fields are generic; what only one platform understands is given under that platform's name
+    (`cpu={...}`, `cuda={...}`, a third-party platform's alike) and checked by its `Platform.Options`."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
 
     model: str = Field(description="checkpoint folder (or a Hugging Face model id)")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
@@ -164,32 +99,14 @@ class EngineConfig(BaseModel):
     skip_tokenizer_init: Bool = Field(False, description="load no tokenizer (as vLLM's option): prompts must be token "
                                       "ids, outputs carry token ids and empty text, no stop strings or chat")
     seed: Int = 0
-    cpu: CpuOptions = Field(default_factory=CpuOptions)
-    cuda: CudaOptions = Field(default_factory=CudaOptions)
-    platform_options: dict[str, dict[str, Any]] = Field(default_factory=dict,
-                                                        description="options of third-party platforms, by name")
+    # every other keyword is a platform's options, under its name: cpu={"kernels": False}, cuda={...}, or a
+    # third-party platform's; the engine validates each through that platform's own model (`Platform.Options`)
+    __pydantic_extra__: dict[str, Annotated[dict[str, Any], BeforeValidator(_options_part)]] = Field(init=False)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _deprecated_flat_options(cls, values: Any) -> Any:
-        """cpu_kernels=False still works, as cpu={"kernels": False} (with a DeprecationWarning)."""
-        if not isinstance(values, dict) or not any(k in values for k in DEPRECATED_OPTIONS):
-            return values
-        values = dict(values)
-        for old, (platform, field) in DEPRECATED_OPTIONS.items():
-            if old in values:
-                warnings.warn(f"EngineConfig option {old!r} is deprecated; use {platform}={{{field!r}: ...}}",
-                              DeprecationWarning, stacklevel=4)
-                part = values.get(platform) or {}
-                part = part.model_dump(exclude_unset=True) if isinstance(part, BaseModel) else dict(part)
-                part.setdefault(field, values.pop(old))
-                values[platform] = part
-        return values
-
-    def options_of(self, platform: str) -> Any:
-        """The part of this config that platform `platform` reads ({} when it has none)."""
-        part = getattr(self, platform, None) if platform in type(self).model_fields else None
-        return part if isinstance(part, BaseModel) else self.platform_options.get(platform, {})
+    @property
+    def platform_options(self) -> dict[str, dict[str, Any]]:
+        """The options given for each platform, by name, as given (validated at engine start-up)."""
+        return dict(self.model_extra or {})
 
     @field_validator("model", mode="before")
     @classmethod

@@ -6,6 +6,8 @@ import torch
 from pydantic import ValidationError
 
 from nanoplug import LLM, AdapterSpec, EngineConfig, SamplingParams
+from nanoplug.engine.platform_options import validate_platform_options
+from nanoplug.engine.registry import Registry
 
 
 def assert_rejected(model_cls, field: str, rule: str, **values):
@@ -29,30 +31,62 @@ def assert_rejected(model_cls, field: str, rule: str, **values):
     ("max_num_batched_tokens", 0, "greater than or equal to 1"),
     ("kv_block_size", 24, "kv_block_size must be a power of two"),
     ("kv_block_size", 0, "greater than or equal to 1"),
-    ("cuda.memory_utilization", 1.5, "less than or equal to 1"),
-    ("cuda.memory_utilization", 0, "greater than 0"),
-    ("cpu.kv_cache_gb", float("inf"), "finite number"),
-    ("cuda.enforce_eager", "maybe", "valid boolean"),
-    ("cpu.kernels", "sometimes", "valid boolean"),
-    ("cpu.no_such_option", 1, "Extra inputs are not permitted"),
     ("seed", 1.5, "valid integer"),
-    ("no_such_option", 1, "Extra inputs are not permitted"),
+    ("no_such_option", 1, "not an EngineConfig field; a platform's options go under its name"),
 ])
 def test_engine_config_rejects_wrong_values_naming_field_and_rule(field, value, rule):
     top, _, sub = field.partition(".")
     assert_rejected(EngineConfig, field, rule, model="m", **{top: {sub: value} if sub else value})
 
 
-def test_platform_options_live_in_their_platform_part_and_old_names_still_work():
+def rejected_platform_option(field: str, rule: str, **parts):
+    """The engine's check of each platform's part (at start-up, before any file is read) refuses it."""
+    with pytest.raises(ValidationError) as err:
+        validate_platform_options(Registry(load_entry_points=False), EngineConfig(model="m", **parts))
+    (error,) = err.value.errors()
+    assert ".".join(map(str, error["loc"])) == field and rule in error["msg"]
+    assert field in str(err.value) and f"platform {field.split('.')[0]!r}" in str(err.value)
+
+
+@pytest.mark.parametrize("field, value, rule", [
+    ("cuda.memory_utilization", 1.5, "option 'memory_utilization': Input should be less than or equal to 1"),
+    ("cuda.memory_utilization", 0, "greater than 0"),
+    ("cpu.kv_cache_gb", float("inf"), "finite number"),
+    ("cuda.enforce_eager", "maybe", "valid boolean"),
+    ("cuda.enforce_eager", "false", "valid boolean"),
+    ("cuda.memory_utilization", "0.5", "valid number"),
+    ("cpu.kernels", "sometimes", "valid boolean"),
+    ("cpu.kernels", 1, "valid boolean"),
+    ("cpu.no_such_option", 1, "platform 'cpu' has no option 'no_such_option'; its options: kv_cache_gb, kernels"),
+])
+def test_platform_options_are_checked_by_their_platform_naming_platform_option_and_rule(field, value, rule):
+    top, _, sub = field.partition(".")
+    rejected_platform_option(field, rule, **{top: {sub: value}})
+
+
+def test_platform_options_live_under_the_platform_name_and_are_validated_by_its_model():
+    from nanoplug.plugins.platforms.cpu.options import CpuOptions
+    from nanoplug.plugins.platforms.cuda.options import CudaOptions
+
     cfg = EngineConfig(model="m", cpu={"kernels": False}, cuda={"enforce_eager": True})
-    assert (cfg.cpu.kernels, cfg.cpu.kv_cache_gb, cfg.cuda.enforce_eager) == (False, 4.0, True)
-    assert cfg.options_of("cpu") is cfg.cpu and cfg.options_of("npu") == {}
-    assert EngineConfig(model="m", platform_options={"npu": {"cores": 8}}).options_of("npu") == {"cores": 8}
-    with pytest.warns(DeprecationWarning, match="'cpu_kernels' is deprecated; use cpu={'kernels': ...}"):
-        old = EngineConfig(model="m", cpu_kernels=False, gpu_memory_utilization=0.5, cpu={"kv_cache_gb": 1.0})
-    assert (old.cpu.kernels, old.cpu.kv_cache_gb, old.cuda.memory_utilization) == (False, 1.0, 0.5)
-    with pytest.raises(ValidationError, match="cuda.memory_utilization"):
-        EngineConfig(model="m", gpu_memory_utilization=2)
+    assert cfg.platform_options == {"cpu": {"kernels": False}, "cuda": {"enforce_eager": True}}
+    opts = validate_platform_options(Registry(load_entry_points=False), cfg)
+    assert type(opts["cpu"]) is CpuOptions and type(opts["cuda"]) is CudaOptions
+    assert (opts["cpu"].kernels, opts["cpu"].kv_cache_gb, opts["cuda"].enforce_eager) == (False, 4.0, True)
+    assert EngineConfig(model="m", cpu=CpuOptions(kernels=False)).platform_options == {"cpu": {"kernels": False}}
+    rejected_platform_option("cuda", "platform 'cuda': require_graphs=True asks for CUDA graphs, but enforce_eager",
+                             cuda={"require_graphs": True, "enforce_eager": True})
+    rejected_platform_option("npu", "not an EngineConfig field, and no platform 'npu' is registered to take options "
+                             "under that name (platforms: cpu, cuda)",
+                             npu={"cores": 8})
+
+
+def test_the_old_flat_option_names_are_gone():
+    for old in ("cpu_kv_cache_gb", "cpu_kernels", "gpu_memory_utilization", "enforce_eager", "compile_fused_ops"):
+        with pytest.raises(ValidationError, match="not an EngineConfig field"):
+            EngineConfig(model="m", **{old: 1})
+        with pytest.raises(TypeError, match=f"unknown option.*'{old}'.*cpu=\\{{...\\}}, cuda=\\{{...\\}}"):
+            LLM("m", **{old: 1})
 
 
 def test_engine_config_defaults_and_conversions():
@@ -152,10 +186,7 @@ def test_sampling_params_are_strict_about_types(field, value, rule):
     ("max_model_len", True, "valid integer"),
     ("num_kv_blocks", 8.0, "valid integer"),
     ("kv_block_size", "16", "valid integer"),
-    ("cuda.enforce_eager", "false", "valid boolean"),
     ("enable_prefix_caching", 0, "valid boolean"),
-    ("cuda.memory_utilization", "0.5", "valid number"),
-    ("cpu.kernels", 1, "valid boolean"),
     ("seed", True, "valid integer"),
 ])
 def test_engine_config_is_strict_about_types(field, value, rule):
@@ -169,7 +200,7 @@ def test_strict_types_still_take_what_a_caller_means():
     p = SamplingParams(temperature=0, top_p=1, max_tokens=np.int64(5), seed=np.int32(3), stop_token_ids=[np.int64(2)])
     assert (p.temperature, p.top_p, p.max_tokens, p.seed, p.stop_token_ids) == (0.0, 1.0, 5, 3, [2])
     assert type(p.max_tokens) is int and type(p.temperature) is float
-    assert EngineConfig(model="m", max_model_len=np.int64(512), cpu_kv_cache_gb=1).max_model_len == 512
+    assert EngineConfig(model="m", max_model_len=np.int64(512), cpu={"kv_cache_gb": 1}).max_model_len == 512
     from pathlib import Path
 
     assert EngineConfig(model=Path("/models/qwen3")).model == "/models/qwen3"

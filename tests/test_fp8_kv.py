@@ -16,6 +16,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from nanoplug.api import KVLayer  # noqa: E402
+from nanoplug.kernels.attention import rotated_cache  # noqa: E402
+from nanoplug.kernels.attention.rotated_cache import RotatedKVLayer  # noqa: E402
 
 import nanoplug.kernels.attention.dequantized_pages as dequantized_pages  # noqa: E402
 import nanoplug.kernels.attention.triton_decode as triton_decode  # noqa: E402
@@ -162,7 +164,7 @@ def test_decode_over_a_rotated_cache_turns_q_and_the_output(splits, dim):
     seq_lens = [1, 17, 100, 40]
     q, kc, vc, tables, lens = _decode_case(seq_lens, heads=6, kv_heads=2, dim=dim)
     r, ks, vs = fp8.hadamard(dim), torch.tensor(0.8), torch.tensor(1.7)
-    hadamard = triton_decode.is_hadamard(r)
+    hadamard = rotated_cache.is_hadamard(r)
     assert hadamard == (dim == 64)
     cfg = triton_decode.DecodeConfig(block_n=16)
     out = triton_decode.paged_decode(q, kc, vc, tables, lens, 0.125, splits, ks, vs, cfg, rotation=r, hadamard=hadamard)
@@ -175,10 +177,10 @@ def test_decode_over_a_rotated_cache_turns_q_and_the_output(splits, dim):
 
 def test_is_hadamard_recognizes_a_multiple_of_sylvesters_matrix_only():
     h = fp8.hadamard(128)
-    assert triton_decode.is_hadamard(h) and triton_decode.is_hadamard(h.bfloat16()) and triton_decode.is_hadamard(2 * h)
-    assert not triton_decode.is_hadamard(None) and not triton_decode.is_hadamard(fp8.hadamard(48))
-    assert not triton_decode.is_hadamard(h[torch.randperm(128, generator=torch.Generator().manual_seed(0))])
-    assert not triton_decode.is_hadamard(torch.eye(128))
+    assert rotated_cache.is_hadamard(h) and rotated_cache.is_hadamard(h.bfloat16()) and rotated_cache.is_hadamard(2 * h)
+    assert not rotated_cache.is_hadamard(None) and not rotated_cache.is_hadamard(fp8.hadamard(48))
+    assert not rotated_cache.is_hadamard(h[torch.randperm(128, generator=torch.Generator().manual_seed(0))])
+    assert not rotated_cache.is_hadamard(torch.eye(128))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -194,7 +196,8 @@ def test_prefill_pages_gathered_by_the_kernel_equal_index_select_then_dequantize
     # bfloat16: scales of powers of two keep every scaled value exact, so the float32 way rounded once is the answer
     # (PyTorch's CPU bfloat16 matmul rounds on its own way)
     scales = (0.8, 1.7) if dtype == torch.float32 else (0.5, 2.0)
-    layer = KVLayer(0, torch.tensor(scales[0]), torch.tensor(scales[1]), r)
+    plain = KVLayer(0, torch.tensor(scales[0]), torch.tensor(scales[1]))
+    layer = RotatedKVLayer(plain.index, plain.k_scale, plain.v_scale, r) if rotated else plain
     meta = AttentionMetadata(is_prefill=True, cu_seqlens_q=torch.arange(4, dtype=torch.int32),
                              cu_seqlens_k=torch.tensor([0, 40, 43, 60], dtype=torch.int32), seq_lens=lens,
                              slot_mapping=lens.long(), block_tables=tables, max_seqlen_q=1, max_seqlen_k=40)
@@ -221,7 +224,7 @@ def test_store_turns_k_and_v_into_the_rotated_basis_then_quantizes(dtype):
     k, v = k.view(n, heads, dim), v.view(n, heads, dim)
     slots = torch.tensor([0, 5, -1, 12, 13, 2, 3])
     r = fp8.hadamard(dim).to(dtype)
-    layer = KVLayer(0, torch.tensor(0.5), torch.tensor(2.0), r)
+    layer = RotatedKVLayer(0, torch.tensor(0.5), torch.tensor(2.0), r)
     kc = torch.zeros(4, 4, heads, dim, dtype=FP8)
     vc = kc.clone()
     fp8.Fp8Store().store(k, v, kc, vc, slots, layer)
@@ -236,13 +239,11 @@ def test_store_turns_k_and_v_into_the_rotated_basis_then_quantizes(dtype):
 
 
 def test_a_rotating_store_and_backend_leave_no_turning_to_paged_attention(monkeypatch):
-    """fp8 store + `triton` (both turn in their kernels): PagedAttention does no rotation GEMM; with `manual`
-    (reads the cache as stored) it turns q, the new K/V and the output itself. Same greedy tokens."""
-    import nanoplug.api.layers.attention as attention
-
+    """fp8 store + `triton` (both turn in their kernels): the store's `attend` does no rotation GEMM; with
+    `manual` (reads the cache as stored) it turns q, the new K/V and the output itself. Same greedy tokens."""
     calls = []
-    rotate = attention._rotate
-    monkeypatch.setattr(attention, "_rotate", lambda x, r: calls.append(x.shape) or rotate(x, r))
+    rotate = rotated_cache._rotate
+    monkeypatch.setattr(rotated_cache, "_rotate", lambda x, r: calls.append(x.shape) or rotate(x, r))
     _, fused = _generate("triton", "fp8")
     assert calls == []
     _, plain = _generate("manual", "fp8")
@@ -278,7 +279,8 @@ def test_engine_fp8_cache_triton_decode_equals_the_oracle_reading_the_same_cache
 
     llm, got = _generate("triton", "fp8")
     assert llm.engine.worker.kv_cache.dtype == FP8
-    assert llm.engine.worker.ctx.decode.decode.hadamard  # q and the output turned inside the kernel
+    assert llm.engine.worker.ctx.decode.reads_rotated_cache
+    assert all(rotated_cache.hadamard_of(layer) for _, _, layer in llm.engine.worker.ctx.kv)  # turned in the kernel
     _, want = _generate("manual", "fp8")
     assert got[-1].num_cached_tokens > 0
     for a, b in zip(want, got):
@@ -353,7 +355,8 @@ def test_the_rotation_is_orthogonal(n):
 
 
 def test_a_rotated_cache_leaves_attention_unchanged():
-    """PagedAttention turns q, k and v into the store's basis and the output back: a float32 cache kept
+    """A store that keeps its cache rotated turns q, k and v into its basis and the output back around a
+    backend that reads the cache as stored (`attend_rotated`, the store's `attend`): a float32 cache kept
     rotated gives the plain cache's logits within float32 rounding, through decode and chunked prefill,
     and the fp8 store really hands its rotation to every layer."""
     import types
@@ -364,9 +367,13 @@ def test_a_rotated_cache_leaves_attention_unchanged():
     from nanoplug.engine.registry import Registry
     from nanoplug.plugins.kv_cache.torch import TorchStore
 
-    class RotatedStore(TorchStore):
-        def rotation(self, head_dim):
-            return fp8.hadamard(head_dim)
+    class RotatedStore(TorchStore):  # a third-party store: it rotates nothing itself, `attend_rotated` does
+        def layer(self, index, spec, device, dtype):
+            return rotated_cache.RotatedKVLayer(index, rotation=fp8.hadamard(spec.head_dim).to(device, dtype))
+
+        def attend(self, backend, q, k, v, k_cache, v_cache, slot_mapping, layer):
+            return rotated_cache.attend_rotated(self, backend, q, k, v, k_cache, v_cache, slot_mapping, layer,
+                                                store_turns=False)
 
     module = types.ModuleType("rotated_store")
     module.NANOPLUG_API_VERSION = PLUGIN_API_VERSION
@@ -378,7 +385,7 @@ def test_a_rotated_cache_leaves_attention_unchanged():
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, output_logits=True)
     prompts = PROMPTS + [PROMPTS[2] + " And then"]
     rotated = LLM(checkpoint("qwen3"), registry=registry, attention="manual", kv_cache="rotated", **ENGINE)
-    assert all(layer.rotation is not None for _, _, layer in rotated.engine.worker.ctx.kv)
+    assert all(rotated_cache.rotation_of(layer) is not None for _, _, layer in rotated.engine.worker.ctx.kv)
     got = rotated.generate(prompts, params, use_tqdm=False)
     _, want = _generate("manual", "torch")
     for a, b in zip(want, got):

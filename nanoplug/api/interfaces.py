@@ -9,8 +9,10 @@ from abc import ABC, abstractmethod
 from typing import Any, Callable, ClassVar, Protocol
 
 import torch
+from pydantic import BaseModel
 
 from nanoplug.api.linear import DenseLinearMethod, LinearMethod
+from nanoplug.api.options import NoOptions
 from nanoplug.api.step import (AttentionMetadata, AttentionSpec, KVCacheSpec, KVLayer, StepBatch, StepInputs,
                                StepLimits)
 from nanoplug.api.target import ModelFacts, Target
@@ -45,12 +47,6 @@ class AttentionBackend(Plugin, ABC):
     """True when prefill steps without cached context can be captured too: `forward` reads the step's
     lengths from the metadata's tensors and takes `max_seqlen_q` as an upper bound (a captured step runs
     with its bucket's token count, the tokens past the batch forming one padding sequence)."""
-    handles_rotation: bool = False
-    """True when the backend reads a rotated cache (KVLayer.rotation) itself, through `layer.dequantize` or by
-    turning q and its output on its own: it then gets q, k, v in the model's basis. Else PagedAttention turns
-    q, k, v into the cache's basis, hands it a layer without rotation, and turns the output back (a GEMM
-    each, every layer)."""
-
     def __init__(self, spec: AttentionSpec):
         self.spec = spec
         self.meta: AttentionMetadata | None = None
@@ -77,13 +73,21 @@ class KVCacheStore(Plugin, ABC):
         """Per-layer (k_scale, v_scale) float32 [num_layers] for a quantized cache; None for a plain one."""
         return None
 
-    def rotation(self, head_dim: int) -> torch.Tensor | None:
-        """An orthogonal [head_dim, head_dim] matrix to keep K and V in (KVLayer.rotation), or None."""
-        return None
+    def layer(self, index: int, spec: KVCacheSpec, device: torch.device, dtype: torch.dtype) -> KVLayer:
+        """Layer `index`'s view of this cache, handed with its K/V caches to `store`, `attend` and the backend
+        (once per cache allocation; `spec`'s scales already on `device`; `dtype`: the model's). A store that
+        keeps more per layer returns a KVLayer subclass carrying it."""
+        if spec.k_scale is None:
+            return KVLayer(index)
+        return KVLayer(index, spec.k_scale[index], spec.v_scale[index])
 
-    rotates: ClassVar[bool] = False
-    """True when `store` turns K and V into the rotated basis itself (in its kernel): it then gets them in
-    the model's basis. Else PagedAttention turns them first."""
+    def attend(self, backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, layer: KVLayer) -> torch.Tensor:
+        """One layer's attention over this cache (PagedAttention's whole forward): store the new K/V, then
+        the backend. A store whose cache a backend cannot read as it is (e.g. kept in another basis)
+        transforms q, k, v before and the output after here."""
+        self.store(k, v, k_cache, v_cache, slot_mapping, layer)
+        return backend.forward(q, k, v, k_cache, v_cache, layer)
 
     @abstractmethod
     def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -267,11 +271,13 @@ class Platform(Plugin):
 
     device_type: ClassVar[str] = ""
     """The torch device type it serves ("cpu", "cuda", ...)."""
+    Options: ClassVar[type[BaseModel]] = NoOptions
+    """Its typed options (a pydantic model): the engine validates `EngineConfig(<name>={...})` through it."""
     require_graphs: bool = False
     """Its options ask for decode graphs: a failed capture stops start-up instead of decoding eager."""
 
-    def __init__(self, options: Any, target: Target):
-        """options: this platform's part of the engine's config (e.g. `EngineConfig.cpu`), or {}."""
+    def __init__(self, options: BaseModel, target: Target):
+        """options: an instance of its `Options`, validated from the config's part under its name."""
         self.options = options
         self.target = target
         self.device = target.device  # this rank's, once `worker_device` has chosen it

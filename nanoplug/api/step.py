@@ -10,8 +10,6 @@ a block table names a real block, and no backend clamps or masks table entries.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -221,7 +219,6 @@ class KVCacheSpec:
     # per-layer scales for quantized caches (float32 [num_layers]); None for plain caches
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
-    rotation: torch.Tensor | None = None  # see KVLayer.rotation
 
 
 @dataclass(frozen=True, eq=False)
@@ -231,27 +228,14 @@ class KVLayer:
     index: int
     k_scale: torch.Tensor | None = None  # 0-d float32, for quantized caches
     v_scale: torch.Tensor | None = None
-    # an orthogonal [head_dim, head_dim] matrix R (the model's dtype), for caches that hold K and V in a
-    # rotated basis (k R, v R): dot products are unchanged when q is turned alike (q R), and the output is
-    # turned back by R^T (AttentionBackend.handles_rotation says who does it)
-    rotation: torch.Tensor | None = None
+    # a store that keeps more per layer (e.g. a basis its cache is kept in) hands a subclass (KVCacheStore.layer)
 
     def dequantize(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V read from this layer's cache as `dtype`, scales applied and turned back into the model's
-        basis (the plain way to read any cache)."""
+        """K and V read from this layer's cache as `dtype`, scales applied (the plain way to read any cache;
+        a store's subclass undoes whatever else it keeps them in)."""
         if self.k_scale is None:
-            k, v = k.to(dtype), v.to(dtype)
-        else:
-            k, v = (k.float() * self.k_scale).to(dtype), (v.float() * self.v_scale).to(dtype)
-        if self.rotation is not None:  # one GEMM in `dtype` each (float32 accumulation), as the rotation was applied
-            back = self.rotation.T.to(dtype)
-            k, v = torch.matmul(k, back), torch.matmul(v, back)
-        return k, v
-
-    @functools.cached_property
-    def unrotated(self) -> KVLayer:
-        """This layer as a backend sees it when PagedAttention does the turning: no rotation to undo."""
-        return dataclasses.replace(self, rotation=None)
+            return k.to(dtype), v.to(dtype)
+        return (k.float() * self.k_scale).to(dtype), (v.float() * self.v_scale).to(dtype)
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,8 @@ def read_stdin(what: str) -> str:
 
 def _first_problem(exc: Any) -> str:
     err = exc.errors()[0]
+    if len(err.get("loc", ())) > 1 and err["type"] == "platform_option":
+        return err["msg"]  # names the platform and its option itself
     field = "--" + str(err["loc"][0]).replace("_", "-") if err.get("loc") else "an option"
     return f"{field}: {err['msg']}"
 

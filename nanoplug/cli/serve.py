@@ -39,6 +39,8 @@ def engine_config(args: argparse.Namespace):
     from pydantic import ValidationError
 
     from nanoplug.config import EngineConfig
+    from nanoplug.engine.platform_options import validate_platform_options
+    from nanoplug.engine.registry import default_registry
     from nanoplug.checkpoint.source import resolve_model_path
 
     import torch
@@ -60,7 +62,9 @@ def engine_config(args: argparse.Namespace):
     if cuda:
         options["cuda"] = cuda
     try:
-        return EngineConfig(model=resolve_model_path(model_path(args)), **options)
+        config = EngineConfig(model=resolve_model_path(model_path(args)), **options)
+        validate_platform_options(default_registry(), config)  # --gpu-memory-utilization 2 fails here, not later
+        return config
     except ValidationError as exc:
         raise OptionError(_first_problem(exc)) from exc
 

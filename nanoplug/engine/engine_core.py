@@ -31,6 +31,7 @@ from nanoplug.engine.penalties import add_sample_row, check_token_ids
 from nanoplug.worker.logprobs import token_logprobs
 from nanoplug.checkpoint.source import resolve_model_path
 from nanoplug.engine.outputs import OutputProcessor, RequestState, RequestUpdate
+from nanoplug.engine.platform_options import validate_platform_options
 from nanoplug.engine.registry import Registry, default_registry
 from nanoplug.engine.requests import token_ids
 from nanoplug.worker.runner import PluginClasses, RunnerFactory, WorkerSpec
@@ -89,6 +90,7 @@ class EngineCore:
         started = time.perf_counter()
         config = config.model_copy(update={"model": resolve_model_path(config.model)})
         self.registry = registry or default_registry()
+        options = validate_platform_options(self.registry, config)  # before any file is read
         checkpoint = Checkpoint.load(config.model, self.registry)  # config.json read once, here
         self.hf_config, self.facts = checkpoint.hf_config, checkpoint.facts
         config.max_model_len = checked_max_model_len(config.max_model_len, "max_model_len" in config.model_fields_set,
@@ -100,6 +102,7 @@ class EngineCore:
         self.device, self.dtype = target.device, target.dtype
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(checkpoint_dir(config.model))
         self.eos_token_ids = self._eos_ids()
+        chosen = self.choices["platform"]
         plugins = PluginClasses(
             model=self.choices["model"].cls,
             prefill_attention=self.choices["prefill_attention"].cls,
@@ -108,6 +111,7 @@ class EngineCore:
             adapters=[(r.cls, spec) for r, spec in zip(self.choices["adapters"], config.adapters)],
             platform=self.choices["platform"].cls,
             platform_name=self.choices["platform"].name,
+            platform_options=options.get(chosen.name) or chosen.cls.Options(),  # its defaults when none given
         )
         strategy = self.choices["parallel"].cls(target)
         self.worker = strategy.start(RunnerFactory(WorkerSpec(config, plugins, checkpoint.hf_config, checkpoint.facts,

@@ -13,12 +13,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence as Seq
 
-from nanoplug.config import DEPRECATED_OPTIONS, EngineConfig, SamplingParams
+from nanoplug.config import EngineConfig, SamplingParams
 from nanoplug.engine.engine_core import EngineCore, EngineRequest
 from nanoplug.checkpoint.loader import checkpoint_dir
 from nanoplug.checkpoint.source import resolve_model_path
 from nanoplug.engine.outputs import CompletionOutput, RequestOutput, RequestUpdate, StreamDelta
-from nanoplug.engine.registry import Registry
+from nanoplug.engine.registry import Registry, default_registry
 from nanoplug.engine.requests import params_list, prompt_list
 
 __all__ = ["LLM", "RequestOutput", "StreamDelta"]
@@ -30,11 +30,14 @@ class LLM:
     engine: EngineCore | None = None
 
     def __init__(self, model: str | os.PathLike, registry: Registry | None = None, **options: Any):
-        unknown = sorted(set(options) - set(EngineConfig.model_fields) - set(DEPRECATED_OPTIONS))
+        registry = registry or default_registry()
+        platforms = registry.names("platform")  # each takes its options under its name: cuda={...}
+        unknown = sorted(set(options) - set(EngineConfig.model_fields) - set(platforms))
         if unknown:
             raise TypeError(
                 f"unknown option(s) {', '.join(map(repr, unknown))} for LLM; valid options: "
                 + ", ".join(sorted(f for f in EngineConfig.model_fields if f != "model"))
+                + f"; a platform's options under its name ({', '.join(f'{p}={{...}}' for p in platforms)})"
             )
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model is a {type(model).__name__}; give a checkpoint folder (a str or pathlib.Path) "

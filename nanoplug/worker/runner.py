@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nanoplug.api import (AttentionMetadata, AttentionSpec, GraphCaptureError, KVCacheSpec, KVLayer, Layers, LinearMethod,
+from nanoplug.api import (AttentionMetadata, AttentionSpec, GraphCaptureError, KVCacheSpec, Layers, LinearMethod,
                           LogprobsTensors, ModelFacts, PagedAttention, ProcessGroup, SamplingBatch, StartupTimes, StepBatch,
                           StepContext, StepInputs, StepLimits, StepResult, StepStats, Target, Worker, WorkerReport,
                           to_device)
@@ -46,6 +46,7 @@ class PluginClasses:
     adapters: list[Any]  # (class, AdapterSpec) pairs
     platform: Any
     platform_name: str
+    platform_options: Any  # an instance of the platform's Options, validated by the engine
 
 
 @dataclass
@@ -78,7 +79,7 @@ class ModelRunner(Worker):
         started = self._clock = time.perf_counter()
         config, plugins, facts = spec.config, spec.plugins, spec.facts
         self.config, self.group, self.facts = config, group, facts
-        self.platform = plugins.platform(config.options_of(plugins.platform_name), spec.target)
+        self.platform = plugins.platform(plugins.platform_options, spec.target)
         self.device = device = self.platform.worker_device(spec.target.device, group)
         self.dtype = dtype = spec.target.dtype
         self.block_size = config.kv_block_size
@@ -90,11 +91,9 @@ class ModelRunner(Worker):
         self.kv_spec = KVCacheSpec(store.cache_dtype(dtype), self.block_size, kv_heads, facts.head_dim,
                                    facts.num_layers)
         scales = store.scales(self.kv_spec)
-        rotation = store.rotation(facts.head_dim)
-        if scales is not None or rotation is not None:  # kernels read them on the device
-            k_scale, v_scale = (s.to(device, torch.float32) for s in scales) if scales is not None else (None, None)
-            self.kv_spec = dataclasses.replace(self.kv_spec, k_scale=k_scale, v_scale=v_scale, rotation=None
-                                               if rotation is None else rotation.to(device, dtype))
+        if scales is not None:  # kernels read them on the device
+            k_scale, v_scale = (s.to(device, torch.float32) for s in scales)
+            self.kv_spec = dataclasses.replace(self.kv_spec, k_scale=k_scale, v_scale=v_scale)
         spec_ = AttentionSpec(heads, kv_heads, facts.head_dim, facts.head_dim ** -0.5, self.block_size, dtype, device,
                               self.kv_spec, self.limits)
         decode = plugins.decode_attention(spec_)
@@ -215,13 +214,9 @@ class ModelRunner(Worker):
         kv = self.platform.allocate_kv_cache(shape, s.dtype, self.device)
         kv[:, :, -1].zero_()  # the scratch block: padded reads see it (masked, but 0 * NaN garbage is NaN)
         self.kv_cache = kv
-        self.ctx.kv = [(kv[0, i], kv[1, i], self._kv_layer(i)) for i in range(s.num_layers)]
+        store = self.ctx.store
+        self.ctx.kv = [(kv[0, i], kv[1, i], store.layer(i, s, self.device, self.dtype)) for i in range(s.num_layers)]
 
-    def _kv_layer(self, i: int) -> KVLayer:
-        s = self.kv_spec
-        if s.k_scale is None:
-            return KVLayer(i, rotation=s.rotation)
-        return KVLayer(i, s.k_scale[i], s.v_scale[i], s.rotation)
 
     def _profile_run(self) -> None:
         """The largest prefill, once, on a small temporary cache (for platforms that size the cache from memory)."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nanoplug.api import AttentionSpec
-from nanoplug.kernels.attention import triton_decode
+from nanoplug.kernels.attention import rotated_cache, triton_decode
 from nanoplug.plugins.attention import flash
 from nanoplug.plugins.kv_cache import fp8
 
@@ -87,7 +87,7 @@ def test_fp8_decode_turns_a_hadamard_basis_in_the_kernel_as_the_gemms_do(batch, 
     q, kc, vc, tables, lens = _decode_inputs(batch, heads, kv_heads, dim, page, 2048, FP8)
     ks, vs = torch.tensor(0.9, device="cuda"), torch.tensor(1.3, device="cuda")
     rot = fp8.hadamard(dim).cuda().bfloat16()
-    assert triton_decode.is_hadamard(rot)
+    assert rotated_cache.is_hadamard(rot)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     splits = triton_decode.num_splits(batch, kv_heads, 4096, sms, triton_decode.DecodeConfig())
     ref = _reference(q.float() @ rot.float(), kc, vc, tables, lens, dim ** -0.5, ks, vs) @ rot.float().T

@@ -11,6 +11,7 @@ import torch
 from nanoplug.api import KVLayer
 from nanoplug.bench.checkpoints import write_random_checkpoint
 from nanoplug.cli import compare
+from nanoplug.kernels.attention.rotated_cache import RotatedKVLayer
 from nanoplug.plugins.kv_cache import fp8
 
 pytestmark = pytest.mark.gpu
@@ -55,7 +56,8 @@ def test_prefill_page_gather_kernel_equals_index_select_then_dequantize(rotated)
     kc = (torch.randn(30, page, heads, dim, device="cuda") * 3).to(FP8)
     vc = (torch.randn(30, page, heads, dim, device="cuda") * 3).to(FP8)
     rot = fp8.hadamard(dim).to("cuda", torch.bfloat16) if rotated else None
-    layer = KVLayer(0, torch.tensor(0.8, device="cuda"), torch.tensor(1.7, device="cuda"), rot)
+    layer = RotatedKVLayer(0, torch.tensor(0.8, device="cuda"), torch.tensor(1.7, device="cuda"), rot) if rotated \
+        else KVLayer(0, torch.tensor(0.8, device="cuda"), torch.tensor(1.7, device="cuda"))
     tables = torch.randperm(29, device="cuda")[:24].to(torch.int32).view(4, 6)
     lens = torch.tensor([1500, 300, 700, 1536], dtype=torch.int32, device="cuda")
     meta = AttentionMetadata(is_prefill=True, cu_seqlens_q=torch.arange(5, dtype=torch.int32, device="cuda"),

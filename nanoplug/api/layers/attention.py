@@ -39,19 +39,4 @@ class PagedAttention(nn.Module):
         k_cache, v_cache, layer = ctx.kv[self.layer_idx]
         meta = ctx.meta
         backend = ctx.prefill if meta.is_prefill else ctx.decode
-        rotation, store = layer.rotation, ctx.store
-        if rotation is None or (store.rotates and backend.handles_rotation):
-            store.store(k, v, k_cache, v_cache, meta.slot_mapping, layer)
-            return backend.forward(q, k, v, k_cache, v_cache, layer)
-        # the cache holds K and V in a rotated basis: this module turns what the store or the backend does not
-        turned_k, turned_v = _rotate(k, rotation), _rotate(v, rotation)
-        store.store(*((k, v) if store.rotates else (turned_k, turned_v)), k_cache, v_cache, meta.slot_mapping, layer)
-        if backend.handles_rotation:
-            return backend.forward(q, k, v, k_cache, v_cache, layer)
-        out = backend.forward(_rotate(q, rotation), turned_k, turned_v, k_cache, v_cache, layer.unrotated)
-        return _rotate(out, rotation.T)
-
-
-def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """x [N, H, D] @ rotation [D, D]: one GEMM in the model's dtype (float32 accumulation, one rounding)."""
-    return torch.matmul(x, rotation)
+        return ctx.store.attend(backend, q, k, v, k_cache, v_cache, meta.slot_mapping, layer)

@@ -14,6 +14,7 @@ import dataclasses
 import torch
 
 from nanoplug.api import AttentionMetadata, KVLayer, import_triton, interpreting
+from nanoplug.kernels.attention.rotated_cache import rotation_of
 
 triton, tl, TRITON_ERROR = import_triton()
 if triton is not None:
@@ -87,11 +88,12 @@ class DequantizedPages:
         k = torch.empty((n, page, heads, dim), dtype=dtype, device=k_cache.device)
         v = torch.empty_like(k)
         rows = page * heads
-        scaled, rotate = layer.k_scale is not None, layer.rotation is not None
+        rotation = rotation_of(layer)
+        scaled, rotate = layer.k_scale is not None, rotation is not None
         dummy = self.index  # stands for an absent scale or rotation (never read)
         _gather_kernel[(n, triton.cdiv(rows, CHUNK), 2)](
             k_cache, v_cache, k, v, self.index, layer.k_scale if scaled else dummy,
-            layer.v_scale if scaled else dummy, layer.rotation.contiguous() if rotate else dummy,
+            layer.v_scale if scaled else dummy, rotation.contiguous() if rotate else dummy,
             k_cache.stride(0), v_cache.stride(0), ROWS=rows, CHUNK=CHUNK, DIM=dim,
             DIM_P=max(16, triton.next_power_of_2(dim)), SCALED=scaled, ROTATE=rotate,
             IEEE=dtype == torch.float32 or interpreting())

@@ -11,7 +11,7 @@ Two kernels, one per kind of cache. Over a 16/32-bit cache the query heads are t
 the rows and the query heads the columns (padded to 8): K and V are widened to float16 in registers and
 feed the dots from there, the padding costs half the tensor-core work, and the grid runs a sequence's KV
 heads side by side (their rows are adjacent in the cache). A cache kept in Sylvester's Hadamard basis
-(KVLayer.rotation, the fp8 store's) has q and the output turned inside that kernel by butterflies in
+(a RotatedKVLayer's, the fp8 store's: kernels/attention/rotated_cache.py) has q and the output turned inside that kernel by butterflies in
 registers; any other rotation by two GEMMs around it (benchmarks/RESULTS.md, session 16).
 
 The grid depends only on the batch size and the longest context the step may have (`max_seqlen_k`,
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoplug.api import import_triton, interpreting
+from nanoplug.kernels.attention.rotated_cache import hadamard_of, rotation_of
 
 # where triton is missing or broken (TRITON_ERROR says why): backends report the reason
 triton, tl, TRITON_ERROR = import_triton()
@@ -267,25 +268,13 @@ def num_splits(batch: int, kv_heads: int, max_seqlen_k: int, num_sms: int, cfg: 
     return max(1, min(want, tiles, cfg.max_splits))
 
 
-def is_hadamard(rotation: torch.Tensor | None) -> bool:
-    """True when `rotation` is a multiple of Sylvester's Hadamard matrix (the fp8 store's, in the model's dtype):
-    the float8 kernel then turns q and the output itself. Reads the tensor on the host: call it once."""
-    if rotation is None or rotation.shape[0] & (rotation.shape[0] - 1):
-        return False
-    h = torch.ones(1, 1)
-    while h.shape[0] < rotation.shape[0]:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    r = rotation.detach().float().cpu()
-    return torch.equal(r, h * r[0, 0])
-
-
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, splits: int, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None, cfg: DecodeConfig = DecodeConfig(),
                  rotation: torch.Tensor | None = None, hadamard: bool = False) -> torch.Tensor:
     """q: [B, H, D], one query per sequence at the end of its context of `seq_lens[b]` tokens (its own
     K/V already stored); caches [num_blocks, page, Hkv, D]; block_tables int32 [B, W]. -> [B, H, D].
-    `rotation` [D, D]: the cache holds K and V times it (KVLayer.rotation); q and the output stay in the
+    `rotation` [D, D]: the cache holds K and V times it (RotatedKVLayer.rotation); q and the output stay in the
     model's basis. `hadamard` (`is_hadamard(rotation)`, float8 caches): the kernel turns them; else two GEMMs
     around the kernel do (one rounding each, in q's dtype)."""
     fp8 = k_cache.element_size() == 1
@@ -346,7 +335,6 @@ class TritonDecode:
         cuda = spec.device.type == "cuda"
         self.num_sms = torch.cuda.get_device_properties(spec.device).multi_processor_count if cuda else 4
         self.splits = 1
-        self.hadamard = spec.kv is not None and is_hadamard(spec.kv.rotation)  # one host read, at start-up
 
     @staticmethod
     def serves(meta) -> bool:
@@ -361,4 +349,4 @@ class TritonDecode:
     def forward(self, q, k_cache, v_cache, layer) -> torch.Tensor:
         meta = self.meta
         return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.spec.scale, self.splits,
-                            layer.k_scale, layer.v_scale, self.cfg, layer.rotation, self.hadamard)
+                            layer.k_scale, layer.v_scale, self.cfg, rotation_of(layer), hadamard_of(layer))

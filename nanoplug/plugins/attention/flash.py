@@ -36,6 +36,7 @@ from nanoplug.api import AttentionBackend, AttentionMetadata, Target
 from nanoplug.api.disk_cache import cache_root
 from nanoplug.kernels.attention import triton_decode
 from nanoplug.kernels.attention.dequantized_pages import DequantizedPages
+from nanoplug.kernels.attention.rotated_cache import RotatedCacheReader
 
 INSTALL_HINT = "pip install flash-attn (FlashAttention-2, Ampere or newer) or pip install flash-attn-4 (Hopper/Blackwell)"
 
@@ -99,7 +100,7 @@ def splits_decode(kernels: FlashKernels | None, device: torch.device) -> bool:
             and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9)
 
 
-class FlashAttention(AttentionBackend):
+class FlashAttention(AttentionBackend, RotatedCacheReader):
     description = ("FlashAttention-2 (flash-attn) or FlashAttention-4 (flash-attn-4), paged, CUDA graphs; on Hopper "
                    "decode by a Triton split kernel")
     priority = 100
@@ -148,8 +149,8 @@ class FlashAttention(AttentionBackend):
         self.fp8_pages = DequantizedPages() if self.fp8 else None
         self.split_step = False
         # it reads a float8 cache only through `paged_decode` (which turns q and the output) and dequantized
-        # pages (turned back as they are read): PagedAttention's K and V GEMMs are not needed
-        self.handles_rotation = self.fp8
+        # pages (turned back as they are read): the store's K and V GEMMs around it are not needed
+        self.reads_rotated_cache = self.fp8
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self.meta = meta  # padding in the block tables names the scratch block: every entry is a real page

@@ -11,10 +11,11 @@ import torch
 
 from nanoplug.api import AttentionMetadata, Target, triton_reasons
 from nanoplug.kernels.attention import triton_decode
+from nanoplug.kernels.attention.rotated_cache import RotatedCacheReader
 from nanoplug.plugins.attention.sdpa import SdpaAttention
 
 
-class TritonAttention(SdpaAttention):
+class TritonAttention(SdpaAttention, RotatedCacheReader):
     description = "Triton paged flash-decoding (reads fp8 caches), sdpa for prefill; CUDA graphs"
     priority = 45  # below sdpa: "auto" picks it only where sdpa cannot serve
     supports_cuda_graphs = True  # decode reads no device value on the host; prefill is never captured
@@ -37,7 +38,7 @@ class TritonAttention(SdpaAttention):
         self.triton_step = False
         # decode by `paged_decode`, which turns q and the output; prefill reads a cache of another dtype only through
         # `layer.dequantize`, which turns K and V back
-        self.handles_rotation = self.cast
+        self.reads_rotated_cache = self.cast
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self.triton_step = self.decode.serves(meta)

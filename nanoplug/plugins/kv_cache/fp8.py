@@ -7,11 +7,11 @@ become NaN). The rounding is done in float32 arithmetic and only an exact e4m3 v
 hardware cast rounds the same way, but Triton's CPU interpreter rounds some values wrong, and one path
 everywhere keeps the interpreter tests about the code the GPU runs.
 
-K and V are kept in a rotated basis (`rotation`: a normalized Hadamard matrix per head, QuaRot's idea),
-turned in the store kernel itself (`rotates`).
+K and V are kept in a rotated basis (a normalized Hadamard matrix per head, QuaRot's idea, handed to
+every layer as a `RotatedKVLayer`), turned in the store kernel itself.
 e4m3 rounds each value to 3 mantissa bits, and a q.k product carried by a few large channels inherits
 their rounding almost whole; rotated, every channel carries a share and the errors average out. Attention
-is unchanged by it (q is turned alike and the output back: KVLayer.rotation). Scales stay 1.0
+is unchanged by it (q is turned alike and the output back: `attend`, kernels/attention/rotated_cache.py). Scales stay 1.0
 (vLLM's default): rotation spreads outliers, and per-layer scales calibrated from the first request
 measured worse on SmolLM2 (benchmarks/RESULTS.md).
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from nanoplug.api import KVCacheSpec, KVCacheStore, Target, import_triton, interpreting, triton_reasons
+from nanoplug.kernels.attention.rotated_cache import RotatedKVLayer, attend_rotated, is_hadamard
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -139,15 +140,25 @@ class Fp8Store(KVCacheStore):
     def scales(self, spec: KVCacheSpec) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.ones(spec.num_layers), torch.ones(spec.num_layers)
 
-    def rotation(self, head_dim: int) -> torch.Tensor:
-        return hadamard(head_dim)
+    _rotation: tuple | None = None  # (device, dtype, R there, whether R is Hadamard's), made once per worker
 
-    rotates = True  # the store kernel turns K and V into the rotated basis itself
+    def layer(self, index, spec, device, dtype) -> RotatedKVLayer:
+        """Every layer keeps K and V in the normalized Hadamard basis (R in the model's dtype, on the device)."""
+        if self._rotation is None or self._rotation[:2] != (device, dtype):
+            r = hadamard(spec.head_dim).to(device, dtype)
+            self._rotation = (device, dtype, r, is_hadamard(r))  # one host read, at start-up
+        _, _, r, fused = self._rotation
+        plain = super().layer(index, spec, device, dtype)
+        return RotatedKVLayer(plain.index, plain.k_scale, plain.v_scale, r, fused)
+
+    def attend(self, backend, q, k, v, k_cache, v_cache, slot_mapping, layer):
+        # the store kernel turns K and V into the rotated basis itself
+        return attend_rotated(self, backend, q, k, v, k_cache, v_cache, slot_mapping, layer, store_turns=True)
 
     def store(self, k, v, k_cache, v_cache, slot_mapping, layer) -> None:
         n, heads, dim = k.shape
         row = heads * dim
-        if layer.rotation is not None:
+        if isinstance(layer, RotatedKVLayer):
             if k.stride(-1) != 1 or k.stride(1) != dim:
                 k = k.contiguous()
             if v.stride(-1) != 1 or v.stride(1) != dim:

@@ -17,6 +17,7 @@ import torch
 from nanoplug.api import GraphCaptureError, LinearMethod, Platform, Target
 from nanoplug.kernels import cpu as cpu_kernels
 from nanoplug.kernels.cpu import sampling
+from nanoplug.plugins.platforms.cpu.options import CpuOptions
 from nanoplug.plugins.platforms.cpu.graphs import CaptureError, CpuDecodeGraphs
 from nanoplug.plugins.platforms.cpu.packed_linear import PackedLinearMethod
 
@@ -25,16 +26,16 @@ class CpuPlatform(Platform):
     description = "the host's cores: C++ kernels and packed weights for float32, KV cache sized by cpu.kv_cache_gb"
     priority = 0
     device_type = "cpu"
+    Options = CpuOptions
 
-    def __init__(self, options, target: Target):
+    def __init__(self, options: CpuOptions, target: Target):
         super().__init__(options, target)
-        self.kv_cache_gb = getattr(options, "kv_cache_gb", 4.0)
-        self.graphs = getattr(options, "graphs", True)
-        self.require_graphs = getattr(options, "require_graphs", False)
+        self.kv_cache_gb = options.kv_cache_gb
+        self.graphs = options.graphs
+        self.require_graphs = options.require_graphs
         # float32 CPU steps' C++ kernels (None where they are off or do not build here; why is logged)
-        self.kernels = cpu_kernels.usable(getattr(options, "kernels", None), target.dtype, target.device)
-        self.method = PackedLinearMethod(getattr(options, "weight_packing", None), target.dtype, target.device,
-                                         self.kernels)
+        self.kernels = cpu_kernels.usable(options.kernels, target.dtype, target.device)
+        self.method = PackedLinearMethod(options.weight_packing, target.dtype, target.device, self.kernels)
 
     def linear_method(self) -> LinearMethod:
         return self.method

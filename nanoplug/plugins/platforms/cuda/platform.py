@@ -26,6 +26,7 @@ from nanoplug.api import (FusedOps, GraphCaptureError, Platform, ProcessGroup, S
 from nanoplug.api.disk_cache import cache_root
 from nanoplug.kernels.cuda import fused_ops as fused_kernels, sampling as sampling_kernel, small_gemm
 from nanoplug.plugins.platforms.cuda.graphs import DecodeGraphs
+from nanoplug.plugins.platforms.cuda.options import CudaOptions
 from nanoplug.plugins.platforms.cuda.prefill_graphs import CudaPrefillGraphs
 
 
@@ -40,6 +41,7 @@ class CudaPlatform(Platform):
     description = "NVIDIA GPUs: memory-sized KV cache, CUDA graphs, Triton fused ops, overlapped steps"
     priority = 100
     device_type = "cuda"
+    Options = CudaOptions
 
     @classmethod
     def unavailable(cls, target: Target) -> list[str]:
@@ -56,13 +58,13 @@ class CudaPlatform(Platform):
     def overlaps_by_default(cls) -> bool:
         return True
 
-    def __init__(self, options, target: Target):
+    def __init__(self, options: CudaOptions, target: Target):
         super().__init__(options, target)
         persist_triton_kernels()  # before any plugin's kernel compiles (they do in warm-up)
-        self.memory_utilization = getattr(options, "memory_utilization", 0.9)
-        self.enforce_eager = getattr(options, "enforce_eager", False)
-        self.compile_fused_ops = getattr(options, "compile_fused_ops", True)
-        self.require_graphs = getattr(options, "require_graphs", False)
+        self.memory_utilization = options.memory_utilization
+        self.enforce_eager = options.enforce_eager
+        self.compile_fused_ops = options.compile_fused_ops
+        self.require_graphs = options.require_graphs
 
     def worker_device(self, device: torch.device, group: ProcessGroup) -> torch.device:
         if group.world_size > 1:
