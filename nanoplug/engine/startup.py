@@ -157,7 +157,7 @@ def resolve_weight_format(registry: Registry, config: EngineConfig, checkpoint: 
         if method is not None and res.cls.quant_method != method:
             log.info("weights of %s: dequantized to %s, not kept as %s (%s)", checkpoint.path,
                      str(target.dtype).removeprefix("torch."), method,
-                     "; ".join(f"{n}: {', '.join(r)}" for n, r in res.skipped.items() if n not in (res.name,)))
+                     "; ".join(f"{n}: {', '.join(r)}" for n, r in res.skipped.items()))
         return res
     res = registry.resolve(WEIGHT_FORMAT, "dense" if config.quantization is None else config.quantization, target)
     keeps = res.cls.quant_method
