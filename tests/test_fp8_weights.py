@@ -46,7 +46,7 @@ def test_engine_with_fp8_weights_stays_close(qwen3_dir):
     fp8, dense = LLM(str(qwen3_dir), quantization="fp8", **options), LLM(str(qwen3_dir), **options)
     try:
         assert fp8.choices["weight_format"].name == "fp8" and fp8.config.adapters == []
-            assert dense.choices["weight_format"].name == "dense"  # "auto" never quantizes plain weights
+        assert dense.choices["weight_format"].name == "dense"  # "auto" never quantizes plain weights
         layer = fp8.engine.worker.model.model.layers[0]
         assert layer.mlp.down_proj.weight.dtype == FP8 and layer.self_attn.qkv_proj.weight.dtype == FP8
         assert fp8.engine.worker.model.lm_head.weight.dtype == torch.float32  # embedding and head stay dense
