@@ -282,7 +282,7 @@ def engine_child(path: str, quantization: str, result: str, device: str) -> None
     llm = LLM(path, **kwargs)
     load_s = time.perf_counter() - t
     weights = sum(p.numel() * p.element_size() for p in llm.engine.worker.model.parameters())
-    print(f"{quantization}: loaded in {load_s:.0f} s; adapters {[a.kind for a in llm.config.adapters]}, "
+    print(f"{quantization}: loaded in {load_s:.0f} s; weight format {llm.choices['weight_format'].name}, "
         f"parameters {weights / 1e9:.2f} GB; graphs {llm.engine.worker.graphs is not None}", flush=True)
     prompt = [int(i) for i in torch.randint(1000, 100000, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1))]
     new = NEW_TOKENS if device == "cuda" else 16

@@ -12,7 +12,7 @@ import nanoplug.api as api
 
 PINNED = [
     "PLUGIN_API_VERSION", "hookimpl", "hookspec", "KIND_HOOKS",
-    "Plugin", "AttentionBackend", "KVCacheStore", "ProcessGroup", "ParallelStrategy", "WeightAdapter",
+    "Plugin", "AttentionBackend", "KVCacheStore", "ProcessGroup", "ParallelStrategy", "WeightAdapter", "WeightFormat",
     "AdapterOptions", "RequestAdapters", "ModelArchitecture", "Platform", "StepGraphs", "PrefillGraphs", "Target", "ModelFacts",
     "StepBatch", "SamplingBatch", "StepResult", "StepInputs", "StepLimits", "AttentionMetadata", "AttentionSpec",
     "KVCacheSpec", "KVLayer", "to_device", "LogitsProcessingBatch", "SlotInit", "LogprobsTensors",
@@ -46,9 +46,10 @@ def test_the_top_level_names_still_work():
     assert set(nanoplug.__all__) <= set(dir(nanoplug))
 
 
-def test_the_six_kinds_each_have_a_hook_and_a_base_class():
+def test_the_seven_kinds_each_have_a_hook_and_a_base_class():
     bases = {"attention": api.AttentionBackend, "kv_cache": api.KVCacheStore, "model": api.ModelArchitecture,
-             "parallel": api.ParallelStrategy, "adapter": api.WeightAdapter, "platform": api.Platform}
+             "parallel": api.ParallelStrategy, "adapter": api.WeightAdapter,
+             "weight_format": api.WeightFormat, "platform": api.Platform}
     assert list(api.KIND_HOOKS) == list(bases)
     for kind, hook in api.KIND_HOOKS.items():
         assert hook == f"nanoplug_register_{kind}" and hasattr(api.hookspecs, hook)

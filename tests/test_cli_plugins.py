@@ -18,7 +18,7 @@ import torch
 import _processes
 from nanoplug.cli import main
 
-KINDS = ["attention", "kv_cache", "model", "parallel", "adapter", "platform"]
+KINDS = ["attention", "kv_cache", "model", "parallel", "adapter", "weight_format", "platform"]
 
 
 def run_cli(*args: str, extra_path: Path | None = None, **env: str) -> subprocess.CompletedProcess:
@@ -50,6 +50,7 @@ def check_listing(data: dict) -> None:
     assert {"manual", "sdpa", "flash", "xformers"} <= set(by_name["attention"])
     assert {"torch", "triton"} <= set(by_name["kv_cache"]) and "single" in by_name["parallel"]
     assert "Qwen3ForCausalLM" in by_name["model"] and "lora" in by_name["adapter"]
+    assert {"dense", "gguf", "gguf_triton", "fp8"} <= set(by_name["weight_format"])
     for kind, plugins in by_name.items():
         for p in plugins.values():
             assert set(p) == {"name", "source", "available", "reasons", "description", "priority"}
@@ -131,6 +132,7 @@ def test_judged_against_a_checkpoint_dtype_and_device(qwen3_dir, capsys):
                               "architecture": "Qwen3ForCausalLM"}
     assert data["kinds"]["model"]["auto"] == "Qwen3ForCausalLM"
     assert data["kinds"]["adapter"]["auto"] is None  # adapters are named by the user, never auto-picked
+    assert data["kinds"]["weight_format"]["auto"] == "dense"  # plain weights; fp8 only when asked by name
 
 
 def test_bad_target_option_is_a_clear_error(capsys):

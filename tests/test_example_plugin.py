@@ -104,3 +104,28 @@ def test_generates_what_manual_generates(example_plugin, qwen3_dir):
         assert ours.token_ids == oracle.token_ids
         for a, b in zip(ours.logits, oracle.logits):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_its_int8_weight_format_serves_an_engine_close_to_dense(example_plugin, qwen3_dir):
+    """A weight format written only against nanoplug.api, found through its entry point: quantization="int8_rows"
+    keeps every linear weight in int8, and the first token's logits stay within int8 rounding of the dense engine's."""
+    reg = Registry(load_entry_points=True)
+    assert reg.entries["weight_format"]["int8_rows"].source == f"{DIST} 0.1.0"
+    options = dict(registry=reg, attention="sdpa", kv_cache="torch", kv_block_size=16, max_model_len=128,
+                   num_kv_blocks=32, device="cpu", dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, output_logits=True)
+    prompts = ["The quick brown fox jumps over the lazy dog", "Hello"]
+    dense, int8 = LLM(str(qwen3_dir), **options), LLM(str(qwen3_dir), quantization="int8_rows", **options)
+    try:
+        assert dense.choices["weight_format"].name == "dense"  # "auto" never picks a format that quantizes
+        assert int8.choices["weight_format"].name == "int8_rows"
+        assert any(line.startswith("weight_format: asked 'int8_rows'") for line in int8.describe_plugins())
+        linear = [m for m in int8.engine.worker.model.modules() if getattr(m, "role", None) == "linear"]
+        assert linear and all(m.weight.dtype == torch.int8 for m in linear)
+        for want, got in zip(dense.generate(prompts, params, use_tqdm=False), int8.generate(prompts, params, use_tqdm=False)):
+            a, b = want.logits[0], got.logits[0]
+            assert not torch.equal(a, b)  # the format computed, not the dense path
+            assert ((b - a).norm() / a.norm()).item() < 0.05
+    finally:
+        dense.close()
+        int8.close()

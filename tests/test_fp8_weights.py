@@ -1,4 +1,4 @@
-"""The `fp8` weight format (nanoplug/plugins/weight_formats/fp8.py) on CPU, where it takes its reference path:
+"""The `fp8` weight format (plugins/weight_formats/fp8.py) on CPU, where it takes its reference path:
 
 - a layer's product equals quantize (e4m3, one scale per output row) - dequantize - F.linear exactly,
   and the quantized weight is within e4m3's half-ulp (2^-4 relative) of the original;
@@ -45,7 +45,8 @@ def test_engine_with_fp8_weights_stays_close(qwen3_dir):
     options = dict(device="cpu", dtype="float32", kv_block_size=16, max_model_len=256, cpu={"kv_cache_gb": 0.05})
     fp8, dense = LLM(str(qwen3_dir), quantization="fp8", **options), LLM(str(qwen3_dir), **options)
     try:
-        assert [a.kind for a in fp8.config.adapters] == ["fp8"]
+        assert fp8.choices["weight_format"].name == "fp8" and fp8.config.adapters == []
+        assert dense.choices["weight_format"].name == "dense"  # "auto" never quantizes plain weights
         layer = fp8.engine.worker.model.model.layers[0]
         assert layer.mlp.down_proj.weight.dtype == FP8 and layer.self_attn.qkv_proj.weight.dtype == FP8
         assert fp8.engine.worker.model.lm_head.weight.dtype == torch.float32  # embedding and head stay dense

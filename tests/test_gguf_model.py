@@ -1,4 +1,4 @@
-"""The GGUF weight format end to end (nanoplug/checkpoint/gguf_file.py, the loader, nanoplug/plugins/weight_formats/gguf.py), against
+"""The GGUF weight format end to end (nanoplug/checkpoint/gguf_file.py, the loader, plugins/weight_formats/gguf.py), against
 references no one here wrote:
 
 - the reader gives gguf-py's tensors (names, types, shapes, bytes) under transformers' Hugging Face names,
@@ -119,11 +119,12 @@ def test_every_tensor_of_the_file_dequantizes_exactly(gguf_path):
 # ------------------------------------------------------------------------------------------ the engine
 def test_the_default_model_keeps_its_blocks(engines):
     quant, dense = engines
-    assert [a.kind for a in quant.config.adapters] == ["gguf"] and dense.config.adapters == []
+    assert quant.choices["weight_format"].name == "gguf" and dense.choices["weight_format"].name == "dense"
+    assert quant.config.adapters == [] == dense.config.adapters
     model = quant.engine.worker.model
     assert model.lm_head.weight is model.model.embed_tokens.weight  # one packed copy, the tied head
-    methods = {type(m.linear_method.method()).__name__ for m in model.modules() if hasattr(m, "linear_method")}
-    assert methods == {"GGUFLinearMethod"}  # on a CPU the gguf adapter picks its C++ kernels' method
+    methods = {type(m.linear_method).__name__ for m in model.modules() if hasattr(m, "linear_method")}
+    assert methods == {"GGUFLinearMethod"}  # the gguf format: its C++ kernels' method
     formats = {seg[2] for m in model.modules() if hasattr(m, "linear_method") for seg in m.weight.gguf.segments}
     assert formats == {"Q4_1", "Q8_0"}
     weights = sum(t.numel() * t.element_size() for n, t in [*model.named_parameters(), *model.named_buffers()]
@@ -166,7 +167,7 @@ def test_int8_activations_match_llama_cpp_on_the_same_file(engines, gguf_path):
 def test_llm_of_a_gguf_file(engines, gguf_path):
     llm = LLM(str(gguf_path), **OPTIONS)
     try:
-        assert [a.kind for a in llm.config.adapters] == ["gguf"]
+        assert llm.choices["weight_format"].name == "gguf"
         assert greedy(llm, PROMPTS[0]) == greedy(engines[0], PROMPTS[0])
     finally:
         llm.close()
@@ -179,7 +180,7 @@ def test_every_format_in_one_file(tmp_path, gguf_path):
     quant = LLM(str(path), **OPTIONS)
     dense = LLM(str(path), quantization=None, **OPTIONS)
     try:
-        assert dense.config.adapters == []
+        assert dense.choices["weight_format"].name == "dense"
         attn = quant.engine.worker.model.model.layers[0].self_attn
         assert [s[2] for s in attn.qkv_proj.weight.gguf.segments] == ["Q4_0", "Q4_1", "Q8_0"]
         assert [s[2] for s in quant.engine.worker.model.model.layers[0].mlp.down_proj.weight.gguf.segments] == ["Q4_K"]
@@ -199,6 +200,7 @@ def test_where_the_format_cannot_serve(folders, caplog):
     with caplog.at_level("INFO", logger="nanoplug"):
         llm = LLM(str(folders[0]), dtype="bfloat16", **OPTIONS)  # auto: dequantized, and why is logged
     try:
-        assert llm.config.adapters == [] and "dequantized to bfloat16" in caplog.text
+        assert llm.choices["weight_format"].name == "dense" and "dequantized to bfloat16" in caplog.text
+        assert "weight_format: asked 'auto', chose 'dense'" in "\n".join(llm.describe_plugins())
     finally:
         llm.close()

@@ -1,4 +1,4 @@
-"""The Triton GGUF kernels (nanoplug/kernels/gguf/triton_kernels.py) and the `gguf_triton` weight format, on CPU
+"""The Triton GGUF kernels (kernels/gguf/) and the `gguf_triton` weight format, on CPU
 through the Triton interpreter (TRITON_INTERPRET=1 must be set before the kernels are defined, so the
 module is reloaded after setting it, whatever another test imported first), against references no one
 here wrote:
@@ -129,7 +129,7 @@ def test_engine_on_the_triton_path_matches_the_float32_engine(mixed_gguf):
     quant = LLM(str(mixed_gguf), quantization="gguf_triton", **options)
     dense = LLM(str(mixed_gguf), quantization=None, **options)
     try:
-        assert [a.kind for a in quant.config.adapters] == ["gguf_triton"] and dense.config.adapters == []
+        assert quant.choices["weight_format"].name == "gguf_triton" and dense.choices["weight_format"].name == "dense"
         model = quant.engine.worker.model
         assert model.lm_head.weight is model.model.embed_tokens.weight  # the tied head shares the blocks
         qkv = model.model.layers[0].self_attn.qkv_proj.weight.gguf.segments

@@ -80,12 +80,14 @@ def entry_points(monkeypatch):
 # ----------------------------------------------------------------------------------- built-ins
 def test_builtins_of_every_kind_are_listed_and_not_imported_until_asked():
     reg = Registry(load_entry_points=False)
-    assert set(reg.entries) == set(KIND_HOOKS) == {"attention", "kv_cache", "model", "parallel", "adapter", "platform"}
+    assert set(reg.entries) == set(KIND_HOOKS) == {"attention", "kv_cache", "model", "parallel", "adapter",
+                                                  "weight_format", "platform"}
     assert {"manual", "sdpa", "flash", "xformers"} <= set(reg.names("attention"))
     assert {"torch", "triton"} <= set(reg.names("kv_cache"))
     assert {"Qwen3ForCausalLM", "LlamaForCausalLM"} <= set(reg.names("model"))
     assert {"single", "tensor"} <= set(reg.names("parallel"))
-    assert "lora" in reg.names("adapter")
+    assert reg.names("adapter") == ["lora"]  # adapters are LoRA; weight formats are their own kind
+    assert {"dense", "gguf", "gguf_triton", "fp8"} <= set(reg.names("weight_format"))
     assert {"cpu", "cuda"} <= set(reg.names("platform"))
     assert all(e.cls is None and e.source == "built-in" for k in reg.entries.values() for e in k.values())
     assert reg.get("attention", "manual") is ManualAttention
@@ -363,3 +365,46 @@ def test_engine_rejects_unknown_and_unservable_plugins_by_name(qwen3_dir):
         LLM(str(qwen3_dir), registry=reg, **{**ENGINE_OPTIONS, "kv_cache": "nope"})
     with pytest.raises(PluginUnavailableError, match="attention plugin 'gpu_only' cannot serve this config: needs CUDA"):
         LLM(str(qwen3_dir), registry=reg, attention="gpu_only", **ENGINE_OPTIONS)
+
+
+# ------------------------------------------------------------------------------- weight formats
+def test_auto_weight_format_keeps_a_checkpoint_format_where_it_can_serve_and_says_why_not(cpu_target):
+    from nanoplug.engine.startup import auto_weight_format
+
+    reg = Registry(load_entry_points=False)
+    assert auto_weight_format(reg, None, cpu_target).name == "dense"  # plain weights: never fp8 by "auto"
+    assert auto_weight_format(reg, "gguf", cpu_target).name == "gguf"  # the CPU's C++ kernels
+    bf16 = Target(device=torch.device("cpu"), dtype=torch.bfloat16)
+    res = auto_weight_format(reg, "gguf", bf16)
+    assert res.name == "dense" and set(res.skipped) >= {"gguf", "gguf_triton"}
+    assert "it computes in float32, not bfloat16 (pass dtype='float32')" in res.skipped["gguf"]
+    assert "weight_format: asked 'auto', chose 'dense'" in res.describe() and "skipped gguf:" in res.describe()
+    merged = auto_weight_format(reg, "gguf", cpu_target, merged=True)
+    assert merged.name == "dense" and "a merged adapter changes the weights" in merged.skipped["gguf"][-1]
+    unknown = auto_weight_format(reg, "awq", cpu_target)
+    assert unknown.name == "dense" and unknown.skipped["awq"] == ["no weight_format plugin keeps 'awq' weights"]
+
+
+def test_a_weight_format_asked_by_name_that_cannot_serve_says_why(qwen3_dir):
+    from nanoplug import LLM
+
+    reg = Registry(load_entry_points=False)
+    options = dict(registry=reg, device="cpu", dtype="float32", max_model_len=64, cpu={"kv_cache_gb": 0.01})
+    with pytest.raises(UnknownPluginError, match="unknown weight_format plugin 'int4'; valid names: dense, fp8, gguf"):
+        LLM(str(qwen3_dir), quantization="int4", **options)
+    with pytest.raises(PluginUnavailableError, match="keeps 'gguf' checkpoints' weights, but .* holds plain weights"):
+        LLM(str(qwen3_dir), quantization="gguf", **options)
+    with pytest.raises(PluginUnavailableError, match="its C++ kernels run on the CPU|computes in float32"):
+        LLM(str(qwen3_dir), quantization="gguf", **{**options, "dtype": "bfloat16"})
+
+
+def test_an_adapter_of_the_old_contract_that_gives_a_linear_method_is_refused():
+    from nanoplug.api import WeightAdapter
+    from nanoplug.engine.registry import Registrar
+
+    class OldFormat(WeightAdapter):
+        def linear_method(self):
+            return None
+
+    with pytest.raises(PluginLoadError, match="register a weight format as a nanoplug.api.WeightFormat"):
+        Registrar("adapter").add("old", OldFormat)

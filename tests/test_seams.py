@@ -1,5 +1,5 @@
 """The seams later work plugs into, each proven by a small test-only plugin that plugs in without
-editing the engine: a weight format (a LinearMethod offered by an `adapter` plugin), and a KV-cache
+editing the engine: a weight format (a `weight_format` plugin giving a LinearMethod), and a KV-cache
 store that keeps K/V in another dtype than the model's. Each is compared with the plain engine."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from _checkpoints import PROMPTS, checkpoint, relative_error
 from nanoplug import LLM, SamplingParams
-from nanoplug.api import (PLUGIN_API_VERSION, KVCacheStore, LinearMethod, Target, WeightAdapter, WeightShapeError,
+from nanoplug.api import (PLUGIN_API_VERSION, KVCacheStore, LinearMethod, Target, WeightFormat, WeightShapeError,
                           check_shape, hookimpl)
 from nanoplug.engine.registry import Registry
 
@@ -59,8 +59,9 @@ class Int8WeightOnly(LinearMethod):
         return y + bias if bias is not None else y
 
 
-class Int8Format(WeightAdapter):
+class Int8Format(WeightFormat):
     description = "test-only weight-only int8 format"
+    quantizes = True  # by name only
 
     def linear_method(self) -> LinearMethod:
         return Int8WeightOnly()
@@ -69,17 +70,18 @@ class Int8Format(WeightAdapter):
 @pytest.fixture(scope="module")
 def int8_registry():
     reg = Registry(load_entry_points=False)
-    reg.add_plugin_module(plugin_module("int8_format", "adapter", {"int8": Int8Format}), "test")
+    reg.add_plugin_module(plugin_module("int8_format", "weight_format", {"int8": Int8Format}), "test")
     return reg
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_tied"])
-def test_an_int8_weight_format_plugs_in_as_an_adapter(int8_registry, name):
+def test_an_int8_weight_format_plugs_in(int8_registry, name):
     path = checkpoint(name)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, output_logits=True)
     plain = LLM(path, registry=int8_registry, attention="sdpa", kv_cache="torch", **OPTIONS)
-    int8 = LLM(path, registry=int8_registry, attention="sdpa", kv_cache="torch", adapters=[{"kind": "int8", "path": path}],
-               **OPTIONS)
+    int8 = LLM(path, registry=int8_registry, attention="sdpa", kv_cache="torch", quantization="int8", **OPTIONS)
+    assert plain.choices["weight_format"].name == "dense"  # "auto" never picks a format that quantizes
+    assert int8.choices["weight_format"].name == "int8" and int8.config.adapters == []
     model = int8.engine.worker.model
     layers = [m for m in model.modules() if getattr(m, "role", None) in ("linear", "lm_head")]
     quantized = [m for m in layers if m.weight.dtype == torch.int8]

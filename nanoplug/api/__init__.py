@@ -11,7 +11,7 @@ from nanoplug.api.errors import (AdapterError, GraphCaptureError, ModelLoadError
 from nanoplug.api.hookspecs import KIND_HOOKS, PLUGIN_API_VERSION, hookimpl, hookspec
 from nanoplug.api.interfaces import (AdapterOptions, AttentionBackend, KVCacheStore, ModelArchitecture,
                                      ParallelStrategy, Platform, Plugin, PrefillGraphs, ProcessGroup, RequestAdapters,
-                                     StepGraphs, WeightAdapter)
+                                     StepGraphs, WeightAdapter, WeightFormat)
 from nanoplug.api.layers import (FusedOps, Layers, LinearBase, PagedAttention, ParallelLMHead, RMSNorm,
                                  RotaryEmbedding, SiluAndMul, StepContext, VocabParallelEmbedding, add_rms_norm,
                                  apply_rope, install_fused_ops, rms_norm, rope_inv_freq, silu_and_mul)
@@ -27,7 +27,7 @@ __all__ = [
     # the plugin protocol
     "PLUGIN_API_VERSION", "hookimpl", "hookspec", "KIND_HOOKS",
     # one base class per kind, and what they are judged against
-    "Plugin", "AttentionBackend", "KVCacheStore", "ProcessGroup", "ParallelStrategy", "WeightAdapter",
+    "Plugin", "AttentionBackend", "KVCacheStore", "ProcessGroup", "ParallelStrategy", "WeightAdapter", "WeightFormat",
     "AdapterOptions", "RequestAdapters", "ModelArchitecture", "Platform", "StepGraphs", "PrefillGraphs", "Target", "ModelFacts",
     # one step as data
     "StepBatch", "SamplingBatch", "StepResult", "StepInputs", "StepLimits", "AttentionMetadata", "AttentionSpec",

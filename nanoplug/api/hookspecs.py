@@ -1,4 +1,4 @@
-"""The six hook specs a nanoplug plugin implements: each adds what it offers to a registrar.
+"""The seven hook specs a nanoplug plugin implements: each adds what it offers to a registrar.
 
 A plugin module implements one or more of these with `@hookimpl` and sets `NANOPLUG_API_VERSION`
 to the plugin API version it was written for. Built-ins are declared in nanoplug/registry.toml
@@ -22,6 +22,7 @@ KIND_HOOKS = {
     "model": "nanoplug_register_model",
     "parallel": "nanoplug_register_parallel",
     "adapter": "nanoplug_register_adapter",
+    "weight_format": "nanoplug_register_weight_format",
     "platform": "nanoplug_register_platform",
 }
 """Plugin kind -> the hook that registers plugins of that kind."""
@@ -50,7 +51,12 @@ def nanoplug_register_parallel(register) -> None:
 
 @hookspec
 def nanoplug_register_adapter(register) -> None:
-    """Add weight adapters and weight formats: `register.add("lora", LoraAdapter)` (a WeightAdapter subclass)."""
+    """Add weight adapters: `register.add("lora", LoraAdapter)` (a WeightAdapter subclass)."""
+
+
+@hookspec
+def nanoplug_register_weight_format(register) -> None:
+    """Add weight formats: `register.add("int8", Int8Format)` (a WeightFormat subclass)."""
 
 
 @hookspec

@@ -145,17 +145,13 @@ class AdapterOptions(Protocol):
 
 
 class WeightAdapter(Plugin, ABC):
-    """Changes checkpoint tensors as they load (a LoRA merge), or says how layers hold their weights
-    (a weight format, through `linear_method`)."""
+    """Changes checkpoint tensors as they load (a LoRA merged), or serves them per request. How layers
+    hold their weights is a weight format's job (`WeightFormat`), not an adapter's."""
 
     def __init__(self, spec: AdapterOptions, facts: ModelFacts, base_config: Any):
         self.spec = spec
         self.facts = facts
         self.base_config = base_config
-
-    def linear_method(self) -> LinearMethod | None:
-        """The method every linear layer uses instead of the platform's dense one (a weight format); None: keep it."""
-        return None
 
     def transform(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Return the tensor to load under checkpoint name `name` (unsharded, as in the file)."""
@@ -186,6 +182,38 @@ class RequestAdapters(ABC):
     def set_step(self, token_adapter_ids: torch.Tensor) -> None:
         """Adapter id (0: none) of each token of the next step, int64 [N] on the CPU; called once per step
         before the model runs (and before a CUDA graph replays)."""
+
+
+# ---------------------------------------------------------------------------------- weight formats
+class WeightFormat(Plugin):
+    """How linear layers hold and apply the checkpoint's weights: the platform's plain method (`dense`), a
+    quantized checkpoint's own blocks (`gguf`), or a quantization on load (`fp8`). One per engine, chosen
+    by `quantization=` and the checkpoint's format; the loader asks it which tensors to keep as stored."""
+
+    quant_method: ClassVar[str | None] = None
+    """The checkpoint format whose weights it keeps as stored (the config's quantization_config.quant_method,
+    "gguf" for a GGUF folder). None: it takes plain floating-point weights (a quantized checkpoint's arrive
+    dequantized). quantization="auto" picks among the formats of the checkpoint's quant_method."""
+    quantizes: ClassVar[bool] = False
+    """True when it changes plain weights' values on load (fp8): chosen by name only, never by "auto"."""
+    kept_types: ClassVar[frozenset[str]] = frozenset()
+    """GGUF tensor types (block formats, e.g. "Q4_0") the loader hands over as stored (a GGUFTensor: shape,
+    a range of rows, `blocks()`); every other tensor arrives dequantized to float32."""
+
+    def __init__(self, target: Target, hf_config: Any):
+        self.target = target
+        self.hf_config = hf_config
+
+    def linear_method(self) -> LinearMethod | None:
+        """The method every linear layer uses; None: the platform's dense one."""
+        return None
+
+    def transform(self, name: str, tensor: Any) -> Any:
+        """The tensor to load under checkpoint name `name`, after the adapters' merges (default: as it is)."""
+        return tensor
+
+    def finish(self) -> None:
+        """Called after the last tensor."""
 
 
 # ----------------------------------------------------------------------------------------- models

@@ -1,5 +1,5 @@
 """Reads a Hugging Face checkpoint folder: its config, and its safetensors weights into a model,
-passing every tensor through the chosen weight adapters on the way.
+passing every tensor through the chosen adapters (LoRA merges) and weight format on the way.
 
 Nothing in the folder is taken on trust. A config.json or shard index that is not what transformers
 writes, a damaged safetensors file, a shard index naming a file outside the folder, and a tensor
@@ -9,10 +9,9 @@ loader checks the shape of what it copies; a tensor the model has no place for i
 where it means the weights are of another architecture or config, a warning otherwise).
 
 The weights are the folder's safetensors, or one GGUF file (a folder made by `gguf_file.checkpoint_folder`
-or the default model's). A GGUF tensor in a block format that a chosen adapter lists in its
-`gguf_formats` reaches the layers as it is in the file (a `GGUFTensor`: its blocks, for that adapter's
-linear method to keep); every other tensor is dequantized by gguf-py to float32 first, so the dense
-path loads any GGUF file.
+or the default model's). A GGUF tensor of a type the chosen weight format lists in its `kept_types`
+reaches the layers as it is in the file (a `GGUFTensor`: its blocks, for that format's linear method to
+keep); every other tensor is dequantized by gguf-py to float32 first, so the dense path loads any GGUF file.
 """
 from __future__ import annotations
 
@@ -152,15 +151,15 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(folder: Path, gguf_formats: frozenset[str] = frozenset()) -> Iterator[tuple[Path, str, Any]]:
+def iter_checkpoint(folder: Path, kept_types: frozenset[str] = frozenset()) -> Iterator[tuple[Path, str, Any]]:
     """(file, name, tensor) of every tensor; a file safetensors cannot read is a ModelLoadError naming it.
-    A GGUF folder's tensors of a type in `gguf_formats` come as GGUFTensors (their blocks), others dequantized."""
+    A GGUF folder's tensors of a type in `kept_types` come as GGUFTensors (their blocks), others dequantized."""
     from nanoplug.checkpoint.gguf_file import GGUFFile, gguf_in
 
     gguf = gguf_in(folder)
     if gguf is not None:
         for t in GGUFFile(gguf).tensors():
-            yield gguf, t.name, t if t.type_name in gguf_formats else t.dequantize()
+            yield gguf, t.name, t if t.type_name in kept_types else t.dequantize()
         return
     for file in safetensors_files(folder):
         try:
@@ -210,7 +209,7 @@ def _loader_error(exc: Exception, name: str, file: Path, target: str) -> ModelLo
 def _load_one(param: torch.nn.Parameter, tensor: torch.Tensor, shard: Any) -> None:
     if param.is_floating_point() and not tensor.is_floating_point():
         raise ModelLoadError(f"it holds {str(tensor.dtype).removeprefix('torch.')} values where the model expects "
-                             "floating-point weights (a quantized checkpoint needs its weight-format adapter)")
+                             "floating-point weights (a quantized checkpoint needs its weight format)")
     loader = getattr(param, "weight_loader", None)
     if loader is None:
         copy_weight(param.data, tensor)
@@ -220,8 +219,10 @@ def _load_one(param: torch.nn.Parameter, tensor: torch.Tensor, shard: Any) -> No
         loader(param, tensor)
 
 
-def load_weights(model: torch.nn.Module, folder: str | Path, adapters: Iterable[Any] = ()) -> None:
-    """Copy every checkpoint tensor (after the adapters) into its parameter, packing fused layers."""
+def load_weights(model: torch.nn.Module, folder: str | Path, adapters: Iterable[Any] = (),
+                 weight_format: Any = None) -> None:
+    """Copy every checkpoint tensor (after the adapters, then the weight format) into its parameter, packing
+    fused layers. `weight_format` (a WeightFormat; None: dense) says which GGUF tensors stay as stored."""
     folder = checkpoint_dir(folder)
     adapters = list(adapters)
     params = dict(model.named_parameters())
@@ -232,10 +233,11 @@ def load_weights(model: torch.nn.Module, folder: str | Path, adapters: Iterable[
     loaded: dict[str, set[Any]] = {}  # parameter -> shards loaded (None: the whole tensor)
     no_place: list[str] = []  # tensors of modules the model builds, but has no parameter for
     unused: list[str] = []  # tensors of modules the model does not have at all
-    kept = frozenset().union(*(getattr(a, "gguf_formats", ()) for a in adapters))  # GGUF blocks a format keeps
+    transforms = [a.transform for a in adapters] + ([weight_format.transform] if weight_format is not None else [])
+    kept = weight_format.kept_types if weight_format is not None else frozenset()
     for file, name, tensor in iter_checkpoint(folder, kept):
-        for adapter in adapters:
-            tensor = adapter.transform(name, tensor)
+        for transform in transforms:
+            tensor = transform(name, tensor)
         target, shard = name, None
         for source, (fused_name, shard_id) in packed.items():
             if f".{source}." in name:
@@ -257,6 +259,8 @@ def load_weights(model: torch.nn.Module, folder: str | Path, adapters: Iterable[
         loaded.setdefault(target, set()).add(shard)
     for adapter in adapters:
         adapter.finish()
+    if weight_format is not None:
+        weight_format.finish()
     if no_place:
         raise ModelLoadError(
             f"checkpoint {str(folder)!r} holds {len(no_place)} tensor(s) this model has no parameter for, e.g. "

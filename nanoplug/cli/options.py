@@ -122,8 +122,8 @@ def build_llm(args: argparse.Namespace):
         chosen = " ".join(f"{kind}={llm.choices[kind].name}"
                           for kind in ("model", "attention", "prefill_attention", "kv_cache", "parallel", "platform"))
         dtype = str(llm.dtype).replace("torch.", "")
-        formats = [spec.kind for spec in llm.config.adapters if spec.name == f"weights:{spec.kind}"]
-        weights = f"{formats[0]} blocks" if formats else dtype
+        fmt = llm.choices["weight_format"]
+        weights = f"{fmt.cls.quant_method} blocks" if fmt.cls.kept_types else dtype if fmt.name == "dense" else fmt.name
         print(f"nanoplug: {llm.config.model} on {llm.device} ({dtype}); plugins: {chosen}; weights: {weights}",
               file=sys.stderr)
     return llm

@@ -54,6 +54,8 @@ def listing(registry: Registry, target, model: str | None = None) -> dict[str, A
             auto = next((p["name"] for p in plugins if p["available"] and p["name"] == arch), None)
         elif kind == "adapter":  # adapters are listed by the user, never picked by "auto"
             auto = None
+        elif kind == "weight_format":  # by the checkpoint's format: plain weights without --model
+            auto = _auto_weight_format(registry, target, model)
         else:
             auto = next((p["name"] for p in plugins if p["available"]), None)
         kinds[kind] = {"auto": auto, "plugins": plugins}
@@ -67,6 +69,21 @@ def listing(registry: Registry, target, model: str | None = None) -> dict[str, A
         "kinds": kinds,
         "broken": [{"name": b.name, "source": b.source, "error": b.error} for b in registry.broken],
     }
+
+
+def _auto_weight_format(registry: Registry, target, model: str | None) -> str | None:
+    """What quantization="auto" would keep the weights of `model` (plain without one) in, or None."""
+    from nanoplug.engine.startup import auto_weight_format, quant_method
+
+    try:
+        method = None
+        if model:
+            from nanoplug.checkpoint.loader import load_hf_config
+
+            method = quant_method(model, load_hf_config(model))
+        return auto_weight_format(registry, method, target).name
+    except Exception:  # nothing can serve, or a format misbehaves: the rows say why
+        return None
 
 
 def _describe(registry: Registry, kind: str, name: str, target) -> dict[str, Any]:

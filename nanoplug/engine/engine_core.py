@@ -37,7 +37,7 @@ from nanoplug.engine.requests import token_ids
 from nanoplug.worker.runner import PluginClasses, RunnerFactory, WorkerSpec
 from nanoplug.engine.scheduler import Scheduled, Scheduler
 from nanoplug.engine.sequence import PENDING, Sequence, Status
-from nanoplug.engine.startup import Checkpoint, resolve_plugins, with_weight_format
+from nanoplug.engine.startup import Checkpoint, resolve_plugins
 from nanoplug.engine.tokenizer import load_tokenizer
 
 __all__ = ["EngineCore", "EngineRequest", "EngineStats", "RequestUpdate"]
@@ -95,7 +95,7 @@ class EngineCore:
         self.hf_config, self.facts = checkpoint.hf_config, checkpoint.facts
         config.max_model_len = checked_max_model_len(config.max_model_len, "max_model_len" in config.model_fields_set,
                                                      self.hf_config, str(checkpoint_dir(config.model) / "config.json"))
-        self.config = config = with_weight_format(self.registry, config, checkpoint)
+        self.config = config
         # per-request adapters (merge=False), by the name requests give: ids 1..K in config order, 0 = none
         self.request_adapter_ids = {spec.label: i for i, spec in enumerate((s for s in config.adapters if not s.merge), 1)}
         self.choices, target = resolve_plugins(self.registry, config, checkpoint)
@@ -109,6 +109,7 @@ class EngineCore:
             decode_attention=self.choices["attention"].cls,
             kv_cache=self.choices["kv_cache"].cls,
             adapters=[(r.cls, spec) for r, spec in zip(self.choices["adapters"], config.adapters)],
+            weight_format=self.choices["weight_format"].cls,
             platform=self.choices["platform"].cls,
             platform_name=self.choices["platform"].name,
             platform_options=options.get(chosen.name) or chosen.cls.Options(),  # its defaults when none given

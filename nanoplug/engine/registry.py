@@ -23,7 +23,7 @@ import pluggy
 import torch
 
 from nanoplug.api import (AttentionBackend, KVCacheStore, ModelArchitecture, ParallelStrategy, Platform, Target,
-                          WeightAdapter, hookspecs)
+                          WeightAdapter, WeightFormat, hookspecs)
 from nanoplug.api.errors import PluginLoadError, PluginUnavailableError, UnknownPluginError
 from nanoplug.api.hookspecs import KIND_HOOKS, PLUGIN_API_VERSION
 
@@ -40,6 +40,7 @@ KIND_BASES = {
     "model": ModelArchitecture,
     "parallel": ParallelStrategy,
     "adapter": WeightAdapter,
+    "weight_format": WeightFormat,
     "platform": Platform,
 }
 ENTRY_POINT_GROUP = "nanoplug"
@@ -86,8 +87,10 @@ def malformed(kind: str, cls: Any) -> list[str]:
     try:
         priority, description = getattr(cls, "priority", 0), getattr(cls, "description", "")
         unavailable = inspect.getattr_static(cls, "unavailable", None)
-        flags = {f: getattr(cls, f) for f in ("supports_cuda_graphs", "supports_overlap") if hasattr(cls, f)}
+        flags = {f: getattr(cls, f) for f in ("supports_cuda_graphs", "supports_overlap", "quantizes") if hasattr(cls, f)}
         packed = getattr(cls, "packed_modules_mapping", {}) if kind == "model" else {}
+        kept, method = (cls.kept_types, cls.quant_method) if kind == "weight_format" else (frozenset(), None)
+        gives_linear = kind == "adapter" and "linear_method" in dir(cls)
     except Exception as exc:  # a class attribute that raises when read
         return problems + [f"reading its attributes raised {type(exc).__name__}: {exc}"]
     if isinstance(priority, bool) or not isinstance(priority, int):
@@ -102,6 +105,13 @@ def malformed(kind: str, cls: Any) -> list[str]:
                                                and isinstance(v[0], str) for k, v in packed.items()):
         problems.append("packed_modules_mapping must map checkpoint module names to (fused module, shard id), "
                         f"found {packed!r}")
+    if not isinstance(kept, frozenset) or not all(isinstance(t, str) for t in kept):
+        problems.append(f"kept_types must be a frozenset of GGUF type names, found {kept!r}")
+    if method is not None and not isinstance(method, str):
+        problems.append(f"quant_method must be a str or None, found {method!r}")
+    if gives_linear:  # an adapter of the old contract that was a weight format
+        problems.append("an adapter no longer gives a linear method: register a weight format as a "
+                        "nanoplug.api.WeightFormat through nanoplug_register_weight_format")
     return problems
 
 
@@ -304,8 +314,9 @@ class Registry:
         except Exception as exc:
             return [f"its availability check raised {type(exc).__name__}: {exc}"]
 
-    def resolve(self, kind: str, asked: str, target: Target) -> Resolution:
-        """Pick the plugin of `kind` for this engine: the named one if it can serve, or the best for "auto"."""
+    def resolve(self, kind: str, asked: str, target: Target, among: list[str] | None = None) -> Resolution:
+        """Pick the plugin of `kind` for this engine: the named one if it can serve, or the best for "auto"
+        (of `among`, best first, when given)."""
         if asked != "auto":
             cls = self.get(kind, asked)
             reasons = self.reasons(kind, asked, target)
@@ -319,7 +330,7 @@ class Registry:
             log.info(res.describe())
             return res
         skipped: dict[str, list[str]] = {}
-        for name in self.by_priority(kind):
+        for name in self.by_priority(kind) if among is None else among:
             reasons = self.reasons(kind, name, target)
             if not reasons:
                 res = Resolution(kind, asked, name, self.get(kind, name), skipped)

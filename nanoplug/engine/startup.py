@@ -12,13 +12,14 @@ from typing import Any
 import torch
 
 from nanoplug.api import ModelFacts, Target
-from nanoplug.api.errors import ModelLoadError
-from nanoplug.config import AdapterSpec, EngineConfig
+from nanoplug.api.errors import ModelLoadError, PluginUnavailableError
+from nanoplug.config import EngineConfig
 from nanoplug.checkpoint.loader import load_hf_config
 from nanoplug.engine.registry import Registry, Resolution
 
 log = logging.getLogger("nanoplug")
-KINDS_SHOWN = ("model", "attention", "prefill_attention", "kv_cache", "parallel", "platform")
+KINDS_SHOWN = ("model", "attention", "prefill_attention", "kv_cache", "parallel", "platform", "weight_format")
+WEIGHT_FORMAT = "weight_format"
 
 
 @dataclass(frozen=True)
@@ -31,17 +32,7 @@ class Checkpoint:
 
     @property
     def quant_method(self) -> str | None:
-        """The weight format the checkpoint is stored in: its config's quantization_config.quant_method,
-        or "gguf" for a folder whose weights are a GGUF file; None for plain weights."""
-        qconfig = getattr(self.hf_config, "quantization_config", None) or {}
-        method = qconfig.get("quant_method") if isinstance(qconfig, dict) else getattr(qconfig, "quant_method", None)
-        if method is None:
-            from pathlib import Path
-
-            from nanoplug.checkpoint.gguf_file import QUANT_METHOD, gguf_in
-
-            method = QUANT_METHOD if Path(self.path).is_dir() and gguf_in(Path(self.path)) else None
-        return method
+        return quant_method(self.path, self.hf_config)
 
     @classmethod
     def load(cls, path: str, registry: Registry) -> "Checkpoint":
@@ -53,6 +44,20 @@ class Checkpoint:
                 + ", ".join(registry.names("model"))
             )
         return cls(path, hf_config, ModelFacts.from_hf_config(hf_config))
+
+
+def quant_method(path: str, hf_config: Any) -> str | None:
+    """The format the checkpoint's weights are stored in: its config's quantization_config.quant_method,
+    or "gguf" for a folder whose weights are a GGUF file; None for plain weights."""
+    qconfig = getattr(hf_config, "quantization_config", None) or {}
+    method = qconfig.get("quant_method") if isinstance(qconfig, dict) else getattr(qconfig, "quant_method", None)
+    if method is None:
+        from pathlib import Path
+
+        from nanoplug.checkpoint.gguf_file import QUANT_METHOD, gguf_in
+
+        method = QUANT_METHOD if Path(path).is_dir() and gguf_in(Path(path)) else None
+    return method
 
 
 def resolve_device(name: str) -> torch.device:
@@ -103,32 +108,68 @@ def platform_and_dtype(registry: Registry, config: EngineConfig, hf_config: Any 
     return platform, device, dtype
 
 
-def with_weight_format(registry: Registry, config: EngineConfig, checkpoint: Checkpoint) -> EngineConfig:
-    """The config with the checkpoint's weight format as its first adapter, when one is to be kept.
+def _formats(registry: Registry, keep: Any) -> list[str]:
+    """Weight formats, best first, whose class `keep(cls)` accepts (one that fails to import is left out)."""
+    names = []
+    for name in registry.by_priority(WEIGHT_FORMAT):
+        try:
+            cls = registry.get(WEIGHT_FORMAT, name)
+        except Exception:
+            continue
+        if keep(cls):
+            names.append(name)
+    return names
 
-    A quantized checkpoint names its format (`quantization_config.quant_method`, e.g. "gguf"); the
-    adapter plugin of that name keeps its weights in it. `quantization="auto"` uses it when it can serve
-    this engine (and no merged LoRA must change the weights), else the loader dequantizes them to the
-    dtype and the reason is logged; a plugin name insists (an error says why it cannot serve); None
-    always dequantizes."""
+
+def auto_weight_format(registry: Registry, method: str | None, target: Target,
+                       merged: bool = False) -> Resolution:
+    """quantization="auto": the best format that keeps the checkpoint's `method` and can serve, else the best
+    that takes plain weights (a quantized checkpoint then dequantized); formats that quantize are never picked.
+    `merged`: a merged adapter changes the weights, which needs them dequantized."""
+    skipped: dict[str, list[str]] = {}
+    if method is not None:
+        keeping = _formats(registry, lambda c: c.quant_method == method and not c.quantizes)
+        for name in keeping:
+            reasons = registry.reasons(WEIGHT_FORMAT, name, target)
+            if merged:
+                reasons.append("a merged adapter changes the weights, which needs them dequantized")
+            if not reasons:
+                res = Resolution(WEIGHT_FORMAT, "auto", name, registry.get(WEIGHT_FORMAT, name))
+                log.info(res.describe())
+                return res
+            skipped[name] = reasons
+        if not keeping:
+            skipped[method] = [f"no weight_format plugin keeps {method!r} weights"]
+    res = registry.resolve(WEIGHT_FORMAT, "auto", target,
+                           among=_formats(registry, lambda c: c.quant_method is None and not c.quantizes))
+    res.skipped = {**skipped, **res.skipped}
+    return res
+
+
+def resolve_weight_format(registry: Registry, config: EngineConfig, checkpoint: Checkpoint,
+                          target: Target) -> Resolution:
+    """The weight format: by `quantization` ("auto"; a name insists, an error says why it cannot serve;
+    None: `dense`, every weight dequantized to the dtype) and the checkpoint's format."""
     method = checkpoint.quant_method
-    if config.quantization is None or (method is None and config.quantization == "auto"):
-        return config
-    name = method if config.quantization == "auto" else config.quantization
+    merged = any(spec.merge for spec in config.adapters)
     if config.quantization == "auto":
-        platform, device, dtype = platform_and_dtype(registry, config, checkpoint.hf_config)
-        target = Target(device=device, dtype=dtype, model=checkpoint.facts, block_size=config.kv_block_size,
-                        tensor_parallel_size=config.tensor_parallel_size)
-        reasons = registry.reasons("adapter", name, target) if name in registry.names("adapter") else \
-            [f"no adapter plugin is named {name!r}"]
-        if any(spec.merge for spec in config.adapters):
-            reasons.append("a merged adapter changes the weights, which needs them dequantized")
-        if reasons:
+        res = auto_weight_format(registry, method, target, merged)
+        if method is not None and res.cls.quant_method != method:
             log.info("weights of %s: dequantized to %s, not kept as %s (%s)", checkpoint.path,
-                     str(dtype).removeprefix("torch."), name, "; ".join(reasons))
-            return config
-    spec = {"kind": name, "path": checkpoint.path, "name": f"weights:{name}"}
-    return config.model_copy(update={"adapters": [AdapterSpec(**spec), *config.adapters]})
+                     str(target.dtype).removeprefix("torch."), method,
+                     "; ".join(f"{n}: {', '.join(r)}" for n, r in res.skipped.items()))
+        return res
+    res = registry.resolve(WEIGHT_FORMAT, "dense" if config.quantization is None else config.quantization, target)
+    keeps = res.cls.quant_method
+    if keeps is not None and keeps != method:
+        raise PluginUnavailableError(
+            f"weight_format plugin {res.name!r} keeps {keeps!r} checkpoints' weights, but {checkpoint.path} holds "
+            f"{repr(method) if method else 'plain'} weights; use quantization='auto'")
+    if keeps is not None and merged:
+        raise PluginUnavailableError(
+            f"weight_format plugin {res.name!r} keeps the weights as stored, but a merged adapter changes them; "
+            "use quantization=None (dequantized) or serve the adapter per request (merge=False)")
+    return res
 
 
 def resolve_plugins(registry: Registry, config: EngineConfig, checkpoint: Checkpoint) -> tuple[Choices, Target]:
@@ -150,5 +191,6 @@ def resolve_plugins(registry: Registry, config: EngineConfig, checkpoint: Checkp
     }
     by_kind["prefill_attention"] = (registry.resolve("attention", config.prefill_attention, target)
                                     if config.prefill_attention else by_kind["attention"])
+    by_kind[WEIGHT_FORMAT] = resolve_weight_format(registry, config, checkpoint, target)
     adapters = [registry.resolve("adapter", spec.kind, target) for spec in config.adapters]
     return Choices(by_kind, adapters), target

@@ -47,6 +47,7 @@ class PluginClasses:
     platform: Any
     platform_name: str
     platform_options: Any  # an instance of the platform's Options, validated by the engine
+    weight_format: Any = None  # None: the platform's dense method (as the `dense` format gives)
 
 
 @dataclass
@@ -104,7 +105,8 @@ class ModelRunner(Worker):
             return PagedAttention(self.ctx, layer_idx, num_heads, num_kv_heads, head_dim)
 
         adapters = [cls(aspec, facts, spec.hf_config) for cls, aspec in plugins.adapters]
-        method = self._linear_method(adapters)
+        weight_format = plugins.weight_format(spec.target, spec.hf_config) if plugins.weight_format else None
+        method = self._linear_method(weight_format)
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
@@ -114,7 +116,7 @@ class ModelRunner(Worker):
                                            config.max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
-        load_weights(self.model, config.model, adapters)
+        load_weights(self.model, config.model, adapters, weight_format)
         for module in self.model.modules():  # after the LoRA merges, which change the weights
             if getattr(module, "linear_method", None) is method:
                 method.process_after_loading(module)
@@ -184,13 +186,10 @@ class ModelRunner(Worker):
         self.graph_limit = max((n for n in range(1, self.limits.max_num_seqs + 1)
                                 if self.graphs.size_for(n) is not None), default=0)
 
-    def _linear_method(self, adapters: list[Any]) -> LinearMethod:
-        """A weight format's method if an adapter gives one (at most one may), else the platform's dense one."""
-        methods = [(a, m) for a in adapters if (m := a.linear_method()) is not None]
-        if len(methods) > 1:
-            raise ValueError("several adapters give a weight format ("
-                             + ", ".join(type(a).__name__ for a, _ in methods) + "); load at most one")
-        return methods[0][1] if methods else self.platform.linear_method()
+    def _linear_method(self, weight_format: Any) -> LinearMethod:
+        """The weight format's method, or the platform's dense one where it gives none (`dense`)."""
+        method = weight_format.linear_method() if weight_format is not None else None
+        return method if method is not None else self.platform.linear_method()
 
     # ---------------------------------------------------------------------------- KV cache
     def _block_bytes(self) -> int:

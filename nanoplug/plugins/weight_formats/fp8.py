@@ -1,4 +1,4 @@
-"""Adapter `fp8`: linear weights quantized on load to float8 e4m3 with one float32 scale per output row
+"""Weight format `fp8`: linear weights quantized on load to float8 e4m3 with one float32 scale per output row
 (`LLM(path, quantization="fp8")` on a bfloat16 or float32 checkpoint): half of bfloat16's bytes.
 
 On a GPU that multiplies fp8 (compute capability 8.9 and later: Ada, Hopper) each call quantizes its
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoplug.api import DenseLinearMethod, LinearMethod, Target, WeightAdapter, check_shape
+from nanoplug.api import DenseLinearMethod, LinearMethod, Target, WeightFormat, check_shape
 
 log = logging.getLogger("nanoplug")
 FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -47,7 +47,8 @@ def scaled_mm_reasons(device: torch.device) -> list[str]:
     return []
 
 
-class FP8Adapter(WeightAdapter):
+class FP8Format(WeightFormat):
+    quantizes = True  # by name only: quantization="fp8"
     description = ("linear weights quantized on load to fp8 e4m3, per-output-channel scales (torch._scaled_mm "
                    "with per-token activation scales on sm89+, dequantize + F.linear elsewhere)")
 

@@ -1,49 +1,32 @@
-"""Adapter `gguf`: a GGUF checkpoint's Q4_0, Q4_1, Q8_0 and Q4_K weights kept in their blocks, on the CPU.
+"""Weight format `gguf`: a GGUF checkpoint's Q4_0, Q4_1, Q8_0 and Q4_K weights kept in their blocks, on the CPU.
 
-A weight format, not a change to the weights: the engine picks it for a checkpoint whose config names
-it (`quantization_config.quant_method == "gguf"`, as the folders `LLM("file.gguf")` and the default
-model load from have), and the loader then hands each tensor of these types to the layers as it is in
-the file (`gguf_formats`: shape, a range of rows, `blocks()`). `GGUFLinearMethod` keeps a layer's parts
-(q, k and v; gate and up; one for the others), packs them once into the panels the cpu platform's
-kernels read (kernels/quant.cpp: AVX-512 VNNI, AVX2 or portable, chosen at run time), and multiplies
-with the activations quantized to int8 on the fly, as llama.cpp does (`int8_activations = False`: in
-float32, closer to the float32 engine and slower). The embedding and the tied LM head share one packed
-weight: rows are dequantized as they are gathered, logits computed from the blocks. A dequantized row
-equals gguf-py's exactly.
-
-Tensors of other types arrive dequantized (the F32 norms; an F16 or Q6_K weight), and a layer made of
-float parts keeps them dense. Where this cannot serve (a CPU engine in bfloat16, several ranks, a GPU
-without triton), `quantization="auto"` dequantizes instead, and says why.
+Chosen for a checkpoint whose config names it (`quantization_config.quant_method == "gguf"`, as the folders
+`LLM("file.gguf")` and the default model load from have): the loader hands each tensor of these types to
+the layers as it is in the file, and `kernels/gguf/cpu_linear.py` packs and multiplies them. A dequantized
+row equals gguf-py's exactly. Tensors of other types arrive dequantized (the F32 norms; an F16 or Q6_K
+weight). Where this cannot serve (a CPU engine in bfloat16, several ranks), `quantization="auto"` takes
+`gguf_triton` on CUDA, else dequantizes, and says why.
 """
 from __future__ import annotations
 
-import itertools
-from typing import Any, Callable, NamedTuple
-
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from nanoplug.api import LinearMethod, Target, WeightAdapter, check_shape
-
-FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K"})
+from nanoplug.api import LinearMethod, Target, WeightFormat
+from nanoplug.kernels.gguf.cpu_linear import FORMATS, cpu_method
 
 
-class GGUFAdapter(WeightAdapter):
-    description = ("a GGUF checkpoint's Q4_0/Q4_1/Q8_0/Q4_K weights kept in their blocks (CPU: C++ kernels; "
-                   "CUDA: Triton kernels)")
-    gguf_formats = FORMATS  # the loader hands tensors of these types over as blocks
+class GGUFFormat(WeightFormat):
+    description = "a GGUF checkpoint's Q4_0/Q4_1/Q8_0/Q4_K weights kept in their blocks (C++ kernels, CPU)"
+    priority = 10  # over gguf_triton where both serve (a CPU under TRITON_INTERPRET=1)
+    quant_method = "gguf"
+    kept_types = FORMATS
 
     @classmethod
     def unavailable(cls, target: Target) -> list[str]:
-        if target.device.type == "cuda":
-            from nanoplug.plugins.weight_formats.gguf_triton import triton_reasons
-
-            return triton_reasons(target)
         reasons = []
         if target.device.type != "cpu":
-            reasons.append(f"its kernels run on the CPU or CUDA, not {target.device.type} (quantization=None "
-                           "dequantizes)")
+            reasons.append(f"its C++ kernels run on the CPU, not {target.device.type} (on CUDA: quantization="
+                           "'gguf_triton'; quantization=None dequantizes)")
         if target.dtype != torch.float32:
             reasons.append(f"it computes in float32, not {str(target.dtype).removeprefix('torch.')} (pass dtype='float32')")
         if target.tensor_parallel_size != 1:
@@ -57,160 +40,4 @@ class GGUFAdapter(WeightAdapter):
         return reasons
 
     def linear_method(self) -> LinearMethod:
-        return ByDevice()
-
-
-def _cpu_method() -> LinearMethod:
-    from nanoplug.kernels.cpu.quant_ops import quant_kernels
-
-    return GGUFLinearMethod(quant_kernels())
-
-
-def _triton_method() -> LinearMethod:
-    from nanoplug.plugins.weight_formats.gguf_triton import TritonGGUFLinearMethod
-
-    return TritonGGUFLinearMethod()
-
-
-class ByDevice(LinearMethod):
-    """The CPU kernels' method or the Triton one, picked by the device the model's parameters are created
-    on (the runner builds the model under `torch.device(...)`); every call and attribute goes to it."""
-
-    def __init__(self):
-        object.__setattr__(self, "_impl", None)
-
-    def method(self) -> LinearMethod:
-        if self._impl is None:
-            on = torch.empty(0).device.type  # the device of the model being built
-            object.__setattr__(self, "_impl", _cpu_method() if on == "cpu" else _triton_method())
-        return self._impl
-
-    def __getattr__(self, name: str) -> Any:  # only for names this class lacks (int8_activations, dequantized)
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.method(), name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self.method(), name, value)
-
-    def create_weights(self, layer, input_size, output_size, dtype) -> None:
-        self.method().create_weights(layer, input_size, output_size, dtype)
-
-    def load(self, layer, param, tensor, out_offset, out_size) -> None:
-        self.method().load(layer, param, tensor, out_offset, out_size)
-
-    def process_after_loading(self, layer) -> None:
-        self.method().process_after_loading(layer)
-
-    def apply(self, layer, x, bias):
-        return self._impl.apply(layer, x, bias)
-
-    def embed(self, layer, ids):
-        return self._impl.embed(layer, ids)
-
-
-class Segment(NamedTuple):
-    """Rows [offset, offset + rows) of a layer's weight: packed blocks of `fmt`, or float32 [rows, cols] (fmt None)."""
-
-    offset: int
-    rows: int
-    fmt: str | None
-    data: torch.Tensor
-
-
-class _Weight:
-    """One layer's weight: its parts as loaded (row offset, tensor), then the segments packed from them.
-    It lives on the `weight` parameter, so a tied LM head shares it with the embedding."""
-
-    def __init__(self, rows: int, cols: int):
-        self.rows, self.cols = rows, cols
-        self.parts: list[tuple[int, Any]] = []
-        self.segments: list[Segment] | None = None
-        self.mm: Callable | None = None  # the matmul of a weight that is one quantized segment (the usual case)
-
-
-def _format(tensor: Any) -> str | None:
-    """A part's block format (a GGUFTensor's type), None for a float tensor."""
-    return None if isinstance(tensor, torch.Tensor) else tensor.type_name
-
-
-class GGUFLinearMethod(LinearMethod):
-    int8_activations = True
-
-    def __init__(self, kernels: Any):
-        self.kernels = kernels
-
-    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
-        weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
-        weight.gguf = _Weight(output_size, input_size)
-        layer.register_parameter("weight", weight)
-
-    def load(self, layer: nn.Module, param: torch.Tensor, tensor: Any, out_offset: int, out_size: int) -> None:
-        check_shape(tensor, (out_size, param.gguf.cols), type(layer).__name__)
-        param.gguf.parts.append((out_offset, tensor))
-
-    def process_after_loading(self, layer: nn.Module) -> None:
-        """Pack the parts: consecutive parts of one block format become one segment (q, k and v of one
-        format: one kernel call), float parts a dense one."""
-        param = layer.weight
-        w: _Weight = param.gguf
-        if w.segments is not None:  # a tied LM head: packed with the embedding
-            return
-        parts = sorted(w.parts, key=lambda p: p[0])
-        starts = [sum(t.shape[0] for _, t in parts[:i]) for i in range(len(parts) + 1)]
-        if [o for o, _ in parts] != starts[:-1] or starts[-1] != w.rows:
-            raise ValueError(f"{type(layer).__name__} got rows {[(o, t.shape[0]) for o, t in parts]} of its "
-                             f"{w.rows}; each must be loaded once")
-        w.segments = []
-        for fmt, group in itertools.groupby(parts, key=lambda p: _format(p[1])):
-            group = list(group)
-            rows = sum(t.shape[0] for _, t in group)
-            if fmt is None:
-                data = torch.cat([t.float() for _, t in group]).contiguous()
-            else:
-                data = self.kernels.pack(fmt, torch.cat([t.blocks() for _, t in group]), rows, w.cols)
-            w.segments.append(Segment(group[0][0], rows, fmt, data))
-        w.parts = []
-        if len(w.segments) == 1:  # the parameter holds the bytes (what memory accounting and moves see)
-            param.data = w.segments[0].data
-            if w.segments[0].fmt is not None:
-                w.mm = self.kernels.matmul(w.segments[0].fmt, w.segments[0].data, w.rows, w.cols)
-        else:  # several: one buffer, the segments views of it
-            sizes = [(seg.data.numel() * seg.data.element_size() + 63) // 64 * 64 for seg in w.segments]
-            flat, start = torch.empty(sum(sizes), dtype=torch.uint8), 0
-            for i, (seg, size) in enumerate(zip(w.segments, sizes)):
-                view = flat[start:start + seg.data.numel() * seg.data.element_size()].view(seg.data.dtype)
-                view = view.view(seg.data.shape)
-                view.copy_(seg.data)
-                w.segments[i] = seg._replace(data=view)
-                start += size
-            param.data = flat
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        w: _Weight = layer.weight.gguf
-        if w.mm is not None:
-            return w.mm(x, bias, self.int8_activations)
-        outs = []
-        for offset, rows, fmt, data in w.segments:
-            part_bias = None if bias is None else bias[offset:offset + rows]
-            if fmt is None:
-                outs.append(F.linear(x, data, part_bias))
-            else:
-                outs.append(self.kernels.linear(x.reshape(-1, w.cols), fmt, data, rows, w.cols, part_bias,
-                                                int8=self.int8_activations))
-        return torch.cat(outs, dim=-1)
-
-    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        w: _Weight = layer.weight.gguf
-        if len(w.segments) == 1:
-            seg = w.segments[0]
-            if seg.fmt is None:
-                return F.embedding(ids, seg.data)
-            return self.kernels.dequantize(seg.fmt, seg.data, w.rows, w.cols, ids)
-        return F.embedding(ids, self.dequantized(layer))  # rows of several formats: rare (no GGUF writer splits one)
-
-    def dequantized(self, layer: nn.Module) -> torch.Tensor:
-        """The whole weight in float32 [rows, cols] (gguf-py's values for the quantized segments)."""
-        w: _Weight = layer.weight.gguf
-        return torch.cat([data if fmt is None else self.kernels.dequantize(fmt, data, rows, w.cols)
-                          for _, rows, fmt, data in w.segments])
+        return cpu_method()

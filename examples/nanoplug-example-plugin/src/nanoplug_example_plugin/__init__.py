@@ -1,1 +1,2 @@
-"""An example third-party nanoplug plugin; the backend lives in `chunked` (the entry point's module)."""
+"""An example third-party nanoplug plugin: the attention backend in `chunked`, the weight format in `int8`
+(each an entry point's module)."""

@@ -1,0 +1,133 @@
+"""The linear method of GGUF blocks on the CPU: a layer's parts (q, k and v; gate and up; one for the
+others) kept as loaded, packed once into the panels the C++ kernels read (kernels/cpu/quant.cpp: AVX-512
+VNNI, AVX2 or portable, chosen at run time), multiplied with the activations quantized to int8 on the fly,
+as llama.cpp does (`int8_activations = False`: in float32, closer to the float32 engine and slower). The
+embedding and the tied LM head share one packed weight: rows are dequantized as they are gathered. Float
+parts (an F32 or F16 tensor, or a type the format does not keep) stay dense."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoplug.api import LinearMethod, check_shape
+
+FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K"})
+"""The GGUF block types these kernels multiply."""
+
+
+def cpu_method() -> "GGUFLinearMethod":
+    """The method over the C++ kernels, built (compiled on first use) for this machine."""
+    from nanoplug.kernels.cpu.quant_ops import quant_kernels
+
+    return GGUFLinearMethod(quant_kernels())
+
+
+class Segment(NamedTuple):
+    """Rows [offset, offset + rows) of a layer's weight: packed blocks of `fmt`, or float32 [rows, cols] (fmt None)."""
+
+    offset: int
+    rows: int
+    fmt: str | None
+    data: torch.Tensor
+
+
+class _Weight:
+    """One layer's weight: its parts as loaded (row offset, tensor), then the segments packed from them.
+    It lives on the `weight` parameter, so a tied LM head shares it with the embedding."""
+
+    def __init__(self, rows: int, cols: int):
+        self.rows, self.cols = rows, cols
+        self.parts: list[tuple[int, Any]] = []
+        self.segments: list[Segment] | None = None
+        self.mm: Callable | None = None  # the matmul of a weight that is one quantized segment (the usual case)
+
+
+def _format(tensor: Any) -> str | None:
+    """A part's block format (a GGUFTensor's type), None for a float tensor."""
+    return None if isinstance(tensor, torch.Tensor) else tensor.type_name
+
+
+class GGUFLinearMethod(LinearMethod):
+    int8_activations = True
+
+    def __init__(self, kernels: Any):
+        self.kernels = kernels
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
+        weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        weight.gguf = _Weight(output_size, input_size)
+        layer.register_parameter("weight", weight)
+
+    def load(self, layer: nn.Module, param: torch.Tensor, tensor: Any, out_offset: int, out_size: int) -> None:
+        check_shape(tensor, (out_size, param.gguf.cols), type(layer).__name__)
+        param.gguf.parts.append((out_offset, tensor))
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        """Pack the parts: consecutive parts of one block format become one segment (q, k and v of one
+        format: one kernel call), float parts a dense one."""
+        param = layer.weight
+        w: _Weight = param.gguf
+        if w.segments is not None:  # a tied LM head: packed with the embedding
+            return
+        parts = sorted(w.parts, key=lambda p: p[0])
+        starts = [sum(t.shape[0] for _, t in parts[:i]) for i in range(len(parts) + 1)]
+        if [o for o, _ in parts] != starts[:-1] or starts[-1] != w.rows:
+            raise ValueError(f"{type(layer).__name__} got rows {[(o, t.shape[0]) for o, t in parts]} of its "
+                             f"{w.rows}; each must be loaded once")
+        w.segments = []
+        for fmt, group in itertools.groupby(parts, key=lambda p: _format(p[1])):
+            group = list(group)
+            rows = sum(t.shape[0] for _, t in group)
+            if fmt is None:
+                data = torch.cat([t.float() for _, t in group]).contiguous()
+            else:
+                data = self.kernels.pack(fmt, torch.cat([t.blocks() for _, t in group]), rows, w.cols)
+            w.segments.append(Segment(group[0][0], rows, fmt, data))
+        w.parts = []
+        if len(w.segments) == 1:  # the parameter holds the bytes (what memory accounting and moves see)
+            param.data = w.segments[0].data
+            if w.segments[0].fmt is not None:
+                w.mm = self.kernels.matmul(w.segments[0].fmt, w.segments[0].data, w.rows, w.cols)
+        else:  # several: one buffer, the segments views of it
+            sizes = [(seg.data.numel() * seg.data.element_size() + 63) // 64 * 64 for seg in w.segments]
+            flat, start = torch.empty(sum(sizes), dtype=torch.uint8), 0
+            for i, (seg, size) in enumerate(zip(w.segments, sizes)):
+                view = flat[start:start + seg.data.numel() * seg.data.element_size()].view(seg.data.dtype)
+                view = view.view(seg.data.shape)
+                view.copy_(seg.data)
+                w.segments[i] = seg._replace(data=view)
+                start += size
+            param.data = flat
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        w: _Weight = layer.weight.gguf
+        if w.mm is not None:
+            return w.mm(x, bias, self.int8_activations)
+        outs = []
+        for offset, rows, fmt, data in w.segments:
+            part_bias = None if bias is None else bias[offset:offset + rows]
+            if fmt is None:
+                outs.append(F.linear(x, data, part_bias))
+            else:
+                outs.append(self.kernels.linear(x.reshape(-1, w.cols), fmt, data, rows, w.cols, part_bias,
+                                                int8=self.int8_activations))
+        return torch.cat(outs, dim=-1)
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        w: _Weight = layer.weight.gguf
+        if len(w.segments) == 1:
+            seg = w.segments[0]
+            if seg.fmt is None:
+                return F.embedding(ids, seg.data)
+            return self.kernels.dequantize(seg.fmt, seg.data, w.rows, w.cols, ids)
+        return F.embedding(ids, self.dequantized(layer))  # rows of several formats: rare (no GGUF writer splits one)
+
+    def dequantized(self, layer: nn.Module) -> torch.Tensor:
+        """The whole weight in float32 [rows, cols] (gguf-py's values for the quantized segments)."""
+        w: _Weight = layer.weight.gguf
+        return torch.cat([data if fmt is None else self.kernels.dequantize(fmt, data, rows, w.cols)
+                          for _, rows, fmt, data in w.segments])
