@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanoplug.api import LogitsProcessingBatch, LogprobsTensors, SamplingBatch, SlotInit, StepBatch, StepResult
+from nanoplug.api import (LogitsProcessingBatch, LogprobsTensors, PromptLogprobsBatch, SamplingBatch, SlotInit, StepBatch,
+                          StepResult)
 from nanoplug.engine.blocks import BlockManager
 from nanoplug.engine.penalties import PenaltySlots, add_sample_row
 from nanoplug.engine.scheduler import Scheduled
@@ -112,8 +113,8 @@ class BatchBuilder:
         blocks = self.blocks
         step = StepBatch(is_prefill, input_ids, starts, q_lens, tables, rows, sampling, logits_rows, adapter_ids,
                          new_blocks=blocks.take_new_blocks(), from_previous_at=prev_at, from_previous_rows=prev_rows,
-                         block_copies=blocks.take_copies(), prompt_logprob_at=plp_at, prompt_logprob_ids=plp_ids,
-                         prompt_logprob_top=plp_top)
+                         block_copies=blocks.take_copies(),
+                         prompt_logprobs=PromptLogprobsBatch(plp_at, plp_ids, plp_top) if plp_at else None)
         return Launched(batch, step, sampled, prompt_scored, {})
 
     def _sampler_extras(self, seq: Sequence, row: int, processing: LogitsProcessingBatch | None,
@@ -139,7 +140,8 @@ class BatchBuilder:
 def _add_prompt_logprobs(scored: list[tuple[Sequence, int, int]], step: StepBatch, tensors: LogprobsTensors) -> None:
     """Hand each sequence the logprobs of the prompt positions the step scored for it, in order; a position
     it already has (scored again after a preemption) is not added twice."""
-    everything = token_logprobs(tensors, step.prompt_logprob_ids, [step.prompt_logprob_top] * len(step.prompt_logprob_ids))
+    scored_ids, top = step.prompt_logprobs.token_ids, step.prompt_logprobs.top
+    everything = token_logprobs(tensors, scored_ids, [top] * len(scored_ids))
     at = 0
     for seq, first, count in scored:
         k = seq.params.prompt_logprobs
