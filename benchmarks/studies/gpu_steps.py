@@ -38,7 +38,7 @@ def timed(obj, name, key):
 
 
 timed(core.scheduler, "schedule", "schedule")
-timed(core, "_build_step", "build")
+timed(core.builder, "build", "build")
 timed(runner, "launch", "launch")
 timed(runner, "collect", "wait")
 timed(core, "_apply", "resolve")

@@ -18,8 +18,8 @@ from nanoplug.api.layers import (FusedOps, Layers, LinearBase, PagedAttention, P
 from nanoplug.api.linear import DenseLinearMethod, LinearMethod, check_shape, copy_weight
 from nanoplug.api.triton_support import import_triton, interpreting, triton_reasons
 from nanoplug.api.step import (AttentionMetadata, AttentionSpec, KVCacheSpec, KVLayer, LogitsProcessingBatch,
-                               LogprobsTensors, SamplingBatch, SlotInit, StepBatch, StepInputs, StepLimits, StepResult,
-                               to_device)
+                               LogprobsTensors, PromptLogprobsBatch, SamplingBatch, SlotInit, StepBatch, StepInputs,
+                               StepLimits, StepResult, to_device)
 from nanoplug.api.target import ModelFacts, Target
 from nanoplug.api.worker import StartupTimes, StepStats, Worker, WorkerMethod, WorkerReport
 
@@ -31,7 +31,7 @@ __all__ = [
     "AdapterOptions", "RequestAdapters", "ModelArchitecture", "Platform", "StepGraphs", "PrefillGraphs", "Target", "ModelFacts",
     # one step as data
     "StepBatch", "SamplingBatch", "StepResult", "StepInputs", "StepLimits", "AttentionMetadata", "AttentionSpec",
-    "KVCacheSpec", "KVLayer", "to_device", "LogitsProcessingBatch", "SlotInit", "LogprobsTensors",
+    "KVCacheSpec", "KVLayer", "to_device", "LogitsProcessingBatch", "PromptLogprobsBatch", "SlotInit", "LogprobsTensors",
     # the worker protocol
     "Worker", "WorkerMethod", "WorkerReport", "StartupTimes", "StepStats",
     # the linear-method seam and the layer library

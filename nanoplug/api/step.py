@@ -75,6 +75,16 @@ class SamplingBatch:
 
 
 @dataclass
+class PromptLogprobsBatch:
+    """The prompt positions a step scores: the input positions whose logits score the next prompt token,
+    that token, and the most alternatives any of them asked for."""
+
+    at: list[int]
+    token_ids: list[int]
+    top: int
+
+
+@dataclass
 class StepBatch:
     """One step's work as plain data (it crosses process boundaries under tensor parallelism)."""
 
@@ -95,11 +105,7 @@ class StepBatch:
     # (from, to) KV blocks copied after this step's forward: a prompt's partly filled last block, for the
     # other samples of an n > 1 request (nanoplug/engine/blocks.py, fork). sample_rows then repeats that sequence's row
     block_copies: list[tuple[int, int]] = field(default_factory=list)
-    # prompt logprobs: the input positions whose logits score the next prompt token, that token, and the
-    # most alternatives any of them asked for
-    prompt_logprob_at: list[int] = field(default_factory=list)
-    prompt_logprob_ids: list[int] = field(default_factory=list)
-    prompt_logprob_top: int = 0
+    prompt_logprobs: PromptLogprobsBatch | None = None  # None: no prompt position scored
 
 
 @dataclass(frozen=True)
@@ -147,7 +153,7 @@ class StepResult:
     tokens: list[int]
     logits: list[torch.Tensor] = field(default_factory=list)
     logprobs: LogprobsTensors | None = None  # of sampling.logprob_rows' tokens
-    prompt_logprobs: LogprobsTensors | None = None  # of the prompt tokens at prompt_logprob_at
+    prompt_logprobs: LogprobsTensors | None = None  # of the prompt tokens at StepBatch.prompt_logprobs.at
 
 
 @dataclass

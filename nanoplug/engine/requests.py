@@ -1,5 +1,6 @@
 """What a caller may pass as prompts and sampling params, made plain or refused with a message
-that says what was wrong and what to pass instead.
+that says what was wrong and what to pass instead; and one request checked against the engine it
+goes to (`RequestMaker`: its vocabulary, max_model_len, tokenizer and per-request adapters).
 
 Token ids are Python ints, or numpy/torch integers (a numpy array of ints is one prompt); a float, a
 bool or a string among them is refused rather than rounded. SamplingParams may be given as a dict of
@@ -8,14 +9,18 @@ its fields, validated the same way. A prompt string must be valid Unicode: a lon
 """
 from __future__ import annotations
 
+import itertools
 import numbers
 import operator
+import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
 from nanoplug.config import SamplingParams
+from nanoplug.engine.penalties import check_token_ids
 from nanoplug.errors import RequestError
 
 PROMPT_FORMS = "a string, a list of token ids (ints), or a list of those"
@@ -142,3 +147,65 @@ def params_list(params: Any, count: int) -> list[SamplingParams]:
             raise RequestError(f"sampling_params[{i}] is {a_type(p)}; give a SamplingParams (or a dict of its fields) for "
                                "each prompt, or sampling_params=None for the defaults")
     return out
+
+
+@dataclass
+class EngineRequest:
+    """One request, validated and tokenized by `RequestMaker.make` (`EngineCore.make_request`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None  # the text, when the caller gave text
+    # True: an update every step that adds tokens (streams); False: one update when it finishes, with all
+    # of its tokens and text (vLLM's FINAL_ONLY: generate() needs no per-token traffic)
+    incremental_text: bool = True
+
+
+class RequestMaker:
+    """Tokenizes and checks prompts and their SamplingParams against one engine (any thread)."""
+
+    def __init__(self, tokenizer: Any, tokenizer_lock: threading.Lock, max_model_len: int, vocab_size: int,
+                 adapter_ids: dict[str, int]):
+        self.tokenizer, self.tokenizer_lock = tokenizer, tokenizer_lock
+        self.max_model_len, self.vocab_size, self.adapter_ids = max_model_len, vocab_size, adapter_ids
+        self._next_id = itertools.count()
+
+    def make(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+             *, index: int = 0, incremental_text: bool = True) -> EngineRequest:
+        """One prompt and its SamplingParams as a request; raises RequestError saying what is wrong.
+
+        `index`: the prompt's place in the caller's list, for messages."""
+        params = params if params is not None else SamplingParams()
+        ids = token_ids(index, prompt)
+        if ids is None:
+            if self.tokenizer is None:
+                raise RequestError(f"prompt {index} is text, but this LLM has no tokenizer (skip_tokenizer_init=True); "
+                                   "give token ids, or create the LLM without skip_tokenizer_init")
+            with self.tokenizer_lock:
+                ids = self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
+        if not ids:
+            raise RequestError(f"prompt {index} is empty; give it at least one token")
+        limit = self.max_model_len
+        if len(ids) >= limit:
+            raise RequestError(
+                f"prompt {index} has {len(ids)} tokens, but max_model_len is {limit} (room for the prompt and "
+                f"at least one new token); shorten the prompt or raise max_model_len"
+            )
+        vocab = self.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt {index} has token id {bad[0]} outside the vocabulary [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise RequestError(f"prompt {index} has stop strings, but this LLM has no tokenizer "
+                               "(skip_tokenizer_init=True) to read text; use stop_token_ids")
+        check_token_ids(params, vocab, f"prompt {index}")
+        if params.adapter is not None and params.adapter not in self.adapter_ids:
+            loaded = ", ".join(map(repr, self.adapter_ids)) or "none"
+            raise RequestError(
+                f"prompt {index} asks for adapter {params.adapter!r}, but this engine serves per request: {loaded}; "
+                "pick one of those, or load it with LLM(..., adapters=[{'path': DIR, 'name': NAME, 'merge': False}])"
+            )
+        if request_id is None:
+            request_id = f"req-{next(self._next_id)}"
+        return EngineRequest(request_id, ids, params, prompt if isinstance(prompt, str) else None, incremental_text)

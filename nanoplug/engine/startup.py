@@ -1,5 +1,6 @@
 """Start-up decisions, made once per engine: the checkpoint's config and facts, the device, the
-platform, the dtype, and one plugin of each kind (the only time the registry is consulted).
+platform, the dtype, and one plugin of each kind (the only time the registry is consulted); and the
+wiring that follows them (`start`): the tokenizer, the EOS ids, the worker and its KV cache.
 
 Each decision is logged as asked, chosen and why (`Choices.describe`).
 """
@@ -14,8 +15,13 @@ import torch
 from nanoplug.api import ModelFacts, Target
 from nanoplug.api.errors import ModelLoadError, PluginUnavailableError
 from nanoplug.config import EngineConfig
-from nanoplug.checkpoint.loader import load_hf_config
+from nanoplug.checkpoint.loader import checkpoint_dir, load_hf_config
+from nanoplug.checkpoint.source import resolve_model_path
+from nanoplug.engine.context_length import checked_max_model_len
+from nanoplug.engine.platform_options import validate_platform_options
 from nanoplug.engine.registry import Registry, Resolution
+from nanoplug.engine.tokenizer import load_tokenizer
+from nanoplug.worker.runner import PluginClasses, RunnerFactory, WorkerSpec
 
 log = logging.getLogger("nanoplug")
 KINDS_SHOWN = ("model", "attention", "prefill_attention", "kv_cache", "parallel", "platform", "weight_format")
@@ -194,3 +200,82 @@ def resolve_plugins(registry: Registry, config: EngineConfig, checkpoint: Checkp
     by_kind[WEIGHT_FORMAT] = resolve_weight_format(registry, config, checkpoint, target)
     adapters = [registry.resolve("adapter", spec.kind, target) for spec in config.adapters]
     return Choices(by_kind, adapters), target
+
+
+@dataclass
+class Started:
+    """What `start` made: the engine's settled config, its plugins, tokenizer and running worker."""
+
+    config: EngineConfig
+    checkpoint: Checkpoint
+    choices: Choices
+    target: Target
+    tokenizer: Any  # None with skip_tokenizer_init
+    eos_token_ids: set[int]
+    request_adapter_ids: dict[str, int]  # per-request adapters (merge=False) by name: 1..K in config order, 0 = none
+    worker: Any  # the parallel strategy's worker
+    num_kv_blocks: int
+    overlap: bool  # whether steps are overlapped
+
+
+def start(config: EngineConfig, registry: Registry) -> Started:
+    """Settle the config against the checkpoint, resolve the plugins and start the worker.
+
+    config.model: a checkpoint folder, or a Hugging Face id (fetched where the network allows)."""
+    config = config.model_copy(update={"model": resolve_model_path(config.model)})
+    options = validate_platform_options(registry, config)  # before any file is read
+    checkpoint = Checkpoint.load(config.model, registry)  # config.json read once, here
+    config.max_model_len = checked_max_model_len(config.max_model_len, "max_model_len" in config.model_fields_set,
+                                                 checkpoint.hf_config, str(checkpoint_dir(config.model) / "config.json"))
+    adapter_ids = {spec.label: i for i, spec in enumerate((s for s in config.adapters if not s.merge), 1)}
+    choices, target = resolve_plugins(registry, config, checkpoint)
+    tokenizer = None if config.skip_tokenizer_init else load_tokenizer(checkpoint_dir(config.model))
+    plugins = PluginClasses(
+        model=choices["model"].cls,
+        prefill_attention=choices["prefill_attention"].cls,
+        decode_attention=choices["attention"].cls,
+        kv_cache=choices["kv_cache"].cls,
+        adapters=[(r.cls, spec) for r, spec in zip(choices["adapters"], config.adapters)],
+        weight_format=choices["weight_format"].cls,
+        platform=choices["platform"].cls,
+        platform_name=choices["platform"].name,
+        platform_options=options.get(choices["platform"].name) or choices["platform"].cls.Options(),  # defaults when none given
+    )
+    strategy = choices["parallel"].cls(target)
+    worker = strategy.start(RunnerFactory(WorkerSpec(config, plugins, checkpoint.hf_config, checkpoint.facts, target)))
+    num_blocks = worker.num_kv_blocks()
+    if num_blocks * config.kv_block_size < config.max_model_len:
+        worker.shutdown()
+        raise RuntimeError(
+            f"the KV cache holds {num_blocks * config.kv_block_size} tokens, fewer than max_model_len "
+            f"({config.max_model_len}); lower max_model_len or give the cache more memory"
+        )
+    return Started(config, checkpoint, choices, target, tokenizer, eos_ids(config.model, checkpoint.hf_config, tokenizer),
+                   adapter_ids, worker, num_blocks, wants_overlap(config, choices))
+
+
+def wants_overlap(config: EngineConfig, choices: Choices) -> bool:
+    """Overlapped steps: asked for, or the platform's default (on for CUDA: on a CPU the host computes the step itself)."""
+    asked = config.overlap_steps
+    if not choices["parallel"].cls.supports_overlap:
+        if asked:
+            log.warning("parallel strategy %r cannot overlap steps; they run one after another", choices["parallel"].name)
+        return False
+    return choices["platform"].cls.overlaps_by_default() if asked is None else asked
+
+
+def eos_ids(model: str, hf_config: Any, tokenizer: Any) -> set[int]:
+    """The token ids that end a sequence: the generation config's (else the model config's) and the tokenizer's."""
+    ids: set[int] = set()
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(model).eos_token_id
+    except Exception:
+        eos = getattr(hf_config, "eos_token_id", None)
+    for value in (eos, getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return ids

@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from nanoplug.api import (AttentionMetadata, AttentionSpec, GraphCaptureError, KVCacheSpec, Layers, LinearMethod,
-                          LogprobsTensors, ModelFacts, PagedAttention, ProcessGroup, SamplingBatch, StartupTimes, StepBatch,
-                          StepContext, StepInputs, StepLimits, StepResult, StepStats, Target, Worker, WorkerReport,
-                          to_device)
+                          LogprobsTensors, ModelFacts, PagedAttention, ProcessGroup, PromptLogprobsBatch, SamplingBatch,
+                          StartupTimes, StepBatch, StepContext, StepInputs, StepLimits, StepResult, StepStats, Target,
+                          Worker, WorkerReport, to_device)
 from nanoplug.worker import logprobs
 from nanoplug.config import EngineConfig
 from nanoplug.worker.inputs import plan_fresh_prefill, plan_inputs
@@ -263,7 +263,7 @@ class ModelRunner(Worker):
         if self.graphs is not None and not step.is_prefill:
             size = self.graphs.size_for(num_seqs)
         elif self.graphs is not None and self.graphs.prefill is not None and not (
-                any(step.starts) or step.prompt_logprob_at or step.from_previous_at):
+                any(step.starts) or step.prompt_logprobs or step.from_previous_at):
             # fresh prefills only: no cached context, no prompt scoring, every token known on the host
             prefill_size = self.graphs.prefill.size_for(len(step.input_ids), num_seqs)
         if not step.is_prefill:  # what the decode step runs as (StepStats)
@@ -298,8 +298,8 @@ class ModelRunner(Worker):
             if step.sample_rows:
                 last = inputs.cu_seqlens_q[1:][step.sample_rows].astype(np.int64) - 1
                 logits = self.model.compute_logits(hidden[to_device(last, torch.int64, self.device)])
-            if step.prompt_logprob_at:
-                prompt_lps = self._prompt_logprobs(hidden, step)
+            if step.prompt_logprobs is not None:
+                prompt_lps = self._prompt_logprobs(hidden, step.prompt_logprobs)
         if step.block_copies:  # after the forward that wrote the blocks copied
             src, dst = zip(*step.block_copies)
             bits = self.kv_cache.view(_BITS[self.kv_cache.dtype.itemsize])  # float8 has no index_copy_
@@ -312,7 +312,7 @@ class ModelRunner(Worker):
             if share_tokens:
                 tokens = self._shared_tokens(tokens, len(step.sample_rows))
             self.last_tokens = tokens  # the next step may read its inputs from here
-        if self.group.rank != 0 or not (step.sample_rows or step.prompt_logprob_at):
+        if self.group.rank != 0 or not (step.sample_rows or step.prompt_logprobs):
             self.pending.append(None)
             return
         if tokens is None:  # a prompt chunk that only scores prompt tokens
@@ -331,17 +331,17 @@ class ModelRunner(Worker):
             tokens = torch.zeros(count, dtype=torch.int64, device=self.device)
         return self.group.all_reduce(tokens.long())
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, step: StepBatch) -> LogprobsTensors | None:
+    def _prompt_logprobs(self, hidden: torch.Tensor, scored: PromptLogprobsBatch) -> LogprobsTensors | None:
         """Logprobs of the prompt tokens this step scores, a few hundred positions at a time (every rank
         computes the logits, since the LM head may gather them; rank 0 keeps the logprobs)."""
-        at = to_device(step.prompt_logprob_at, torch.int64, self.device)
-        ids = to_device(step.prompt_logprob_ids, torch.int64, self.device)
+        at = to_device(scored.at, torch.int64, self.device)
+        ids = to_device(scored.token_ids, torch.int64, self.device)
         parts = []
-        for i in range(0, len(step.prompt_logprob_at), logprobs.ROWS_PER_PASS):
+        for i in range(0, len(scored.at), logprobs.ROWS_PER_PASS):
             part = slice(i, i + logprobs.ROWS_PER_PASS)
             logits = self.model.compute_logits(hidden.index_select(0, at[part]))
             if self.group.rank == 0:
-                parts.append(logprobs.compute(logits, ids[part], step.prompt_logprob_top))
+                parts.append(logprobs.compute(logits, ids[part], scored.top))
         return LogprobsTensors.cat(parts) if parts else None
 
     def _to_device(self, is_prefill: bool, inputs: StepInputs):
@@ -410,9 +410,9 @@ def _sampled_rows(logits: torch.Tensor, sample_rows: list[int], num_seqs: int) -
 
 def _unpack_logprobs(flat: torch.Tensor, step: StepBatch) -> tuple[LogprobsTensors | None, LogprobsTensors | None]:
     """The step's sampled-token and prompt logprobs from the one host tensor `launch` packed them into."""
-    out = []
+    out, scored = [], step.prompt_logprobs
     for rows, k in ((len(step.sampling.logprob_rows), max(step.sampling.num_top_logprobs, default=0)),
-                    (len(step.prompt_logprob_at), step.prompt_logprob_top)):
+                    (len(scored.at), scored.top) if scored is not None else (0, 0)):
         if not rows:
             out.append(None)
             continue
