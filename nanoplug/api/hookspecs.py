@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import pluggy
 
-PLUGIN_API_VERSION = 2
+PLUGIN_API_VERSION = 3
 """Bumped when a contract of `nanoplug.api` changes incompatibly; the registry refuses plugins built for another.
-2: the SDK moved to `nanoplug.api`; narrow `Target`; `platform` kind; KV layers and linear methods."""
+2: the SDK moved to `nanoplug.api`; narrow `Target`; `platform` kind; KV layers and linear methods.
+3: the `weight_format` kind (adapters no longer give a linear method); `Platform.Options`; the KV store's
+   `layer`/`attend` (no rotation fields in the step data)."""
 
 PROJECT = "nanoplug"
 hookspec = pluggy.HookspecMarker(PROJECT)

@@ -11,7 +11,7 @@ import torch
 
 from nanoplug.api import AttentionBackend, Target, hookimpl
 
-NANOPLUG_API_VERSION = 2  # the plugin API this module was written for; the registry refuses others
+NANOPLUG_API_VERSION = 3  # the plugin API this module was written for; the registry refuses others
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCKS_PER_CHUNK = 2

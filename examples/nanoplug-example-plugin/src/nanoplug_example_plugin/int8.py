@@ -14,7 +14,7 @@ from torch import nn
 
 from nanoplug.api import DenseLinearMethod, LinearMethod, Target, WeightFormat, check_shape, hookimpl
 
-NANOPLUG_API_VERSION = 2  # the plugin API this module was written for; the registry refuses others
+NANOPLUG_API_VERSION = 3  # the plugin API this module was written for; the registry refuses others
 
 INT8_MAX = 127
 
