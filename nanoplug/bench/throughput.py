@@ -1,4 +1,4 @@
-"""The throughput workload of ../shared/BENCHMARK.md (nano-vllm's `nanoplug/bench/throughput.py`), exactly, and static batches.
+"""The throughput workload of ../shared/BENCHMARK.md (nano-vllm's `bench.py`), exactly, and static batches.
 
 A seeded random Qwen3-0.6B-shape bf16 checkpoint with the real Qwen3 tokenizer (throughput does not
 depend on the weights' values), 256 requests drawn with `random.seed(0)`, max_model_len 4096, one
@@ -38,7 +38,7 @@ def write_checkpoint(folder: str | Path | None = None) -> Path:
 
 
 def workload(num_seqs: int = NUM_SEQS, max_input_len: int = MAX_INPUT_LEN, max_output_len: int = MAX_OUTPUT_LEN):
-    """Prompts (token ids) and SamplingParams, drawn exactly as nano-vllm's nanoplug/bench/throughput.py draws them."""
+    """Prompts (token ids) and SamplingParams, drawn exactly as nano-vllm's bench.py draws them."""
     from nanoplug import SamplingParams
 
     seed(0)
