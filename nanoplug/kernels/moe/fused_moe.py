@@ -80,7 +80,8 @@ def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
     any routing can need: T*k + min(T*k, E) * (block_m - 1), rounded up to a block."""
     flat = topk_ids.flatten()
     pairs = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)  # bincount would sync (its size)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
@@ -103,10 +104,14 @@ def _configs(num_experts: int, intermediate: int, device_name: str) -> dict[int,
     return {int(m): cfg for m, cfg in json.loads(file.read_text()).items()}
 
 
+@functools.lru_cache(maxsize=None)
+def _device_name(kind: str, index: int | None) -> str:
+    return torch.cuda.get_device_name(index) if kind == "cuda" else "cpu"
+
+
 def config_for(num_tokens: int, num_experts: int, intermediate: int, device: torch.device) -> dict:
     """The tuned block sizes for this batch (the nearest batch size in the GPU's file), else a default."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    table = _configs(num_experts, intermediate, name)
+    table = _configs(num_experts, intermediate, _device_name(device.type, device.index))
     if table:
         return table[min(table, key=lambda m: abs(m - num_tokens))]
     return SMALL_BATCH_CONFIG if num_tokens <= 32 else DEFAULT_CONFIG
