@@ -36,11 +36,15 @@ def test_tiny_kernel_stage_reports_every_batch(tmp_path):
     ("Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
     ("MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
 ])
-def test_large_checkpoint_writer_loads_in_transformers_and_nanoplug(architecture, shape):
+def test_large_checkpoint_writer_loads_in_transformers_and_nanoplug(architecture, shape, monkeypatch):
     from transformers import AutoModelForCausalLM
 
+    import nanoplug.bench.checkpoints as checkpoints
+
+    monkeypatch.setattr(checkpoints, "SHARD_BYTES", 1 << 20)  # several shards and their index
     folder = write_large_random_checkpoint(scratch_dir(f"large_{architecture}"), architecture, seed=3,
                                            dtype=torch.float32, tie_word_embeddings=False, **shape)
+    assert len(list(folder.glob("model-*-of-*.safetensors"))) > 1
     hf, info = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     ids = prompt_ids("qwen3")[0]

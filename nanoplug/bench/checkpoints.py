@@ -288,7 +288,8 @@ def write_large_random_checkpoint(folder: str | Path, architecture: str, seed: i
     with torch.device("meta"):
         model = model_cls(config)
     gen = torch.Generator(device=device).manual_seed(seed)
-    shards: list[dict[str, Any]] = [{}]
+    shards: list[list[str]] = []  # the tensor names of each shard written
+    current: dict[str, Any] = {}
     size = 0
     for name, dims in _checkpoint_tensors(model):
         t = torch.empty(dims, dtype=torch.float32, device=device)
@@ -298,19 +299,13 @@ def write_large_random_checkpoint(folder: str | Path, architecture: str, seed: i
             t.normal_(0.0, config.initializer_range, generator=gen)
         t = t.to(dtype).cpu()
         nbytes = t.numel() * t.element_size()
-        if size and size + nbytes > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
+        if current and size + nbytes > SHARD_BYTES:  # written as it fills: host memory holds one shard
+            shards.append(_write_shard(folder, len(shards) + 1, current, save_file))
+            current, size = {}, 0
+        current[name] = t
         size += nbytes
-        if size >= SHARD_BYTES:  # write full shards as they fill, keeping host memory to one shard
-            shards[-1] = _write_shard(folder, len(shards), shards[-1], save_file)
-            shards.append({})
-            size = 0
-    if shards[-1]:
-        shards[-1] = _write_shard(folder, len(shards), shards[-1], save_file)
-    else:
-        shards.pop()
+    if current:
+        shards.append(_write_shard(folder, len(shards) + 1, current, save_file))
     names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     weight_map = {}
     for i, (tensor_names, name) in enumerate(zip(shards, names), start=1):
