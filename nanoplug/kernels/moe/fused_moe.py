@@ -32,7 +32,7 @@ if triton is not None:
                              N, K, num_pairs, stride_am, stride_be, stride_bn, stride_cm,
                              A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
                              BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
-                             GROUP_SIZE_M: tl.constexpr, NUM_BLOCKS_M: tl.constexpr):
+                             GROUP_SIZE_M: tl.constexpr, NUM_BLOCKS_M):
         """C[pair] = A[pair // A_ROW_DIV] @ B[expert].T (times the pair's routing weight) for one block of
         BLOCK_SIZE_M sorted pairs, all of one expert, and BLOCK_SIZE_N output columns."""
         pid = tl.program_id(0)
