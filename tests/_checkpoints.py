@@ -21,6 +21,16 @@ CHECKPOINTS = {
     "qwen3_tied": ("Qwen3ForCausalLM", dict(tie_word_embeddings=True, seed=1)),
     "qwen2": ("Qwen2ForCausalLM", dict(tie_word_embeddings=False, seed=2)),  # q/k/v bias, no q/k norm
     "qwen2_tied": ("Qwen2ForCausalLM", dict(tie_word_embeddings=True, num_key_value_heads=1, seed=3)),
+    # mixture of experts (tests/test_moe_models.py): 8 experts, 2 a token; layer 1 of qwen3_moe dense (mlp_only_layers),
+    # qwen2_moe's layer 0 dense (decoder_sparse_step 2) and its shared expert; Mixtral renormalises over the top 2
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
+                                              moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
+                                              tie_word_embeddings=False, seed=4)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                              shared_expert_intermediate_size=48, norm_topk_prob=False,
+                                              decoder_sparse_step=2, tie_word_embeddings=False, seed=5)),
+    "mixtral": ("MixtralForCausalLM", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48,
+                                           tie_word_embeddings=False, seed=6)),
 }
 
 PROMPTS = [

@@ -43,11 +43,12 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, cfg: Any, layers):
+    def __init__(self, cfg: Any, layers, intermediate_size: int | None = None):
         super().__init__()
         bias = getattr(cfg, "mlp_bias", False)
-        self.gate_up_proj = layers.merged_column(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias)
-        self.down_proj = layers.row(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        intermediate_size = intermediate_size or cfg.intermediate_size  # an MoE's shared expert has its own
+        self.gate_up_proj = layers.merged_column(cfg.hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = layers.row(intermediate_size, cfg.hidden_size, bias=bias)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -55,10 +56,10 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, layers, attention_factory, layer_idx, qk_norm, qkv_bias, rotary):
+    def __init__(self, cfg, layers, attention_factory, layer_idx, qk_norm, qkv_bias, rotary, mlp_factory=None):
         super().__init__()
         self.self_attn = DecoderAttention(cfg, layers, attention_factory, layer_idx, qk_norm, qkv_bias, rotary)
-        self.mlp = DecoderMLP(cfg, layers)
+        self.mlp = mlp_factory(cfg, layers, layer_idx) if mlp_factory else DecoderMLP(cfg, layers)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -74,13 +75,13 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg, layers, attention_factory, qk_norm, qkv_bias, max_positions):
+    def __init__(self, cfg, layers, attention_factory, qk_norm, qkv_bias, max_positions, mlp_factory=None):
         super().__init__()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rotary = RotaryEmbedding(cfg, head_dim, max_positions)
         self.embed_tokens = layers.embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, layers, attention_factory, i, qk_norm, qkv_bias, rotary)
+            DecoderLayer(cfg, layers, attention_factory, i, qk_norm, qkv_bias, rotary, mlp_factory)
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -114,11 +115,16 @@ class DecoderForCausalLM(nn.Module, ModelArchitecture):
         super().__init__()
         max_positions = max(max_positions or 0, getattr(hf_config, "max_position_embeddings", 0) or 0, 1)
         self.model = DecoderModel(hf_config, layers, attention_factory, self.qk_norm,
-                                  self.qkv_bias or getattr(hf_config, "attention_bias", False), max_positions)
+                                  self.qkv_bias or getattr(hf_config, "attention_bias", False), max_positions,
+                                  self.build_mlp)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = layers.lm_head(hf_config.vocab_size, hf_config.hidden_size)
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
+
+    build_mlp = None
+    """`(cfg, layers, layer_idx) -> nn.Module`: a layer's MLP where a subclass has its own (mixture of experts);
+    None: the SwiGLU `DecoderMLP`."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 QWEN3_0_6B_SHAPE = dict(
     hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -230,3 +230,95 @@ def _add_tokenizer(writer: Any, folder: Path, vocab_size: int, auto_tokenizer: A
     if tok.pad_token_id is not None:
         writer.add_pad_token_id(int(tok.pad_token_id))
     writer.add_add_bos_token(False)
+
+
+# ------------------------------------------------------------------------ large random checkpoints, tensor by tensor
+QWEN3_30B_A3B_SHAPE = dict(  # Qwen3-30B-A3B with 24 of its 48 layers (issue 34's benchmark checkpoint)
+    hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=4,
+    head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+    vocab_size=151936, tie_word_embeddings=False, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+    max_position_embeddings=40960,
+)
+SHARD_BYTES = 4 << 30
+
+
+def _checkpoint_tensors(model: Any) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor save_pretrained writes for `model` (built on the meta device): transformers
+    keeps experts stacked in memory ([E, 2I, H] gate_up, [E, H, I] down) and saves one tensor per expert."""
+    mixtral = type(model).__name__.startswith("Mixtral")
+    for name, p in model.state_dict().items():
+        base, _, leaf = name.rpartition(".experts.")
+        if not leaf or leaf not in ("gate_up_proj", "down_proj"):
+            yield name, tuple(p.shape)
+            continue
+        block = base.replace(".mlp", ".block_sparse_moe") if mixtral else base
+        gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        for e in range(p.shape[0]):
+            if leaf == "gate_up_proj":
+                half = p.shape[1] // 2
+                yield f"{block}.experts.{e}.{gate}.weight", (half, p.shape[2])
+                yield f"{block}.experts.{e}.{up}.weight", (half, p.shape[2])
+            else:
+                yield f"{block}.experts.{e}.{down}.weight", tuple(p.shape[1:])
+
+
+def write_large_random_checkpoint(folder: str | Path, architecture: str, seed: int = 0, dtype: Any = None,
+                                  device: str = "cpu", **shape: Any) -> Path:
+    """A seeded random checkpoint written tensor by tensor into safetensors shards of about 4 GiB, in the names and
+    shapes save_pretrained writes, without building the model in memory (a 30 GB MoE would need 60 GB of float32
+    and many minutes of initialisation): normal(0, 0.02) weights, norms uniform in [0.5, 1.5], each drawn on
+    `device` ("cuda" draws tens of GB a minute)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    folder = Path(folder)
+    if (folder / "config.json").is_file():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    config_cls, model_cls = _hf_classes(architecture)
+    tok = AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir()))
+    settings = dict(TINY_SHAPE, bos_token_id=None, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+                    pad_token_id=tok.pad_token_id, vocab_size=len(tok))
+    settings.update(shape)
+    config = config_cls(**settings)
+    dtype = dtype or torch.bfloat16
+    with torch.device("meta"):
+        model = model_cls(config)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shards: list[list[str]] = []  # the tensor names of each shard written
+    current: dict[str, Any] = {}
+    size = 0
+    for name, dims in _checkpoint_tensors(model):
+        t = torch.empty(dims, dtype=torch.float32, device=device)
+        if "norm" in name:
+            t.uniform_(0.5, 1.5, generator=gen)
+        else:
+            t.normal_(0.0, config.initializer_range, generator=gen)
+        t = t.to(dtype).cpu()
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > SHARD_BYTES:  # written as it fills: host memory holds one shard
+            shards.append(_write_shard(folder, len(shards) + 1, current, save_file))
+            current, size = {}, 0
+        current[name] = t
+        size += nbytes
+    if current:
+        shards.append(_write_shard(folder, len(shards) + 1, current, save_file))
+    names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    weight_map = {}
+    for i, (tensor_names, name) in enumerate(zip(shards, names), start=1):
+        (folder / f"shard-{i}.safetensors").rename(folder / name)
+        weight_map.update({t: name for t in tensor_names})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config.architectures = [architecture]
+    config.dtype = dtype
+    config.save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+    return folder
+
+
+def _write_shard(folder: Path, index: int, tensors: dict[str, Any], save_file: Any) -> list[str]:
+    save_file(tensors, str(folder / f"shard-{index}.safetensors"), metadata={"format": "pt"})
+    return list(tensors)

@@ -276,11 +276,13 @@ def load_weights(model: torch.nn.Module, folder: str | Path, adapters: Iterable[
         if None in done:
             continue
         module, _, leaf = target.rpartition(".")
-        parts = fused.get(module.rpartition(".")[2], {})
+        # the fused layer it belongs to: the longest fused name it ends with (an MoE's "experts.gate_up_proj")
+        key = max((f for f in fused if module == f or module.endswith("." + f)), key=len, default=None)
+        parts = fused[key] if key is not None else {}
         if not parts:  # a plain parameter
             missing += [] if done else [target]
             continue
-        prefix = module.rpartition(".")[0]  # a fused layer needs each of its checkpoint tensors
+        prefix = module[:len(module) - len(key)].rstrip(".")  # a fused layer needs each of its checkpoint tensors
         missing += [f"{prefix}.{parts[s]}.{leaf}".lstrip(".") for s in parts if s not in done]
     if missing:
         raise ModelLoadError(

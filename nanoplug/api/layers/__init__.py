@@ -10,6 +10,7 @@ from nanoplug.api.layers.activation import SiluAndMul, silu_and_mul
 from nanoplug.api.layers.attention import PagedAttention, StepContext
 from nanoplug.api.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoplug.api.layers.fused import FusedOps, install_fused_ops
+from nanoplug.api.layers.moe import FusedMoE, SparseMoeBlock, experts_batched, experts_plain, route
 from nanoplug.api.layers.linear import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear,
                                         QKVParallelLinear, ReplicatedLinear, RowParallelLinear)
 from nanoplug.api.layers.norm import RMSNorm, add_rms_norm, rms_norm
@@ -20,7 +21,8 @@ __all__ = [
     "Layers", "LinearBase", "ReplicatedLinear", "ColumnParallelLinear", "MergedColumnParallelLinear",
     "QKVParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelLMHead", "RMSNorm", "rms_norm",
     "add_rms_norm", "RotaryEmbedding", "apply_rope", "rope_inv_freq", "SiluAndMul", "silu_and_mul", "FusedOps",
-    "install_fused_ops", "PagedAttention", "StepContext",
+    "install_fused_ops", "PagedAttention", "StepContext", "FusedMoE", "SparseMoeBlock", "route", "experts_plain",
+    "experts_batched",
 ]
 
 
@@ -55,3 +57,6 @@ class Layers:
 
     def lm_head(self, vocab_size, hidden_size):
         return ParallelLMHead(self.group, vocab_size, hidden_size, self.linear_method)
+
+    def experts(self, num_experts, hidden_size, intermediate_size):
+        return FusedMoE(self.group, num_experts, hidden_size, intermediate_size, self.linear_method)

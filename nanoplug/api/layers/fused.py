@@ -8,6 +8,7 @@ from typing import Callable
 from torch import nn
 
 from nanoplug.api.layers.activation import SiluAndMul
+from nanoplug.api.layers.moe import FusedMoE
 from nanoplug.api.layers.norm import RMSNorm
 from nanoplug.api.layers.rotary import RotaryEmbedding
 
@@ -23,6 +24,7 @@ class FusedOps:
     silu_and_mul: Callable
     rope: Callable
     norm_rope: Callable | None = None
+    moe: Callable | None = None  # `experts_plain`'s signature: the experts of an MoE layer, one launch per projection
 
 
 def install_fused_ops(model: nn.Module, ops: FusedOps) -> int:
@@ -35,6 +37,8 @@ def install_fused_ops(model: nn.Module, ops: FusedOps) -> int:
             m.fused = ops.silu_and_mul
         elif isinstance(m, RotaryEmbedding):
             m.fused, m.fused_norm = ops.rope, ops.norm_rope
+        elif isinstance(m, FusedMoE) and ops.moe is not None:
+            m.fused = ops.moe
         else:
             continue
         count += 1

@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import os
@@ -25,6 +26,7 @@ from nanoplug.api import (FusedOps, GraphCaptureError, Platform, ProcessGroup, S
                           Target, add_rms_norm, apply_rope, rms_norm, silu_and_mul)
 from nanoplug.api.disk_cache import cache_root
 from nanoplug.kernels.cuda import fused_ops as fused_kernels, sampling as sampling_kernel, small_gemm
+from nanoplug.kernels.moe import fused_moe
 from nanoplug.plugins.platforms.cuda.graphs import DecodeGraphs
 from nanoplug.plugins.platforms.cuda.options import CudaOptions
 from nanoplug.plugins.platforms.cuda.prefill_graphs import CudaPrefillGraphs
@@ -131,6 +133,8 @@ class CudaPlatform(Platform):
         if ops is None:
             compile_ = functools.partial(torch.compile, dynamic=True, fullgraph=True)
             ops = FusedOps(compile_(rms_norm), compile_(add_rms_norm), compile_(silu_and_mul), compile_(apply_rope))
+        if fused_moe.triton is not None:  # MoE experts: one grouped GEMM launch per projection
+            ops = dataclasses.replace(ops, moe=functools.partial(fused_moe.fused_experts, silu_and_mul=ops.silu_and_mul))
         model.install_fused_ops(ops)
 
     def warm_up(self, run, limits: StepLimits, num_blocks: int) -> None:

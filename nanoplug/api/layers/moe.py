@@ -1,0 +1,171 @@
+"""Mixture-of-experts layers: the router's top-k, the experts' weights, and the plain and batched ways to run them.
+
+Every expert is a SwiGLU MLP; their weights live stacked, one tensor per projection (`gate_up_proj.weight`
+[E, 2I, H], `down_proj.weight` [E, H, I]), so a fused kernel runs each projection for all experts in one
+launch. Tensor parallelism shards every expert as the dense MLP is sharded (gate and up by output rows,
+down by input columns, one all-reduce after). A platform puts its fused kernel in through
+`install_fused_ops` (`FusedOps.moe`, same signature as `fused_experts`).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoplug.api.errors import ModelLoadError
+from nanoplug.api.linear import DenseLinearMethod, LinearMethod, check_shape
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts of each token and their weights as transformers' routers compute them (Qwen2/3-MoE,
+    Mixtral): softmax over all experts in float32, the top k, divided by their sum when `renormalize`
+    (Mixtral always; Qwen `norm_topk_prob`). Weights float32 [T, k], ids int64 [T, k]."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, counts): the flattened (token, slot) pairs in order of their expert, stable, and how many each
+    expert got."""
+    flat = topk_ids.flatten()
+    return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=num_experts)
+
+
+def experts_plain(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    """The reference: for each expert that any token chose, its tokens' rows through its MLP, weighted and summed
+    back (the way transformers' eager experts do it)."""
+    out = torch.zeros_like(x)
+    k = topk_ids.shape[1]
+    order, counts = sort_by_expert(topk_ids, w13.shape[0])
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n == 0:
+            continue
+        pairs = order[start:start + n]
+        start += n
+        tokens = pairs // k
+        h = F.linear(x[tokens], w13[e])
+        gate, up = h.chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e]) * topk_weights.flatten()[pairs, None]
+        out.index_add_(0, tokens, y.to(x.dtype))
+    return out
+
+
+def experts_batched(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor) -> torch.Tensor:
+    """The CPU path: tokens sorted by expert into one padded batch per chosen expert, then one batched matmul per
+    projection (`torch.bmm` over the experts any token chose; the others' weights are not read)."""
+    t, k = topk_ids.shape
+    if t == 0:
+        return torch.zeros_like(x)
+    order, counts = sort_by_expert(topk_ids, w13.shape[0])
+    hit = torch.nonzero(counts).flatten()
+    hit_counts = counts[hit]
+    width = int(hit_counts.max())
+    starts = torch.cumsum(hit_counts, 0) - hit_counts
+    rank_of = torch.arange(order.numel(), device=x.device) - torch.repeat_interleave(starts, hit_counts)
+    slot = torch.repeat_interleave(torch.arange(hit.numel(), device=x.device), hit_counts) * width + rank_of
+    rows = torch.zeros(hit.numel() * width, x.shape[1], dtype=x.dtype, device=x.device)
+    rows[slot] = x[order // k]
+    h = torch.bmm(rows.view(hit.numel(), width, -1), w13[hit].transpose(1, 2))
+    gate, up = h.chunk(2, dim=-1)
+    y = torch.bmm(F.silu(gate) * up, w2[hit].transpose(1, 2)).flatten(0, 1)[slot]
+    y = y * topk_weights.flatten()[order, None]
+    out = torch.zeros(t * k, x.shape[1], dtype=y.dtype, device=x.device)
+    out[order] = y
+    return out.view(t, k, -1).sum(1).to(x.dtype)
+
+
+class ExpertWeights(nn.Module):
+    """One projection of every expert, stacked: `weight` [E, rows, cols] of this rank. Checkpoints hold one tensor
+    per expert (and per part: gate and up are the two halves of `gate_up_proj`); each is checked whole, then this
+    rank's rows (`tp_dim` 0) or columns (1) are kept."""
+
+    def __init__(self, group: Any, num_experts: int, rows: int, cols: int, parts: int, tp_dim: int):
+        super().__init__()
+        self.group, self.tp_dim, self.parts = group, tp_dim, parts
+        self.weight = nn.Parameter(torch.empty(num_experts, rows, cols), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id is None:
+            raise ModelLoadError("experts' weights are loaded one expert at a time (experts.N.gate_proj/up_proj/"
+                                 "down_proj); a checkpoint with them already stacked is not supported yet")
+        expert, part = shard_id if isinstance(shard_id, tuple) else (shard_id, 0)
+        ws, rank = self.group.world_size, self.group.rank
+        _, rows, cols = param.shape
+        rows //= self.parts
+        full = [rows * ws, cols] if self.tp_dim == 0 else [rows, cols * ws]
+        what = f"expert {expert}" + (f", split over {ws} ranks along dim {self.tp_dim}" if ws > 1 else "")
+        check_shape(tensor, full, what)
+        if ws > 1:
+            tensor = tensor.narrow(self.tp_dim, rank * (rows if self.tp_dim == 0 else cols),
+                                   rows if self.tp_dim == 0 else cols)
+        param.data[expert, part * rows:(part + 1) * rows].copy_(tensor)
+
+
+class FusedMoE(nn.Module):
+    """The experts of one MoE block: `forward(x, topk_weights, topk_ids)` is sum_k w_k * MLP_{id_k}(x) per token.
+
+    The step runs `fused` (a platform's one-launch-per-projection kernel) where installed, else the batched
+    matmuls; `experts_plain` is the reference both are tested against."""
+
+    fused: Callable | None = None  # set by install_fused_ops (FusedOps.moe)
+
+    def __init__(self, group: Any, num_experts: int, hidden_size: int, intermediate_size: int,
+                 linear_method: LinearMethod | None = None):
+        super().__init__()
+        if linear_method is not None and not isinstance(linear_method, DenseLinearMethod):
+            raise ModelLoadError(
+                f"the weight format {type(linear_method).__name__} does not apply to mixture-of-experts weights yet "
+                "(experts are kept dense); load this model without a quantized weight format (GGUF, fp8)")
+        ws = group.world_size
+        if intermediate_size % ws:
+            raise ValueError(f"the experts' intermediate size ({intermediate_size}) is not divisible by "
+                             f"tensor_parallel_size ({ws})")
+        self.group, self.num_experts = group, num_experts
+        local = intermediate_size // ws
+        self.gate_up_proj = ExpertWeights(group, num_experts, 2 * local, hidden_size, parts=2, tp_dim=0)
+        self.down_proj = ExpertWeights(group, num_experts, hidden_size, local, parts=1, tp_dim=1)
+
+    def partial(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's sum over its slice of every expert's intermediate features, before the all-reduce."""
+        run = self.fused or experts_batched
+        return run(x, self.gate_up_proj.weight, self.down_proj.weight, topk_weights, topk_ids)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        y = self.partial(x, topk_weights, topk_ids)
+        return self.group.all_reduce(y) if self.group.world_size > 1 else y
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, experts and an optional shared expert: the MLP of an MoE decoder layer.
+
+    `gate` ([E, H], replicated) scores the experts, `route` picks `top_k`; Qwen2-MoE's `shared_expert` (a dense
+    MLP every token takes) is scaled by sigmoid(`shared_expert_gate`(x)) and added."""
+
+    def __init__(self, layers: Any, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 renormalize: bool, shared_expert: nn.Module | None = None):
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ModelLoadError(f"num_experts_per_tok ({top_k}) must be between 1 and the number of experts "
+                                 f"({num_experts}); use the config.json saved with the weights")
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = layers.replicated(hidden_size, num_experts)
+        self.experts = layers.experts(num_experts, hidden_size, intermediate_size)
+        self.shared_expert = shared_expert
+        if shared_expert is not None:
+            self.shared_expert_gate = layers.replicated(hidden_size, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

@@ -1,0 +1,163 @@
+"""The experts of an MoE layer on CUDA in the manner of vLLM's and SGLang's `fused_moe`: the (token, slot) pairs
+sorted by expert and padded per expert to the GEMM's block of rows (`align_block_size`), then one grouped GEMM
+launch per projection, each program multiplying one block of rows by one expert's weight.
+
+gate_up: x[pair // k] @ w13[e].T -> [T*k, 2I]; SiLU-and-mul -> [T*k, I]; down: @ w2[e].T times the routing
+weight -> [T*k, H]; the k rows of a token summed. The launch grids are sized from T*k and the number of experts
+alone (blocks past the padded count exit at once), so a step needs no host sync and CUDA graphs capture it.
+Block sizes come from `configs/` (per expert count, intermediate size and GPU, by batch size; written by
+benchmarks/gpu_moe.py --tune). On a CPU the kernel runs only under TRITON_INTERPRET=1 (the tests).
+"""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from nanoplug.api import import_triton, interpreting
+
+triton, tl, TRITON_ERROR = import_triton()
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+DEFAULT_CONFIG = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=64, BLOCK_SIZE_K=32, GROUP_SIZE_M=8, num_warps=4, num_stages=3)
+SMALL_BATCH_CONFIG = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=64, GROUP_SIZE_M=1, num_warps=4,
+                          num_stages=3)
+
+if triton is not None:
+
+    @triton.jit
+    def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+                             N, K, num_pairs, stride_am, stride_be, stride_bn, stride_cm,
+                             A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
+                             BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
+                             GROUP_SIZE_M: tl.constexpr, NUM_BLOCKS_M):
+        """C[pair] = A[pair // A_ROW_DIV] @ B[expert].T (times the pair's routing weight) for one block of
+        BLOCK_SIZE_M sorted pairs, all of one expert, and BLOCK_SIZE_N output columns."""
+        pid = tl.program_id(0)
+        num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
+        in_group = GROUP_SIZE_M * num_pid_n  # blocks of rows side by side reuse each weight tile from L2
+        first_m = (pid // in_group) * GROUP_SIZE_M
+        group_m = min(NUM_BLOCKS_M - first_m, GROUP_SIZE_M)
+        pid_m = first_m + (pid % in_group) % group_m
+        pid_n = (pid % in_group) // group_m
+        if pid_m * BLOCK_SIZE_M >= tl.load(num_padded_ptr):
+            return
+        rows = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
+        pairs = tl.load(sorted_ids_ptr + rows)
+        row_ok = pairs < num_pairs  # padding pairs hold num_pairs
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        rn = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+        n_ok = rn < N
+        rk = tl.arange(0, BLOCK_SIZE_K)
+        a_ptrs = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[:, None] * stride_am + rk[None, :]
+        b_ptrs = b_ptr + expert * stride_be + rn.to(tl.int64)[None, :] * stride_bn + rk[:, None]
+        acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_SIZE_K):
+            k_ok = rk < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if IEEE:
+                acc += tl.dot(a, b, input_precision="ieee")
+            else:
+                acc += tl.dot(a, b)
+            a_ptrs += BLOCK_SIZE_K
+            b_ptrs += BLOCK_SIZE_K
+        if MUL_WEIGHT:
+            acc *= tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """vLLM's moe_align_block_size in torch ops, without a host sync: (sorted_ids, expert_ids, num_padded).
+
+    sorted_ids [capacity]: the flat (token * k + slot) pairs grouped by expert, each expert's run padded to a
+    multiple of `block_m` with the value T*k; expert_ids [capacity / block_m]: the expert of each block;
+    num_padded [1]: how many entries are real or padding (the blocks past it are skipped). Capacity is the most
+    any routing can need: T*k + min(T*k, E) * (block_m - 1), rounded up to a block."""
+    flat = topk_ids.flatten()
+    pairs = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)  # bincount would sync (its size)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    experts = flat[order]
+    rank = torch.arange(pairs, device=flat.device) - (torch.cumsum(counts, 0) - counts)[experts]
+    capacity = -(-(pairs + min(pairs, num_experts) * (block_m - 1)) // block_m) * block_m
+    sorted_ids = torch.full((capacity,), pairs, dtype=torch.int32, device=flat.device)
+    sorted_ids[(ends - padded)[experts] + rank] = order.to(torch.int32)
+    starts = torch.arange(0, capacity, block_m, device=flat.device)
+    expert_ids = torch.searchsorted(ends, starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def _configs(num_experts: int, intermediate: int, device_name: str) -> dict[int, dict] | None:
+    name = f"E={num_experts},N={intermediate},device_name={device_name.replace(' ', '_')}.json"
+    file = CONFIG_DIR / name
+    if not file.is_file():
+        return None
+    return {int(m): cfg for m, cfg in json.loads(file.read_text()).items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(kind: str, index: int | None) -> str:
+    return torch.cuda.get_device_name(index) if kind == "cuda" else "cpu"
+
+
+def config_for(num_tokens: int, num_experts: int, intermediate: int, device: torch.device) -> dict:
+    """The tuned block sizes for this batch (the nearest batch size in the GPU's file), else a default."""
+    table = _configs(num_experts, intermediate, _device_name(device.type, device.index))
+    if table:
+        return table[min(table, key=lambda m: abs(m - num_tokens))]
+    return SMALL_BATCH_CONFIG if num_tokens <= 32 else DEFAULT_CONFIG
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, weights: torch.Tensor, sorted_ids, expert_ids,
+          num_padded, row_div: int, mul_weight: bool, cfg: dict) -> None:
+    n, k = b.shape[1], b.shape[2]
+    bm, bn = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"]
+    blocks_m = sorted_ids.numel() // bm
+    grid = (blocks_m * triton.cdiv(n, bn),)
+    _grouped_gemm_kernel[grid](
+        a, b, c, weights, sorted_ids, expert_ids, num_padded, n, k, weights.numel(), a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        A_ROW_DIV=row_div, MUL_WEIGHT=mul_weight, IEEE=a.dtype == torch.float32,
+        BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=cfg["BLOCK_SIZE_K"], GROUP_SIZE_M=cfg["GROUP_SIZE_M"],
+        NUM_BLOCKS_M=blocks_m, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether the kernel runs these experts: CUDA tensors (or the interpreter), one dtype, contiguous weights."""
+    return (triton is not None and (x.device.type == "cuda" or interpreting()) and x.dim() == 2
+            and x.dtype == w13.dtype == w2.dtype and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and w13.is_contiguous() and w2.is_contiguous())
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, silu_and_mul=None, config: dict | None = None) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * MLP_{topk_ids[t, k]}(x[t]), the signature of `experts_plain`: two grouped GEMM
+    launches (gate_up, down) and the SiLU-and-mul between them."""
+    from nanoplug.api.layers import experts_batched
+
+    if not takes(x, w13, w2):
+        return experts_batched(x, w13, w2, topk_weights, topk_ids)
+    x = x.contiguous()
+    t, k = topk_ids.shape
+    num_experts, two_i, hidden = w13.shape
+    cfg = config or config_for(t, num_experts, two_i // 2, x.device)
+    sorted_ids, expert_ids, num_padded = align_block_size(topk_ids, num_experts, cfg["BLOCK_SIZE_M"])
+    weights = topk_weights.flatten().contiguous()
+    gate_up = torch.empty(t * k, two_i, dtype=x.dtype, device=x.device)
+    _gemm(x, w13, gate_up, weights, sorted_ids, expert_ids, num_padded, k, False, cfg)
+    if silu_and_mul is None:
+        g, u = gate_up.chunk(2, dim=-1)
+        act = F.silu(g) * u
+    else:
+        act = silu_and_mul(gate_up)
+    down = torch.empty(t * k, hidden, dtype=x.dtype, device=x.device)
+    _gemm(act, w2, down, weights, sorted_ids, expert_ids, num_padded, 1, True, cfg)
+    return down.view(t, k, hidden).sum(1)

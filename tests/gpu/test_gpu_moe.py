@@ -1,0 +1,63 @@
+"""The fused MoE kernel on CUDA against the plain path (bf16 and float32, the H200 table's block sizes and the
+defaults), captured in a CUDA graph, and a Qwen3-MoE engine under CUDA graphs against transformers.
+
+Run on the GPU machine: `pytest -m gpu tests/gpu/test_gpu_moe.py`."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the shared helpers in tests/
+
+from _checkpoints import checkpoint, hf_greedy, prompt_ids  # noqa: E402
+from nanoplug import LLM, SamplingParams  # noqa: E402
+from nanoplug.api.layers import FusedMoE, experts_plain, route  # noqa: E402
+from nanoplug.kernels.moe import fused_moe  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def _inputs(m, e, k, h, i, dtype):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, h, generator=g, device="cuda").to(dtype)
+    w13 = (torch.randn(e, 2 * i, h, generator=g, device="cuda") * 0.05).to(dtype)
+    w2 = (torch.randn(e, h, i, generator=g, device="cuda") * 0.05).to(dtype)
+    weights, ids = route(torch.randn(m, e, generator=g, device="cuda"), k, True)
+    return x, w13, w2, weights, ids
+
+
+@pytest.mark.parametrize("m", [1, 3, 64, 257])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_equals_plain(m, dtype):
+    x, w13, w2, weights, ids = _inputs(m, 128, 8, 2048, 768, dtype)
+    want = experts_plain(x.float(), w13.float(), w2.float(), weights, ids)
+    got = fused_moe.fused_experts(x, w13, w2, weights, ids).float()
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert float((got - want).abs().max() / want.abs().max()) < tol
+
+
+def test_kernel_in_a_cuda_graph():
+    x, w13, w2, weights, ids = _inputs(8, 128, 8, 2048, 768, torch.bfloat16)
+    out = fused_moe.fused_experts(x, w13, w2, weights, ids)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fused_moe.fused_experts(x, w13, w2, weights, ids)
+    new_ids = torch.roll(ids, 1, dims=0)
+    ids.copy_(new_ids)
+    graph.replay()
+    assert torch.allclose(captured.float(), fused_moe.fused_experts(x, w13, w2, weights, ids).float(), atol=1e-3)
+    assert not torch.equal(captured, out)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_engine_under_graphs_equals_transformers(name):
+    llm = LLM(checkpoint(name), dtype="float32", kv_block_size=16, num_kv_blocks=64, max_model_len=256)
+    moes = [m for m in llm.engine.worker.model.modules() if isinstance(m, FusedMoE)]
+    assert moes and all(m.fused is not None for m in moes)  # the platform installed the kernel
+    prompts = prompt_ids(name)
+    got = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)]
+    assert got == [hf_greedy(name, ids, 8) for ids in prompts]
+    assert llm.engine.worker.report().stats.graph_replays > 0

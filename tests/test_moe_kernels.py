@@ -1,0 +1,92 @@
+"""The MoE layer's fast paths against the plain one: the batched-matmul CPU path and the Triton grouped GEMM
+(`nanoplug.kernels.moe.fused_moe`, under TRITON_INTERPRET=1), and the router against transformers' routers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _triton_interpreter import interpreted
+from nanoplug.api.layers import experts_batched, experts_plain, route
+from nanoplug.kernels.moe import fused_moe
+
+CASES = [  # tokens, experts, k, hidden, intermediate
+    (1, 8, 2, 64, 32),
+    (5, 8, 2, 64, 48),  # intermediate not a multiple of the block
+    (37, 16, 4, 32, 32),  # blocks of several experts, some experts unused
+]
+
+
+def _inputs(t, e, k, h, i, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g)
+    w13 = torch.randn(e, 2 * i, h, generator=g) * 0.1
+    w2 = torch.randn(e, h, i, generator=g) * 0.1
+    weights, ids = route(torch.randn(t, e, generator=g), k, renormalize=True)
+    return x, w13, w2, weights, ids
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_batched_equals_plain(case):
+    x, w13, w2, weights, ids = _inputs(*case)
+    want = experts_plain(x, w13, w2, weights, ids)
+    assert torch.allclose(experts_batched(x, w13, w2, weights, ids), want, atol=1e-6, rtol=1e-5)
+    assert experts_batched(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, x.shape[1])
+
+
+def test_plain_equals_a_loop_over_tokens():
+    """The reference itself, against the definition: sum_k w_k * down(silu(gate x) * up x) of each token."""
+    x, w13, w2, weights, ids = _inputs(*CASES[1])
+    want = torch.stack([
+        sum(weights[t, j] * (w2[e] @ (torch.nn.functional.silu(w13[e, :w2.shape[2]] @ x[t]) * (w13[e, w2.shape[2]:] @ x[t])))
+            for j, e in enumerate(ids[t].tolist()))
+        for t in range(x.shape[0])])
+    assert torch.allclose(experts_plain(x, w13, w2, weights, ids), want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_route_equals_transformers_routers(renormalize):
+    from transformers import MixtralConfig, Qwen3MoeConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    torch.manual_seed(0)
+    x = torch.randn(9, 16)
+    qwen = Qwen3MoeTopKRouter(Qwen3MoeConfig(hidden_size=16, num_experts=8, num_experts_per_tok=3,
+                                             norm_topk_prob=renormalize))
+    mixtral = MixtralTopKRouter(MixtralConfig(hidden_size=16, num_local_experts=8, num_experts_per_tok=3))
+    for router, renorm in ((qwen, renormalize), (mixtral, True)):
+        torch.nn.init.normal_(router.weight)
+        _, want_w, want_ids = router(x)
+        weights, ids = route(x @ router.weight.T, 3, renorm)
+        assert torch.equal(ids, want_ids)
+        assert torch.allclose(weights, want_w.float(), atol=1e-7)
+
+
+def test_align_block_size_groups_pairs_by_expert():
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3], [2, 3]])
+    sorted_ids, expert_ids, num_padded = fused_moe.align_block_size(ids, num_experts=5, block_m=4)
+    pairs = ids.numel()
+    assert int(num_padded) == 4 * 4  # experts 0, 1, 2, 3: one block each (expert 4 has none)
+    blocks = sorted_ids[:16].view(4, 4)
+    for block, expert in zip(blocks, expert_ids[:4].tolist()):
+        real = block[block < pairs]
+        assert real.numel() > 0 and (ids.flatten()[real.long()] == expert).all()
+        assert real.tolist() == sorted(real.tolist())  # stable: in token order
+    assert sorted(sorted_ids[sorted_ids < pairs].tolist()) == list(range(pairs))  # every pair once
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_triton_grouped_gemm_equals_plain(case):
+    x, w13, w2, weights, ids = _inputs(*case, seed=1)
+    want = experts_plain(x, w13, w2, weights, ids)
+    with interpreted(fused_moe) as fm:
+        assert fm.takes(x, w13, w2)
+        for cfg in (fm.SMALL_BATCH_CONFIG, dict(fm.DEFAULT_CONFIG, BLOCK_SIZE_M=16, GROUP_SIZE_M=2)):
+            got = fm.fused_experts(x, w13, w2, weights, ids, config=cfg)
+            assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), cfg
+
+
+def test_h200_configs_are_read():
+    table = fused_moe._configs(128, 768, "NVIDIA H200")
+    assert table and {1, 64, 256} <= set(table)
+    assert all(set(c) == set(fused_moe.DEFAULT_CONFIG) for c in table.values())

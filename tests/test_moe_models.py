@@ -1,0 +1,147 @@
+"""The mixture-of-experts model plugins (Qwen3-MoE, Qwen2-MoE, Mixtral) against transformers, float32, through the
+oracle of tests/test_engine_vs_hf.py: logits within 1e-4 at the prefill and every decode step, and greedy tokens
+equal to `generate` on batched prompts of mixed lengths, prefix-cache hits, chunked prefill and preemption.
+Also: the Triton experts kernel inside the engine (interpreted), the config fields each plugin honours or refuses,
+and a checkpoint lacking an expert."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from _checkpoints import checkpoint, hf_greedy, hf_logits, prompt_ids, relative_error, scratch_dir
+from _triton_interpreter import interpreted
+from nanoplug import LLM, SamplingParams
+from nanoplug.api.decoder import DecoderMLP
+from nanoplug.api.layers import FusedMoE, SparseMoeBlock
+from nanoplug.errors import ModelLoadError
+from test_engine_vs_hf import GREEDY, VARIANTS, cache_prompts, engine, reference, tokens_of
+
+MODELS = ["qwen3_moe", "qwen2_moe", "mixtral"]
+ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("attention", ["manual", "sdpa"])
+def test_logits_and_greedy_tokens_match_transformers(name, attention):
+    llm = engine(name, attention=attention)
+    assert llm.choices["model"].name == ARCHITECTURES[name]
+    params = SamplingParams(temperature=0, max_tokens=6, output_logits=True, ignore_eos=True)
+    prompts = prompt_ids(name)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for ids, out in zip(prompts, outputs):
+        want = hf_logits(name, ids + out.token_ids[:-1])[len(ids) - 1:]
+        got = torch.stack(out.logits)
+        assert got.shape == want.shape
+        assert relative_error(got, want) < 1e-4, (name, attention, len(ids))
+    assert tokens_of(outputs) == [hf_greedy(name, ids, 6) for ids in prompts]
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("variant", ["manual", "chunks_of_7", "preemption_chunks_sdpa"])
+def test_greedy_equals_transformers(name, variant):
+    """Shared prefixes, repeats, block-long prompts, chunked prefill and preemption, twice (the second round
+    from the prefix cache)."""
+    options = VARIANTS[variant]
+    llm = engine(name, **options)
+    prompts = cache_prompts(name)
+    want = reference(name, GREEDY.max_tokens, "cache")
+    assert tokens_of(llm.generate(prompts, GREEDY, use_tqdm=False)) == want
+    second = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert tokens_of(second) == want
+    assert sum(o.num_cached_tokens for o in second) > 0
+    if "num_kv_blocks" in options:
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.blocks.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_sparse_and_dense_layers_follow_the_config():
+    """mlp_only_layers (qwen3_moe: [1]) and decoder_sparse_step (qwen2_moe: 2) as transformers reads them;
+    Qwen2-MoE's shared expert is built, the others have none."""
+    kinds = {}
+    for name in MODELS:
+        llm = engine(name)  # held: a dropped LLM closes its engine
+        layers = llm.engine.worker.model.model.layers
+        kinds[name] = ["moe" if isinstance(layer.mlp, SparseMoeBlock) else "dense" for layer in layers]
+        for layer in layers:
+            if isinstance(layer.mlp, SparseMoeBlock):
+                assert (layer.mlp.shared_expert is not None) == (name == "qwen2_moe")
+            else:
+                assert isinstance(layer.mlp, DecoderMLP)
+    assert kinds == {"qwen3_moe": ["moe", "dense", "moe"], "qwen2_moe": ["dense", "moe"], "mixtral": ["moe", "moe"]}
+
+
+@pytest.mark.slow
+def test_triton_experts_in_the_engine_equal_transformers():
+    """The grouped-GEMM kernel (interpreted) as the CUDA platform installs it, serving every MoE layer."""
+    from nanoplug.kernels.moe import fused_moe
+
+    name = "mixtral"
+    llm = engine(name)
+    prompts = prompt_ids(name)[:3]
+    with interpreted(fused_moe) as fm:
+        moes = [m for m in llm.engine.worker.model.modules() if isinstance(m, FusedMoE)]
+        for m in moes:
+            m.fused = fm.fused_experts
+        try:
+            got = tokens_of(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False))
+        finally:
+            for m in moes:
+                m.fused = None
+    assert got == [hf_greedy(name, ids, 4) for ids in prompts]
+
+
+# ------------------------------------------------------------------------------- config fields and refusals
+def _variant(name: str, folder: str, **config) -> str:
+    """A copy of checkpoint `name` with config.json settings changed (the weights linked, not copied)."""
+    import json
+    import os
+
+    src = checkpoint(name)
+    dst = scratch_dir(folder)
+    for f in os.listdir(src):
+        if f != "config.json":
+            os.symlink(os.path.join(src, f), dst / f)
+    cfg = json.loads(open(os.path.join(src, "config.json")).read())
+    cfg.update(config)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return str(dst)
+
+
+def test_a_sliding_window_is_refused_unless_it_spans_the_context():
+    path = _variant("mixtral", "mixtral_window", sliding_window=64)
+    with pytest.raises(ModelLoadError, match="sliding window of 64 tokens.*max_model_len <= 64"):
+        LLM(path, kv_block_size=16, num_kv_blocks=64, max_model_len=256)
+    llm = LLM(path, kv_block_size=16, num_kv_blocks=64, max_model_len=64)  # the window changes nothing here
+    ids = prompt_ids("mixtral")[:2]
+    assert tokens_of(llm.generate(ids, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)) == \
+        [hf_greedy("mixtral", p, 4) for p in ids]
+    qwen = _variant("qwen3_moe", "qwen3_moe_window", use_sliding_window=True, sliding_window=32)
+    with pytest.raises(ModelLoadError, match="sliding window of 32 tokens"):
+        LLM(qwen, kv_block_size=16, num_kv_blocks=64, max_model_len=256)
+
+
+def test_an_activation_other_than_silu_is_refused():
+    path = _variant("qwen2_moe", "qwen2_moe_gelu", hidden_act="gelu")
+    with pytest.raises(ModelLoadError, match="hidden_act 'gelu' is not served"):
+        LLM(path, kv_block_size=16, num_kv_blocks=64, max_model_len=256)
+
+
+def test_a_quantized_weight_format_is_refused_for_experts():
+    with pytest.raises(ModelLoadError, match="does not apply to mixture-of-experts weights"):
+        LLM(checkpoint("qwen3_moe"), quantization="fp8", kv_block_size=16, num_kv_blocks=64, max_model_len=256)
+
+
+def test_a_missing_expert_is_named():
+    import os
+
+    src = checkpoint("mixtral")
+    dst = scratch_dir("mixtral_missing_expert")
+    for f in os.listdir(src):
+        if not f.endswith(".safetensors"):
+            os.symlink(os.path.join(src, f), dst / f)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    del tensors["model.layers.1.block_sparse_moe.experts.5.w3.weight"]
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.block_sparse_moe\.experts\.5\.w3\.weight"):
+        LLM(str(dst), kv_block_size=16, num_kv_blocks=64, max_model_len=256)
