@@ -5,7 +5,6 @@ require_graphs."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import tensor_parallel_helpers as helpers
 from _test_platforms import registry_with_platform
