@@ -9,7 +9,8 @@ from __future__ import annotations
 import sys
 
 from nanoplug import hookimpl
-from nanoplug.api import PLUGIN_API_VERSION
+from nanoplug.api import PLUGIN_API_VERSION, GraphCaptureError
+from nanoplug.plugins.platforms.cpu.platform import CpuPlatform
 from nanoplug.plugins.models.qwen3 import Qwen3ForCausalLM
 
 FAIL_TOKEN = 4242  # a prompt holding this token id makes rank 1 fail in that step
@@ -63,6 +64,25 @@ class SlowOrFailingOnRank1(Qwen3ForCausalLM):
         if self.rank == 1 and bool((positions == FAIL_POSITION).any()):
             raise InjectedFault(f"injected fault at position {FAIL_POSITION} on rank 1")
         return super().forward(input_ids, positions)
+
+
+class CaptureFailsOnRank1(CpuPlatform):
+    """The cpu platform, whose decode recordings fail on rank 1 only, after every step of the recording ran
+    (the way a replay check or a graph instantiation fails on one GPU): rank 0's succeed."""
+
+    def __init__(self, options, target):
+        super().__init__(options, target)
+        self.require_graphs = bool(options.get("require_graphs", False))  # (platform_options: a dict)
+
+    def worker_device(self, device, group):
+        self.rank = group.rank
+        return super().worker_device(device, group)
+
+    def capture_graphs(self, forward, ctx, limits, scratch_block, prefill_forward=None):
+        graphs = super().capture_graphs(forward, ctx, limits, scratch_block, prefill_forward)
+        if self.rank == 1:
+            raise GraphCaptureError("injected capture failure on rank 1")
+        return graphs
 
 
 class ModelPlugin:

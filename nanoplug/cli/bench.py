@@ -48,6 +48,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, metavar="N", default=None,
                    help="sequences run at once (default: the engine's, 256)")
     p.add_argument("--kv-block-size", type=int, default=256, help="tokens per KV block (page)")
+    p.add_argument("--num-kv-blocks", type=int, metavar="N", default=None,
+                   help="KV blocks on each rank (default: sized from the device's free memory)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no fused small-op kernels")
     p.add_argument("--no-overlap", action="store_true",
@@ -76,6 +78,8 @@ def run(args) -> int:
         options["parallel"] = "tensor"
     if args.max_num_seqs is not None:
         options["max_num_seqs"] = args.max_num_seqs
+    if args.num_kv_blocks is not None:
+        options["num_kv_blocks"] = args.num_kv_blocks
     if args.latency and given(args, WORKLOAD_OPTIONS):
         raise ConfigError(f"{', '.join(given(args, WORKLOAD_OPTIONS))} size the throughput workload, which --latency "
                           f"does not run; size the latency prompts with {', '.join(LATENCY_OPTIONS.values())}")

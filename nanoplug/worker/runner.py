@@ -26,6 +26,7 @@ from nanoplug.api import (AttentionMetadata, AttentionSpec, GraphCaptureError, K
                           StartupTimes, StepBatch, StepContext, StepInputs, StepLimits, StepResult, StepStats, Target,
                           Worker, WorkerReport, to_device)
 from nanoplug.worker import logprobs
+from nanoplug.worker.graph_agreement import capture_failures, describe
 from nanoplug.config import EngineConfig
 from nanoplug.worker.inputs import plan_fresh_prefill, plan_inputs
 from nanoplug.checkpoint.loader import load_weights
@@ -165,6 +166,7 @@ class ModelRunner(Worker):
                        "graphs here (graph_safe is False); merge them (merge=True)")
                 raise GraphCaptureError(f"{option} asks for decode graphs, but {why}, or drop {option}")
             return
+        error = None
         try:
             # small fresh prefills too, where the prefill backend can be captured and no adapter is picked per token
             prefill = self._prefill_forward if (self.ctx.prefill.supports_prefill_graphs
@@ -172,11 +174,15 @@ class ModelRunner(Worker):
             self.graphs = self.platform.capture_graphs(self._forward, self.ctx, self.limits, self.scratch_block,
                                                        prefill)
         except GraphCaptureError as exc:
+            error = exc
+        failures = capture_failures(self.group, None if error is None else str(error), self.device)
+        if failures:  # on any rank: every rank decodes eager (graph_agreement.py)
+            self.graphs, why = None, describe(failures, self.group.world_size)
             if strict:
-                raise GraphCaptureError(f"{exc}. {option} stops start-up on it; without it decode runs eager") from exc
-            self.graphs_error = str(exc)
+                raise GraphCaptureError(f"{why}. {option} stops start-up on it; without it decode runs eager") from error
+            self.graphs_error = why
             self.graph_limit = self.limits.max_num_seqs
-            log.warning("decode steps run eager (%s makes this an error): %s", option, exc)
+            log.warning("decode steps run eager (%s makes this an error): %s", option, why)
             return
         if self.graphs is None:
             if strict:

@@ -68,11 +68,20 @@ class _Recorder(TorchDispatchMode):
         self.keep.append(out)  # recorded calls hold its address
         if func.overloadpacket in _ALLOCATIONS or (func.is_view and _aliases(out, args)):
             return out  # (`to` is a view only when it converts nothing)
-        if func._schema.is_mutable:  # in place or out=: the same call again
+        if func.namespace == "c10d":  # a collective (tensor parallelism): again, and waited on as when recorded
+            self.plan.append(lambda f=func, a=args, k=kwargs: _wait(f(*a, **k)))
+        elif func._schema.is_mutable:  # in place or out=: the same call again
             self.plan.append(lambda f=func, a=args, k=kwargs: f(*a, **k))
         else:
             self.plan.append(_Refresh(func, args, kwargs, out))
         return out
+
+
+def _wait(result: Any) -> None:
+    """Wait for the work a replayed collective returns (gloo runs it on its own threads)."""
+    for item in result if isinstance(result, (list, tuple)) else (result,):
+        if hasattr(item, "wait"):
+            item.wait()
 
 
 def _storages(x: Any) -> list[int]:
