@@ -6,7 +6,7 @@ protocol.py  the request bodies (pydantic)     sampling.py  request -> SamplingP
 prepare.py   chat template, tokenizing and context checks, beside the event loop
 streams.py   one request's updates, coalesced per read     render.py    response bodies and chunks
 engine_process.py  the engine core in a process of its own (the default), msgpack over a socket pair
-engine_loop.py  the engine core stepping in a thread of this process (--single-process)
-stepper.py   the thread that steps an engine core, in either layout
-metrics.py   Prometheus metrics    runner.py  uvicorn on our own socket, clean shutdown on signals
+engine_loop.py  the engine core in this process (--single-process); both layouts step it with
+             nanoplug.engine.driver, as LLM does
+metrics.py   Prometheus metrics    launch.py  uvicorn on our own socket, clean shutdown on signals
 """

@@ -17,7 +17,8 @@ the socket (the bug class behind vLLM's and SGLang's ZMQ advisories). The socket
 parameters travel as plain dicts and are validated again by SamplingParams on the engine side.
 
 The front end (`EngineProcess`) has the same surface as `EngineLoop`: submit, abort, stats, streams.
-The child (`main`) runs the same `Stepper` and `prepare_all` as the in-process layout.
+The child (`main`) steps its core with the engine's `Driver` and prepares requests with `prepare_all`,
+as the in-process layout does.
 """
 from __future__ import annotations
 
@@ -297,8 +298,8 @@ def _tokenizer(model: str) -> Any:
 # -------------------------------------------------------------------------------- the child
 def main(fd: int) -> int:
     """The engine process: read requests from the socket, step, write updates back."""
+    from nanoplug.engine.driver import Driver
     from nanoplug.engine.engine_core import EngineCore
-    from nanoplug.server.stepper import Stepper
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front end decides
     sock = socket.socket(fileno=fd)
@@ -317,10 +318,21 @@ def main(fd: int) -> int:
     except Exception as exc:
         send(Failed(f"{type(exc).__name__}: {exc}"))
         return 1
-    stepper = Stepper(core, lambda updates, stats: send(Stepped([_update(u) for u in updates], _stats(stats))),
-                      lambda reason: send(Failed(reason)))
+    class Wire:  # the driver's Sink: each step's updates as one frame
+        def deliver(self, updates: list) -> None:
+            send(Stepped([_update(u) for u in updates], _stats(driver.stats)))
+
+        def fail(self, error: BaseException) -> None:
+            pass  # the front end fails every stream on the Failed frame below
+
+    def failed(exc: BaseException) -> None:
+        log.error("engine step failed", exc_info=exc)
+        send(Failed(f"{type(exc).__name__}: {exc}"))
+
+    wire = Wire()
+    driver = Driver(core, on_idle=lambda stats: send(Stepped([], _stats(stats))), on_failure=failed,
+                    stop_on_failure=True)
     send(Ready(core.config.max_model_len, core.config.max_num_seqs, _stats(core.stats())))
-    stepper.start()
     prepare = ThreadPoolExecutor(1, thread_name_prefix="nanoplug-prepare")
 
     def add(message: Add) -> None:
@@ -331,14 +343,12 @@ def main(fd: int) -> int:
         except (RequestError, ValueError) as exc:
             send(Rejected(message.token, str(exc)))
             return
-        for request in requests:
-            core.add_request(request)
-        stepper.wake()
+        try:
+            driver.submit(requests, wire)
+        except Exception as exc:  # noqa: BLE001 (an id in use, a closed engine: the front end releases them)
+            send(Rejected(message.token, str(exc)))
+            return
         send(Accepted(message.token))
-
-    def abort(request_id: str) -> None:
-        core.abort(request_id)
-        stepper.wake()
 
     try:
         while True:
@@ -348,9 +358,9 @@ def main(fd: int) -> int:
             if isinstance(message, Add):
                 prepare.submit(add, message)
             elif isinstance(message, Abort):  # through the same queue, so it never overtakes its request's Add
-                prepare.submit(abort, message.request_id)
+                prepare.submit(driver.abort, message.request_id)
     finally:
-        stepper.stop()
+        driver.stop()
         prepare.shutdown(wait=False, cancel_futures=True)
         core.close()
         sock.close()
