@@ -33,8 +33,10 @@ class EngineLoop:
         self.core = EngineCore(config)
         self.config = self.core.config
         self.max_model_len, self.max_num_seqs = self.config.max_model_len, self.config.max_num_seqs
+        self.vocab_size = self.core.facts.vocab_size
         self.streams = Streams()
-        self.token_text = token_texts(self.core.tokenizer)  # for logprobs
+        self.tokenizer = self.core.tokenizer
+        self.token_text = token_texts(self.tokenizer)  # for logprobs
         self._loop: asyncio.AbstractEventLoop | None = None
         self._driver = Driver(self.core, on_failure=self._on_failure, stop_on_failure=True)
         self._prepare = ThreadPoolExecutor(1, thread_name_prefix="nanoplug-prepare")
@@ -51,7 +53,8 @@ class EngineLoop:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
 
-    async def submit(self, items: list[PromptChoices], fill_context: bool = False) -> list[RequestStream]:
+    async def submit(self, items: list[PromptChoices], fill_context: bool = False,
+                     want_prompt_ids: bool = False) -> list[RequestStream]:
         """Validate and queue every choice of every prompt; their updates arrive on the returned streams,
         which share one ready event (see streams.read)."""
         self._check_alive()
@@ -60,6 +63,9 @@ class EngineLoop:
         self._check_alive()
         ready = asyncio.Event()
         streams = [self.streams.register(request.request_id, ready) for request in requests]
+        if want_prompt_ids:
+            for stream, request in zip(streams, requests):
+                stream.prompt_token_ids = list(request.prompt_token_ids)
         try:
             self._driver.submit(requests, self)
         except BaseException:

@@ -77,6 +77,7 @@ class Update(msgspec.Struct, array_like=True):
     num_prompt_tokens: int
     num_cached_tokens: int
     logprobs: Union[list[TokenLogprobs], None] = None
+    prompt_logprobs: Union[list[Union[TokenLogprobs, None]], None] = None
 
 
 class Start(msgspec.Struct, tag="start", array_like=True):
@@ -86,6 +87,7 @@ class Start(msgspec.Struct, tag="start", array_like=True):
 class Ready(msgspec.Struct, tag="ready", array_like=True):
     max_model_len: int
     max_num_seqs: int
+    vocab_size: int
     stats: Stats
 
 
@@ -112,10 +114,12 @@ class Add(msgspec.Struct, tag="add", array_like=True):
     token: int
     items: list[tuple[Prompt, list[tuple[str, dict[str, Any]]]]]
     fill_context: bool
+    want_prompt_ids: bool = False  # answer with each prompt's token ids (echo with logprobs)
 
 
 class Accepted(msgspec.Struct, tag="accepted", array_like=True):
     token: int
+    prompt_token_ids: Union[list[list[int]], None] = None
 
 
 class Rejected(msgspec.Struct, tag="rejected", array_like=True):
@@ -202,7 +206,9 @@ class EngineProcess:
             self.stop()
             raise RuntimeError(f"the engine process exited during start-up (exit code {self.proc.poll()})")
         self.max_model_len, self.max_num_seqs, self.stats = first.max_model_len, first.max_num_seqs, first.stats
-        self.token_text = token_texts(_tokenizer(config.model))  # logprobs' token strings are written here
+        self.vocab_size = first.vocab_size
+        self.tokenizer = _tokenizer(config.model)  # echo's text and logprobs' token strings are written here
+        self.token_text = token_texts(self.tokenizer)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._started = asyncio.Event()
@@ -239,19 +245,30 @@ class EngineProcess:
                 future.set_result(Rejected(-1, reason))
 
     def _send(self, message: Any) -> None:
-        self._writer.write(frame(message))  # buffered, in order, never blocks the loop
+        self._write(frame(message))
 
-    async def submit(self, items: list[PromptChoices], fill_context: bool = False) -> list[RequestStream]:
+    def _write(self, data: bytes) -> None:
+        self._writer.write(data)  # buffered, in order, never blocks the loop
+
+    async def submit(self, items: list[PromptChoices], fill_context: bool = False,
+                     want_prompt_ids: bool = False) -> list[RequestStream]:
         if self.failure is not None:
             raise APIError(503, f"the engine stopped after an error: {self.failure}; restart the server",
                            type="server_error", code="engine_dead")
         await self._started.wait()
-        ready = asyncio.Event()
-        streams = [self.streams.register(rid, ready) for _, choices in items for rid, _ in choices]
-        token = next(self._tokens)
-        future = self._pending[token] = asyncio.get_running_loop().create_future()
         wire = [(Prompt.of(prompt), [(rid, params.model_dump(mode="json")) for rid, params in choices]) for prompt, choices in items]
-        self._send(Add(token, wire, fill_context))
+        token = next(self._tokens)
+        data = frame(Add(token, wire, fill_context, want_prompt_ids))  # raises before anything is registered (checks.py should
+        ready = asyncio.Event()  # have refused what the wire cannot carry; this keeps a slip from leaking)
+        streams = [self.streams.register(rid, ready) for _, choices in items for rid, _ in choices]
+        future = self._pending[token] = asyncio.get_running_loop().create_future()
+        try:
+            self._write(data)
+        except BaseException:  # the engine never heard of them: take them back whole
+            self._pending.pop(token, None)
+            for stream in streams:
+                self.streams.forget(stream.request_id)
+            raise
         try:
             answer = await future
         except asyncio.CancelledError:  # the client left before the engine accepted: take the requests back
@@ -266,6 +283,11 @@ class EngineProcess:
                 raise APIError(503, f"the engine stopped after an error: {self.failure}", type="server_error",
                                code="engine_dead")
             raise RequestError(answer.message)
+        if answer.prompt_token_ids is not None:
+            choices = iter(streams)
+            for ids, (_, item_choices) in zip(answer.prompt_token_ids, items):
+                for _ in item_choices:
+                    next(choices).prompt_token_ids = ids
         return streams
 
     def abort(self, request_id: str) -> None:
@@ -332,7 +354,7 @@ def main(fd: int) -> int:
     wire = Wire()
     driver = Driver(core, on_idle=lambda stats: send(Stepped([], _stats(stats))), on_failure=failed,
                     stop_on_failure=True)
-    send(Ready(core.config.max_model_len, core.config.max_num_seqs, _stats(core.stats())))
+    send(Ready(core.config.max_model_len, core.config.max_num_seqs, core.facts.vocab_size, _stats(core.stats())))
     prepare = ThreadPoolExecutor(1, thread_name_prefix="nanoplug-prepare")
 
     def add(message: Add) -> None:
@@ -348,7 +370,14 @@ def main(fd: int) -> int:
         except Exception as exc:  # noqa: BLE001 (an id in use, a closed engine: the front end releases them)
             send(Rejected(message.token, str(exc)))
             return
-        send(Accepted(message.token))
+        ids = None
+        if message.want_prompt_ids:
+            firsts, k = [], 0
+            for _, choices in message.items:
+                firsts.append(list(requests[k].prompt_token_ids))
+                k += len(choices)
+            ids = firsts
+        send(Accepted(message.token, ids))
 
     try:
         while True:
@@ -367,11 +396,15 @@ def main(fd: int) -> int:
     return 0
 
 
+def _logprobs(e: Any) -> TokenLogprobs | None:
+    return None if e is None else TokenLogprobs(e.token_id, e.logprob, e.rank, [(int(i), float(lp)) for i, lp in e.top])
+
+
 def _update(u: Any) -> Update:
-    logprobs = None if u.logprobs is None else [
-        TokenLogprobs(e.token_id, e.logprob, e.rank, [(int(i), float(lp)) for i, lp in e.top]) for e in u.logprobs]
+    logprobs = None if u.logprobs is None else [_logprobs(e) for e in u.logprobs]
+    prompt = None if u.prompt_logprobs is None else [_logprobs(e) for e in u.prompt_logprobs]
     return Update(u.request_id, list(u.token_ids), u.text, u.finished, u.finish_reason, u.num_prompt_tokens,
-                  u.num_cached_tokens, logprobs)
+                  u.num_cached_tokens, logprobs, prompt)
 
 
 if __name__ == "__main__":

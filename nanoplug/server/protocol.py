@@ -72,9 +72,10 @@ PromptForm = Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
 
 class CompletionRequest(_Sampling):
     prompt: PromptForm
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0, description="0 with echo: only the prompt (and its logprobs)")
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="vLLM's extra")
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
 
