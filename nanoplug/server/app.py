@@ -32,7 +32,7 @@ class ServerSettings:
     model_name: str  # what /v1/models lists and requests must name
     api_key: str | None = None
     max_waiting: int = 1024  # requests queued beyond the engine's max_num_seqs before 503
-    max_body_bytes: int = 16 << 20  # a larger body is a 413 before it is read whole
+    max_body_bytes: int = 4 << 20  # a larger body is a 413 before it is read whole
     max_prompts: int = 1024  # prompts in one completions request
     metrics_require_key: bool = False  # /metrics behind the API key too
     restart_engine: int = 0  # engine restarts allowed after it dies (0: exit non-zero, for a supervisor)
@@ -51,6 +51,34 @@ class ServerState:
         self.started = time.time()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.on_ready = lambda: None
+        self.request_exit = lambda code: None  # set by launch.py: stop serving, exit with `code`
+        self.restarts = 0
+        engine.on_death = self.engine_died
+
+    def engine_died(self, reason: str | None) -> None:
+        """Open requests were failed already; restart the engine (--restart-engine, bounded) or exit non-zero
+        so that a supervisor (systemd, Kubernetes) restarts the server, as vLLM does."""
+        if self.closing:
+            return
+        if self.restarts < self.settings.restart_engine:
+            self.restarts += 1
+            log.error("the engine died (%s); restarting it (%d of %d)", reason, self.restarts,
+                      self.settings.restart_engine)
+            self._restart_task = asyncio.get_running_loop().create_task(self._restart())
+            return
+        log.error("the engine died (%s); the server exits so that its supervisor can restart it%s", reason,
+                  " (restarts used up)" if self.settings.restart_engine else " (--restart-engine N restarts it here)")
+        self.begin_shutdown()
+        self.request_exit(1)
+
+    async def _restart(self) -> None:
+        try:
+            await self.engine.restart()
+            log.warning("the engine is serving again")
+        except Exception:  # noqa: BLE001 (a model that no longer loads: exit, as without restarts)
+            log.exception("restarting the engine failed; the server exits")
+            self.begin_shutdown()
+            self.request_exit(1)
 
     def admit(self, count: int) -> "_Reservation":
         """Room for `count` more engine requests, or a 503 with Retry-After (the queue is bounded)."""

@@ -39,6 +39,7 @@ class EngineLoop:
         self.token_text = token_texts(self.tokenizer)  # for logprobs
         self._loop: asyncio.AbstractEventLoop | None = None
         self._driver = Driver(self.core, on_failure=self._on_failure, stop_on_failure=True)
+        self.on_death = lambda reason: None  # the app's: restart or exit (app.py)
         self._prepare = ThreadPoolExecutor(1, thread_name_prefix="nanoplug-prepare")
 
     @property
@@ -95,7 +96,19 @@ class EngineLoop:
         log.error("engine step failed; every open request ends with an error", exc_info=exc)
         error = APIError(500, f"the engine failed: {type(exc).__name__}: {exc}", type="server_error",
                          code="engine_error")
-        self._loop.call_soon_threadsafe(self.streams.fail_all, error)
+        self._loop.call_soon_threadsafe(self._died, error)
+
+    def _died(self, error: APIError) -> None:
+        self.streams.fail_all(error)
+        self.on_death(self.failure)
+
+    async def restart(self) -> None:
+        """After a step failed: a new engine core (the model loaded again), serving once it is up."""
+        old = self.core
+        self._driver.stop()
+        await asyncio.get_running_loop().run_in_executor(None, old.close)
+        self.core = await asyncio.get_running_loop().run_in_executor(None, EngineCore, self.config)
+        self._driver = Driver(self.core, on_failure=self._on_failure, stop_on_failure=True)
 
     def stop(self) -> None:
         """Stop stepping and release the engine (idempotent)."""

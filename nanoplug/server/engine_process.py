@@ -183,20 +183,28 @@ class EngineProcess:
     """Starts the engine process and waits until its model is loaded (a load error is raised here)."""
 
     def __init__(self, config: EngineConfig, startup_timeout: float = 1800):
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.proc = subprocess.Popen([sys.executable, "-m", "nanoplug.server.engine_process", str(child.fileno())],
-                                     pass_fds=[child.fileno()])
-        child.close()
-        self._sock = parent
+        self.config, self.startup_timeout = config, startup_timeout
         self.streams = Streams()
         self.failure: str | None = None
+        self.on_death = lambda reason: None  # the app's: restart or exit (app.py)
         self._pending: dict[int, asyncio.Future] = {}
         self._tokens = count()
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
         self._closing = False
-        parent.sendall(frame(Start(config.model_dump(mode="json", exclude_unset=True))))
-        parent.settimeout(startup_timeout)
+        self._spawn()
+        self.tokenizer = _tokenizer(config.model)  # echo's text and logprobs' token strings are written here
+        self.token_text = token_texts(self.tokenizer)
+
+    def _spawn(self) -> None:
+        """A new engine process, its model loaded (blocking)."""
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.proc = subprocess.Popen([sys.executable, "-m", "nanoplug.server.engine_process", str(child.fileno())],
+                                     pass_fds=[child.fileno()])
+        child.close()
+        self._sock = parent
+        parent.sendall(frame(Start(self.config.model_dump(mode="json", exclude_unset=True))))
+        parent.settimeout(self.startup_timeout)
         first = recv_message(parent)
         parent.settimeout(None)
         if isinstance(first, Failed):
@@ -207,8 +215,23 @@ class EngineProcess:
             raise RuntimeError(f"the engine process exited during start-up (exit code {self.proc.poll()})")
         self.max_model_len, self.max_num_seqs, self.stats = first.max_model_len, first.max_num_seqs, first.stats
         self.vocab_size = first.vocab_size
-        self.tokenizer = _tokenizer(config.model)  # echo's text and logprobs' token strings are written here
-        self.token_text = token_texts(self.tokenizer)
+
+    async def restart(self) -> None:
+        """After the engine process died: a new one, serving again once its model is loaded."""
+        old_sock, old_proc = self._sock, self.proc
+        self._closing = True
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+        if old_proc.poll() is None:
+            old_proc.kill()
+        await asyncio.get_running_loop().run_in_executor(None, old_proc.wait)
+        old_sock.close()
+        await asyncio.get_running_loop().run_in_executor(None, self._spawn)
+        self._closing = False
+        self._pending.clear()
+        self.start(asyncio.get_running_loop())
+        await self._started.wait()
+        self.failure = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._started = asyncio.Event()
@@ -236,6 +259,8 @@ class EngineProcess:
                 self._fail(f"the engine process went away (exit code {self.proc.poll()}; {type(exc).__name__})")
 
     def _fail(self, reason: str) -> None:
+        if self.failure is not None:
+            return
         self.failure = reason
         log.error("engine process failed: %s", reason)
         error = APIError(500, f"the engine failed: {reason}", type="server_error", code="engine_error")
@@ -243,6 +268,7 @@ class EngineProcess:
         for future in self._pending.values():
             if not future.done():
                 future.set_result(Rejected(-1, reason))
+        self.on_death(reason)
 
     def _send(self, message: Any) -> None:
         self._write(frame(message))

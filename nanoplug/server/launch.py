@@ -23,6 +23,13 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state):
         super().__init__(config)
         self.nanoplug = state
+        self.exit_code = 0
+        state.request_exit = self.exit_with
+
+    def exit_with(self, code: int) -> None:
+        """Stop serving (on the loop's thread) and have `serve` return `code`."""
+        self.exit_code = code
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         loop = getattr(self.nanoplug, "loop", None)
@@ -45,8 +52,9 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(engine, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000, access_log: bool = False,
-          log_level: str = "warning") -> None:
-    """Serve until a signal; `engine` is loaded already (EngineProcess, or EngineLoop with --single-process)."""
+          log_level: str = "warning") -> int:
+    """Serve until a signal (returns 0) or the engine's death (returns 1 unless restarted); `engine` is loaded
+    already (EngineProcess, or EngineLoop with --single-process)."""
     sock = bind(host, port)
     shown_host = f"[{host}]" if ":" in host else host
     url = f"http://{shown_host}:{sock.getsockname()[1]}"
@@ -56,8 +64,10 @@ def serve(engine, settings: ServerSettings, host: str = "127.0.0.1", port: int =
                                    file=sys.stderr, flush=True)
     config = uvicorn.Config(app, access_log=access_log, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 5)
+    server = _Server(config, state)
     try:
-        _Server(config, state).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
         sock.close()
         engine.stop()  # idempotent: the lifespan stopped it unless start-up failed
+    return server.exit_code
