@@ -240,3 +240,29 @@ def test_single_process_engine_death_restarts_when_asked_else_asks_to_exit():
                 assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
             else:
                 assert exits == [1] and c.get("/health").status_code == 503
+
+
+@pytest.mark.slow
+def test_slow_or_huge_headers_are_cut_off():
+    import socket
+
+    server = ServerProcess("--header-timeout", "1", "--max-header-bytes", "4096", api_key=None,
+                           engine=dict(kv_block_size=16, num_kv_blocks=64, max_model_len=128, max_num_seqs=4))
+    try:
+        server.wait_ready()
+        host, port = server.url.removeprefix("http://").split(":")
+        slow = [socket.create_connection((host, int(port))) for _ in range(5)]
+        for s in slow:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+        start = time.monotonic()
+        for s in slow:
+            s.settimeout(10)
+            assert s.recv(100).startswith(b"HTTP/1.1 408")
+        assert time.monotonic() - start < 5
+        r = httpx.get(f"{server.url}/health", headers={"x-big": "a" * 8000}, timeout=10)
+        assert r.status_code == 431
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200  # kept-alive and fresh ones serve
+        with httpx.Client(timeout=10) as c:
+            assert [c.get(f"{server.url}/health").status_code for _ in range(3)] == [200] * 3
+    finally:
+        server.proc.kill()

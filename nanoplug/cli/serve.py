@@ -21,6 +21,10 @@ def add_parser(sub) -> None:
     p.add_argument("--metrics-require-key", action="store_true", help="put /metrics behind --api-key too")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20,
                    help="larger request bodies get 413 before they are read (default: 4 MiB)")
+    p.add_argument("--max-header-bytes", type=int, default=64 << 10,
+                   help="request line and headers at most, else 431 (default: 64 KiB)")
+    p.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="seconds for a request's headers to arrive, else 408 (default: 10)")
     p.add_argument("--max-prompts", type=int, default=1024, help="prompts in one completions request (default: 1024)")
     p.add_argument("--restart-engine", type=int, default=0, metavar="N",
                    help="restart a dead engine up to N times (default: 0, the server exits with code 1 so that its "
@@ -83,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_waiting < 0:
         raise OptionError("--max-waiting must be 0 or more")
-    for flag in ("max_body_bytes", "max_prompts"):
+    if args.header_timeout <= 0:
+        raise OptionError("--header-timeout must be more than 0 seconds")
+    for flag in ("max_body_bytes", "max_prompts", "max_header_bytes"):
         if getattr(args, flag) < 1:
             raise OptionError(f"--{flag.replace('_', '-')} must be 1 or more")
     if args.restart_engine < 0:
@@ -94,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     settings = ServerSettings(model_name=name, api_key=args.api_key or None, max_waiting=args.max_waiting,
                               max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts,
-                              metrics_require_key=args.metrics_require_key, restart_engine=args.restart_engine)
+                              metrics_require_key=args.metrics_require_key, restart_engine=args.restart_engine,
+                              max_header_bytes=args.max_header_bytes, header_timeout_s=args.header_timeout)
     if args.single_process:
         from nanoplug.server.engine_loop import EngineLoop as Engine
     else:

@@ -34,6 +34,8 @@ class ServerSettings:
     max_waiting: int = 1024  # requests queued beyond the engine's max_num_seqs before 503
     max_body_bytes: int = 4 << 20  # a larger body is a 413 before it is read whole
     max_prompts: int = 1024  # prompts in one completions request
+    max_header_bytes: int = 64 << 10  # request line and headers (431 past it)
+    header_timeout_s: float = 10.0  # for a request's headers to arrive (408 past it)
     metrics_require_key: bool = False  # /metrics behind the API key too
     restart_engine: int = 0  # engine restarts allowed after it dies (0: exit non-zero, for a supervisor)
     retry_after_s: int = 1

@@ -62,7 +62,14 @@ def serve(engine, settings: ServerSettings, host: str = "127.0.0.1", port: int =
     state = app.state.nanoplug
     state.on_ready = lambda: print(f"nanoplug: serving {settings.model_name} on {url} (chat page: {url}/)",
                                    file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, access_log=access_log, log_level=log_level, lifespan="on",
+    try:
+        from nanoplug.server.http import guarded_protocol
+
+        http = guarded_protocol(settings.header_timeout_s, settings.max_header_bytes)
+    except ImportError:  # no httptools: h11 bounds the headers' size (not their time)
+        http = "h11"
+    config = uvicorn.Config(app, access_log=access_log, log_level=log_level, lifespan="on", http=http,
+                            h11_max_incomplete_event_size=settings.max_header_bytes,
                             timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 5)
     server = _Server(config, state)
     try:
