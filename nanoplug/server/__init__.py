@@ -2,6 +2,8 @@
 
 app.py       the app: routes, API key, the bounded queue (503), /health, /metrics, the chat page
 api.py       /v1/completions and /v1/chat/completions: JSON bodies and SSE streams
+guard.py     the API key and the body size, before the body is read    http.py  header deadline and size
+checks.py    the front end's checks of a parsed request (both layouts), 400s naming the field
 protocol.py  the request bodies (pydantic)     sampling.py  request -> SamplingParams, or a 400
 prepare.py   chat template, tokenizing and context checks, beside the event loop
 streams.py   one request's updates, coalesced per read     render.py    response bodies and chunks

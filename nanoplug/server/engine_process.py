@@ -282,7 +282,9 @@ class EngineProcess:
             raise APIError(503, f"the engine stopped after an error: {self.failure}; restart the server",
                            type="server_error", code="engine_dead")
         await self._started.wait()
-        wire = [(Prompt.of(prompt), [(rid, params.model_dump(mode="json")) for rid, params in choices]) for prompt, choices in items]
+        dumped: dict[int, dict] = {}  # choices share SamplingParams objects (api.py): each is dumped once
+        wire = [(Prompt.of(prompt), [(rid, dumped.get(id(p)) or dumped.setdefault(id(p), p.model_dump(mode="json")))
+                                     for rid, p in choices]) for prompt, choices in items]
         token = next(self._tokens)
         data = frame(Add(token, wire, fill_context, want_prompt_ids))  # raises before anything is registered (checks.py should
         ready = asyncio.Event()  # have refused what the wire cannot carry; this keeps a slip from leaking)
