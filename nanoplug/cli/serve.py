@@ -18,6 +18,17 @@ def add_parser(sub) -> None:
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model as given)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests queued beyond --max-num-seqs before new ones get 503 + Retry-After (default: 1024)")
+    p.add_argument("--metrics-require-key", action="store_true", help="put /metrics behind --api-key too")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20,
+                   help="larger request bodies get 413 before they are read (default: 4 MiB)")
+    p.add_argument("--max-header-bytes", type=int, default=64 << 10,
+                   help="request line and headers at most, else 431 (default: 64 KiB)")
+    p.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="seconds for a request's headers to arrive, else 408 (default: 10)")
+    p.add_argument("--max-prompts", type=int, default=1024, help="prompts in one completions request (default: 1024)")
+    p.add_argument("--restart-engine", type=int, default=0, metavar="N",
+                   help="restart a dead engine up to N times (default: 0, the server exits with code 1 so that its "
+                   "supervisor restarts it)")
     p.add_argument("--single-process", action="store_true",
                    help="step the engine core in a thread of the server's process (default: a process of its own)")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -80,16 +91,25 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_waiting < 0:
         raise OptionError("--max-waiting must be 0 or more")
+    if args.header_timeout <= 0:
+        raise OptionError("--header-timeout must be more than 0 seconds")
+    for flag in ("max_body_bytes", "max_prompts", "max_header_bytes"):
+        if getattr(args, flag) < 1:
+            raise OptionError(f"--{flag.replace('_', '-')} must be 1 or more")
+    if args.restart_engine < 0:
+        raise OptionError("--restart-engine must be 0 or more")
     if not 0 <= args.port <= 65535:
         raise OptionError(f"--port {args.port}: ports lie in 0..65535 (0: any free one)")
     config = engine_config(args)
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
-    settings = ServerSettings(model_name=name, api_key=args.api_key or None, max_waiting=args.max_waiting)
+    settings = ServerSettings(model_name=name, api_key=args.api_key or None, max_waiting=args.max_waiting,
+                              max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts,
+                              metrics_require_key=args.metrics_require_key, restart_engine=args.restart_engine,
+                              max_header_bytes=args.max_header_bytes, header_timeout_s=args.header_timeout)
     if args.single_process:
         from nanoplug.server.engine_loop import EngineLoop as Engine
     else:
         from nanoplug.server.engine_process import EngineProcess as Engine
     engine = Engine(config)
-    serve(engine, settings, host=args.host, port=args.port, access_log=args.access_log,
-          log_level="info" if args.verbose else "warning")
-    return 0
+    return serve(engine, settings, host=args.host, port=args.port, access_log=args.access_log,
+                 log_level="info" if args.verbose else "warning")

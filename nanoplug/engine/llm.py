@@ -1,9 +1,9 @@
 """`LLM`: the public API (generate, stream, chat) on top of one EngineCore.
 
 Several threads may call `generate` and `stream` at once, and their requests join the same steps:
-whichever caller holds the step lock runs one `EngineCore.step()` for everyone and hands each update
-to the caller that owns its request (a leader/follower lock: no caller holds a lock for a whole
-`generate`, so no caller waits for another's requests to finish).
+the engine's `Driver` (engine/driver.py, the server's stepper too) runs `EngineCore.step()` in its own
+thread and hands each update to the mailbox of the caller that owns its request, so no caller waits
+for another's requests to finish.
 """
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence as Seq
 
 from nanoplug.config import EngineConfig, SamplingParams
+from nanoplug.engine.driver import Driver
 from nanoplug.engine.engine_core import EngineCore, EngineRequest
 from nanoplug.checkpoint.loader import checkpoint_dir
 from nanoplug.checkpoint.source import resolve_model_path
 from nanoplug.engine.outputs import CompletionOutput, RequestOutput, RequestUpdate, StreamDelta
 from nanoplug.engine.registry import Registry, default_registry
+from nanoplug.errors import EngineClosedError
 from nanoplug.engine.requests import params_list, prompt_list
 
 __all__ = ["LLM", "RequestOutput", "StreamDelta"]
@@ -28,6 +30,7 @@ class LLM:
     """An inference engine for one checkpoint: `LLM(path, attention="sdpa", kv_cache="torch", ...)`."""
 
     engine: EngineCore | None = None
+    driver: Driver | None = None
 
     def __init__(self, model: str | os.PathLike, registry: Registry | None = None, **options: Any):
         registry = registry or default_registry()
@@ -46,9 +49,8 @@ class LLM:
         if isinstance(model, os.PathLike):
             checkpoint_dir(path)  # a Path names a folder: say so if it is not one (never a hub lookup)
         self.engine = EngineCore(EngineConfig(model=path, **options), registry)
-        self._step_lock = threading.Lock()  # its holder runs one step for every caller
-        self._cond = threading.Condition()  # guards the mailboxes below; notified after each step
-        self._box_of: dict[str, list[RequestUpdate]] = {}  # request id -> its caller's mailbox
+        self.driver = Driver(self.engine)  # the one stepper of the engine, for every calling thread
+        self._callers_lock = threading.Lock()
         self._callers = 0
 
     # ------------------------------------------------------------------- the engine's facts
@@ -123,93 +125,52 @@ class LLM:
 
     # ------------------------------------------------------------------- stepping together
     def _run(self, requests: list[EngineRequest]) -> Iterator[list[RequestUpdate]]:
-        """Add `requests` and yield their updates as steps produce them, until each has finished. If the
-        caller stops early (an error, Ctrl-C, a stream closed), its unfinished requests are aborted."""
-        box: list[RequestUpdate] = []
+        """Add `requests` and yield their updates as the driver's steps produce them, until each has
+        finished; a step's error is raised here. If the caller stops early (an error, Ctrl-C, a stream
+        closed), its unfinished requests are aborted."""
+        box = _Mailbox()
         pending = {r.request_id for r in requests}
-        with self._cond:
+        with self._callers_lock:
             self._callers += 1
-            for r in requests:
-                self._box_of[r.request_id] = box
         last: list[RequestUpdate] | None = None
         try:
-            for r in requests:
-                self.engine.add_request(r)
+            self.driver.submit(requests, box)
             while pending:
-                updates = self._next(box)
+                updates = box.take()
                 pending.difference_update(u.request_id for u in updates if u.finished)
                 if not pending:  # the caller is out before it hears the end: a stream whose reader stops
                     last = updates  # at its last delta must not keep others' aborted requests from settling
                     break
                 yield updates
-            self._settle(quiet=False)
         except BaseException:  # GeneratorExit included: the caller stopped reading
             for request_id in pending:
-                self.engine.abort(request_id)
-            self._settle(quiet=True)
+                self.driver.abort(request_id)
+            self._leave(quiet=True)
             raise
-        finally:
-            with self._cond:
-                self._callers -= 1
-                for r in requests:
-                    self._box_of.pop(r.request_id, None)
+        self._leave(quiet=False)
         if last is not None:
             yield last
 
-    def _next(self, box: list[RequestUpdate]) -> list[RequestUpdate]:
-        """The updates in `box`, running a step for every caller when no one else is."""
-        while True:
-            with self._cond:
-                if box:
-                    updates = box[:]
-                    box.clear()
-                    return updates
-                if self._step_lock.locked():  # another caller is stepping: wait for its delivery
-                    self._cond.wait()
-                    continue
-            if self._step_lock.acquire(blocking=False):
-                self._step_and_deliver()
-
-    def _step_and_deliver(self) -> None:
-        """One engine step (the step lock held), each update handed to its caller's mailbox."""
-        try:
-            updates = self.engine.step()
-        except BaseException:
-            with self._cond:
-                self._step_lock.release()
-                self._cond.notify_all()
-            raise
-        with self._cond:
-            box_of = self._box_of
-            for u in updates:
-                box = box_of.get(u.request_id)
-                if box is not None:
-                    box.append(u)
-            self._step_lock.release()
-            self._cond.notify_all()
-
-    def _settle(self, quiet: bool) -> None:
-        """The last caller out runs the engine until it is idle: the step that ran ahead of a finished
-        request is collected, and aborted requests give their blocks back now, not at someone's next step.
-        `quiet`: another error is on its way up; one from settling must not hide it."""
-        try:
-            while True:
-                with self._cond:
-                    if self._callers != 1 or self.engine is None or not self.engine.has_unfinished():
-                        return
-                if self._step_lock.acquire(blocking=False):
-                    self._step_and_deliver()
-                else:
-                    with self._cond:
-                        if self._step_lock.locked():
-                            self._cond.wait()
-        except Exception:
-            if not quiet:
-                raise
+    def _leave(self, quiet: bool) -> None:
+        """The last caller out waits until the driver is idle: the step that ran ahead of a finished request
+        is collected, and aborted requests have given their blocks back, when generate returns. `quiet`:
+        another error is on its way up; one from settling must not hide it."""
+        with self._callers_lock:
+            self._callers -= 1
+            last_out = self._callers == 0
+        if not last_out:
+            return
+        before = self.driver.failure
+        self.driver.wait_idle()
+        failure = self.driver.failure
+        if not quiet and failure is not None and failure is not before:
+            raise failure
 
     # ------------------------------------------------------------------------------ closing
     def close(self) -> None:
-        engine = self.engine
+        driver, engine = self.driver, self.engine
+        if driver is not None:
+            driver.stop(EngineClosedError("this LLM was closed while the request ran; create a new one: LLM(model, ...)"))
         if engine is not None:
             engine.close()
 
@@ -224,6 +185,37 @@ class LLM:
             self.close()
         except Exception:
             pass
+
+
+class _Mailbox:
+    """One caller's updates, handed over by the driver's thread (a `Sink`)."""
+
+    __slots__ = ("_cond", "_updates", "_error")
+
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._updates: list[RequestUpdate] = []
+        self._error: BaseException | None = None
+
+    def deliver(self, updates: list[RequestUpdate]) -> None:
+        with self._cond:
+            self._updates += updates
+            self._cond.notify()
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            self._error = error
+            self._cond.notify()
+
+    def take(self) -> list[RequestUpdate]:
+        """What arrived since the last take, waiting for something; the step's error once drained."""
+        with self._cond:
+            while not self._updates and self._error is None:
+                self._cond.wait()
+            if self._updates:
+                updates, self._updates = self._updates, []
+                return updates
+            raise self._error
 
 
 @dataclass

@@ -8,6 +8,7 @@ aborted at once, which frees their KV blocks at the engine's next step.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -15,9 +16,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
+from nanoplug.server.checks import check_request, check_token_prompts
 from nanoplug.server.errors import APIError, bad_request
 from nanoplug.server.protocol import ChatRequest, CompletionRequest
-from nanoplug.server.render import Responder, encode, usage
+from nanoplug.server.render import (Responder, completion_logprobs, encode, prompt_entries, usage,
+                                    vllm_prompt_logprobs)
 from nanoplug.server.sampling import check_chat, check_completion, sampling_params
 from nanoplug.server.streams import RequestStream, read
 
@@ -31,48 +34,90 @@ def check_model(state: Any, model: str | None) -> None:
                        param="model", code="model_not_found")
 
 
-def add_routes(app: FastAPI, state: Any, auth: Any) -> None:
-    @app.post("/v1/completions", dependencies=[auth])
+def add_routes(app: FastAPI, state: Any) -> None:
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(state, body.model)
         check_completion(body)
         prompts = body.prompts()
         if not prompts or any(len(p) == 0 for p in prompts):
             raise bad_request("the prompt is empty; give at least one token of text", param="prompt")
-        if body.echo and any(not isinstance(p, str) for p in prompts):
-            raise bad_request("echo works with text prompts only; send the prompt as a string", param="echo")
+        engine = state.engine
+        check_request(body, engine, state.capacity, len(prompts), state.settings.max_prompts, body.max_tokens)
+        check_token_prompts(prompts, engine.vocab_size)
         n = body.n or 1
-        responder = Responder(chat=False, model=state.settings.model_name, token_text=state.engine.token_text)
-        items = [(prompt, [(f"{responder.id}-{i * n + j}", sampling_params(body, body.max_tokens or 16, j, body.logprobs))
-                           for j in range(n)]) for i, prompt in enumerate(prompts)]
+        # max_tokens 0 (lm-eval's scoring with echo): one token is drawn and left out of the answer
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        echo_logprobs = bool(body.echo) and body.logprobs is not None
+        if body.stream and (echo_logprobs or body.prompt_logprobs is not None):
+            raise bad_request("the prompt's logprobs (echo with logprobs, prompt_logprobs) come in a whole response; "
+                              "send stream=false", param="stream")
+        responder = Responder(chat=False, model=state.settings.model_name, token_text=engine.token_text)
+        params = sampling_params(body, max(max_tokens, 1), 0, body.logprobs)
+        plp = body.prompt_logprobs if body.prompt_logprobs is not None else body.logprobs if echo_logprobs else None
+        if plp is not None:
+            params = params.model_copy(update={"prompt_logprobs": plp})
+        choice = [params if body.seed is None else params.model_copy(update={"seed": body.seed + j}) for j in range(n)]
+        items = [(prompt, [(f"{responder.id}-{i * n + j}", choice[j]) for j in range(n)])
+                 for i, prompt in enumerate(prompts)]
         echo = [p for p in prompts for _ in range(n)] if body.echo else None
+        shape = Shape(echo=echo, drop_output=max_tokens == 0, echo_logprobs=echo_logprobs,
+                      prompt_logprobs=body.prompt_logprobs is not None)
         return await respond(state, request, responder, items, n, bool(body.stream), body.include_usage,
-                             fill_context=False, echo=echo)
+                             fill_context=False, shape=shape)
 
-    @app.post("/v1/chat/completions", dependencies=[auth])
+    @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
         check_model(state, body.model)
         check_chat(body)
         n = body.n or 1
         max_tokens = body.max_completion_tokens or body.max_tokens
+        check_request(body, state.engine, state.capacity, 1, 1, max_tokens)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         messages = [{"role": CHAT_ROLES.get(m.role, m.role), "content": m.text()} for m in body.messages]
         responder = Responder(chat=True, model=state.settings.model_name, token_text=state.engine.token_text)
-        items = [(messages, [(f"{responder.id}-{j}", sampling_params(body, max_tokens or 1, j, logprobs))
-                             for j in range(n)])]
+        params = sampling_params(body, max_tokens or 1, 0, logprobs)
+        items = [(messages, [(f"{responder.id}-{j}", params if body.seed is None else
+                              params.model_copy(update={"seed": body.seed + j})) for j in range(n)])]
         return await respond(state, request, responder, items, n, bool(body.stream), body.include_usage,
                              fill_context=max_tokens is None)
 
 
+@dataclass
+class Shape:
+    """How a completion's answer is written beyond its text: echo, and the prompt's logprobs."""
+
+    echo: list[Any] | None = None  # each choice's prompt (text or token ids), when echoed
+    drop_output: bool = False  # max_tokens 0: the drawn token is left out
+    echo_logprobs: bool = False  # logprobs cover the prompt's tokens too (echo with logprobs)
+    prompt_logprobs: bool = False  # vLLM's extra: `prompt_logprobs` in each choice
+
+    @property
+    def wants_prompt_ids(self) -> bool:
+        return bool(self.echo) and (self.echo_logprobs or any(not isinstance(p, str) for p in self.echo))
+
+
+def _echo_texts(state: Any, shape: Shape, streams: list[RequestStream]) -> list[str] | None:
+    if not shape.echo:
+        return None
+    tokenizer = state.engine.tokenizer
+    return [p if isinstance(p, str) else tokenizer.decode(s.prompt_token_ids) for p, s in zip(shape.echo, streams)]
+
+
 async def respond(state: Any, request: Request, responder: Responder, items: list, n: int, stream: bool,
-                  include_usage: bool, fill_context: bool, echo: list[str] | None = None) -> Response:
+                  include_usage: bool, fill_context: bool, shape: Shape | None = None) -> Response:
+    shape = shape or Shape()
     with state.admit(sum(len(choices) for _, choices in items)):
-        streams = await state.engine.submit(items, fill_context)
+        if shape.wants_prompt_ids:
+            streams = await state.engine.submit(items, fill_context, want_prompt_ids=True)
+        else:
+            streams = await state.engine.submit(items, fill_context)
+    echo = _echo_texts(state, shape, streams)
     if stream:
-        events = _events(state, responder, streams, n, include_usage, echo)
+        events = _events(state, responder, streams, n, include_usage, echo, shape)
         return EventSourceResponse(events, shutdown_event=anyio.Event(),
                                    shutdown_grace_period=state.settings.shutdown_grace_s)
-    collect = asyncio.ensure_future(_collect(streams, n, echo))
+    collect = asyncio.ensure_future(_collect(streams, n, echo, shape))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -83,8 +128,16 @@ async def respond(state: Any, request: Request, responder: Responder, items: lis
             _abort_unfinished(state, streams)
     if not collect.done() or collect.cancelled():
         return Response(status_code=499)  # nobody is listening; the status shows in the logs and metrics
-    texts, reasons, logprobs, usage_body = collect.result()  # raises the stream's APIError (shutdown, engine failure)
-    return JSONResponse(responder.body(texts, reasons, logprobs, usage_body, echo))
+    texts, reasons, logprobs, prompt_lps, usage_body = collect.result()  # raises the stream's APIError (shutdown,
+    body = responder.body(texts, reasons, logprobs, usage_body, echo)  # engine failure)
+    if shape.echo_logprobs or shape.prompt_logprobs:
+        for i, (choice, stream) in enumerate(zip(body["choices"], streams)):
+            prompt = prompt_entries(stream.prompt_token_ids, prompt_lps[i])
+            if shape.echo_logprobs:
+                choice["logprobs"] = completion_logprobs(prompt + (logprobs[i] or []), responder.token_text, 0)
+            if shape.prompt_logprobs:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(prompt_lps[i], responder.token_text)
+    return JSONResponse(body)
 
 
 class _Usage:
@@ -105,24 +158,29 @@ class _Usage:
         return usage(sum(self.prompt), self.completion, sum(self.cached))
 
 
-async def _collect(streams: list[RequestStream], n: int, echo: list[str] | None):
+async def _collect(streams: list[RequestStream], n: int, echo: list[str] | None, shape: Shape):
     texts = [[e] if echo else [] for e in (echo or [None] * len(streams))]
     reasons: list[str | None] = [None] * len(streams)
     logprobs: list[list | None] = [None] * len(streams)
+    prompt_lps: list[list | None] = [None] * len(streams)
     counted = _Usage(len(streams), n)
     async for got in read(streams):
         for i, delta in got:
+            if delta.prompt_logprobs is not None:
+                prompt_lps[i] = delta.prompt_logprobs
+            if shape.drop_output:
+                delta.token_ids, delta.text, delta.logprobs = [], "", None
             texts[i].append(delta.text)
             counted.add(i, delta)
             if delta.logprobs is not None:
                 logprobs[i] = (logprobs[i] or []) + delta.logprobs
             if delta.finished:
                 reasons[i] = delta.finish_reason
-    return ["".join(t) for t in texts], reasons, logprobs, counted.body()
+    return ["".join(t) for t in texts], reasons, logprobs, prompt_lps, counted.body()
 
 
 async def _events(state: Any, responder: Responder, streams: list[RequestStream], n: int, include_usage: bool,
-                  echo: list[str] | None):
+                  echo: list[str] | None, shape: Shape):
     """The SSE stream: one event per choice per read (what piled up since the last read, merged)."""
     counted = _Usage(len(streams), n)
     try:
@@ -131,6 +189,8 @@ async def _events(state: Any, responder: Responder, streams: list[RequestStream]
                 yield responder.first_chunk(i, echo[i] if echo else "", include_usage)
         async for got in read(streams):
             for i, delta in got:
+                if shape.drop_output:
+                    delta.token_ids, delta.text, delta.logprobs = [], "", None
                 counted.add(i, delta)
                 if delta.text or delta.finished or delta.logprobs:
                     yield responder.chunk(i, delta, include_usage)

@@ -1,4 +1,4 @@
-"""The FastAPI app: routes, the API key, admission (a bounded queue), metrics and the chat page.
+"""The FastAPI app: routes, the API key and body limit (guard.py), admission (a bounded queue), metrics and the chat page.
 
 `build_app(engine, settings)` takes an engine that is already loaded (so a bad model fails before a
 port is bound); the app's lifespan starts its stepping and stops it. Handlers never block the event
@@ -8,7 +8,6 @@ back as `RequestStream`s.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -16,11 +15,12 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from nanoplug.server import api
 from nanoplug.server.errors import APIError, install_handlers
+from nanoplug.server.guard import Guard
 from nanoplug.server.metrics import Metrics, StatusCounter
 from nanoplug.server.streams import Streams
 
@@ -32,6 +32,12 @@ class ServerSettings:
     model_name: str  # what /v1/models lists and requests must name
     api_key: str | None = None
     max_waiting: int = 1024  # requests queued beyond the engine's max_num_seqs before 503
+    max_body_bytes: int = 4 << 20  # a larger body is a 413 before it is read whole
+    max_prompts: int = 1024  # prompts in one completions request
+    max_header_bytes: int = 64 << 10  # request line and headers (431 past it)
+    header_timeout_s: float = 10.0  # for a request's headers to arrive (408 past it)
+    metrics_require_key: bool = False  # /metrics behind the API key too
+    restart_engine: int = 0  # engine restarts allowed after it dies (0: exit non-zero, for a supervisor)
     retry_after_s: int = 1
     shutdown_grace_s: float = 5.0  # how long streams get to send their final error event on shutdown
 
@@ -47,6 +53,34 @@ class ServerState:
         self.started = time.time()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.on_ready = lambda: None
+        self.request_exit = lambda code: None  # set by launch.py: stop serving, exit with `code`
+        self.restarts = 0
+        engine.on_death = self.engine_died
+
+    def engine_died(self, reason: str | None) -> None:
+        """Open requests were failed already; restart the engine (--restart-engine, bounded) or exit non-zero
+        so that a supervisor (systemd, Kubernetes) restarts the server, as vLLM does."""
+        if self.closing:
+            return
+        if self.restarts < self.settings.restart_engine:
+            self.restarts += 1
+            log.error("the engine died (%s); restarting it (%d of %d)", reason, self.restarts,
+                      self.settings.restart_engine)
+            self._restart_task = asyncio.get_running_loop().create_task(self._restart())
+            return
+        log.error("the engine died (%s); the server exits so that its supervisor can restart it%s", reason,
+                  " (restarts used up)" if self.settings.restart_engine else " (--restart-engine N restarts it here)")
+        self.begin_shutdown()
+        self.request_exit(1)
+
+    async def _restart(self) -> None:
+        try:
+            await self.engine.restart()
+            log.warning("the engine is serving again")
+        except Exception:  # noqa: BLE001 (a model that no longer loads: exit, as without restarts)
+            log.exception("restarting the engine failed; the server exits")
+            self.begin_shutdown()
+            self.request_exit(1)
 
     def admit(self, count: int) -> "_Reservation":
         """Room for `count` more engine requests, or a 503 with Retry-After (the queue is bounded)."""
@@ -85,17 +119,6 @@ class _Reservation:
         self.state.reserved -= self.count
 
 
-def check_api_key(request: Request, key: str | None) -> None:
-    if key is None:
-        return
-    given = request.headers.get("authorization", "")
-    scheme, _, token = given.partition(" ")
-    ok = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
-    if not ok:
-        raise APIError(401, "a valid API key is required: send the header 'Authorization: Bearer <key>' with the key "
-                       "the server was started with (--api-key)", type="invalid_request_error", code="invalid_api_key")
-
-
 def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     streams = engine.streams
     metrics = Metrics(lambda: engine.stats, lambda: len(streams))
@@ -113,10 +136,15 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
             state.begin_shutdown()
             await asyncio.get_running_loop().run_in_executor(None, engine.stop)
 
-    app = FastAPI(title="nanoplug", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # no redirect on a trailing slash: it would echo the client's Host header in its location
+    app = FastAPI(title="nanoplug", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)
+    app.router.redirect_slashes = False
     app.state.nanoplug = state
     install_handlers(app)
-    app.add_middleware(StatusCounter, metrics=lambda: metrics)
+    app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
+                       metrics_require_key=settings.metrics_require_key)
+    app.add_middleware(StatusCounter, metrics=lambda: metrics)  # added last: outermost, so it counts 401s and 413s
 
     @app.get("/health")
     async def health():
@@ -130,10 +158,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def authenticated(request: Request) -> None:
-        check_api_key(request, settings.api_key)
-
-    @app.get("/v1/models", dependencies=[Depends(authenticated)])
+    @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": int(state.started),
                                             "owned_by": "nanoplug", "max_model_len": engine.max_model_len}]}
@@ -144,5 +169,5 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     async def chat_page():
         return HTMLResponse(page)
 
-    api.add_routes(app, state, Depends(authenticated))
+    api.add_routes(app, state)
     return app

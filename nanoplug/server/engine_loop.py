@@ -5,22 +5,25 @@ saves a process and a socket hop and suits a small machine or debugging; its cos
 front end and the engine's host-side work take turns on one GIL. A whole step's updates cross to
 the event loop in one `call_soon_threadsafe`, and each stream merges what piled up into one event.
 
-Threads: the Stepper's thread is the only caller of `step()`; handlers call the thread-safe
-`add_request`/`abort` and wait on their `RequestStream`s. Request preparation (tokenizing, the chat
+Threads: the engine's `Driver` (engine/driver.py, the same loop owner as `LLM`'s) is the only caller
+of `step()`; handlers submit and abort through it and wait on their `RequestStream`s. Request preparation (tokenizing, the chat
 template) runs in a one-thread pool, so a long prompt never stalls the event loop.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 from concurrent.futures import ThreadPoolExecutor
 
 from nanoplug.config import EngineConfig
+from nanoplug.engine.driver import Driver
 from nanoplug.engine.engine_core import EngineCore
 from nanoplug.server.errors import APIError
 from nanoplug.server.prepare import PromptChoices, prepare_all
 from nanoplug.server.render import token_texts
-from nanoplug.server.stepper import Stepper
 from nanoplug.server.streams import RequestStream, Streams
+
+log = logging.getLogger("nanoplug.server")
 
 
 class EngineLoop:
@@ -30,25 +33,29 @@ class EngineLoop:
         self.core = EngineCore(config)
         self.config = self.core.config
         self.max_model_len, self.max_num_seqs = self.config.max_model_len, self.config.max_num_seqs
+        self.vocab_size = self.core.facts.vocab_size
         self.streams = Streams()
-        self.token_text = token_texts(self.core.tokenizer)  # for logprobs
+        self.tokenizer = self.core.tokenizer
+        self.token_text = token_texts(self.tokenizer)  # for logprobs
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._stepper = Stepper(self.core, self._on_step, self._on_failure)
+        self._driver = Driver(self.core, on_failure=self._on_failure, stop_on_failure=True)
+        self.on_death = lambda reason: None  # the app's: restart or exit (app.py)
         self._prepare = ThreadPoolExecutor(1, thread_name_prefix="nanoplug-prepare")
 
     @property
     def stats(self):
-        return self._stepper.stats
+        return self._driver.stats
 
     @property
     def failure(self) -> str | None:
-        return self._stepper.failure
+        exc = self._driver.failure
+        return None if exc is None else f"{type(exc).__name__}: {exc}"
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._stepper.start()
 
-    async def submit(self, items: list[PromptChoices], fill_context: bool = False) -> list[RequestStream]:
+    async def submit(self, items: list[PromptChoices], fill_context: bool = False,
+                     want_prompt_ids: bool = False) -> list[RequestStream]:
         """Validate and queue every choice of every prompt; their updates arrive on the returned streams,
         which share one ready event (see streams.read)."""
         self._check_alive()
@@ -56,36 +63,56 @@ class EngineLoop:
             self._prepare, prepare_all, self.core, items, fill_context)
         self._check_alive()
         ready = asyncio.Event()
-        streams = []
-        for request in requests:
-            streams.append(self.streams.register(request.request_id, ready))
-            self.core.add_request(request)
-        self._stepper.wake()
+        streams = [self.streams.register(request.request_id, ready) for request in requests]
+        if want_prompt_ids:
+            for stream, request in zip(streams, requests):
+                stream.prompt_token_ids = list(request.prompt_token_ids)
+        try:
+            self._driver.submit(requests, self)
+        except BaseException:
+            for request in requests:
+                self.streams.forget(request.request_id)
+            raise
         return streams
 
     def abort(self, request_id: str) -> None:
         """The engine frees the request's blocks at its next step and reports it finished."""
         if request_id in self.streams.open:
-            self.core.abort(request_id)
-            self._stepper.wake()
+            self._driver.abort(request_id)
 
     def _check_alive(self) -> None:
         if self.failure is not None:
             raise APIError(503, f"the engine stopped after an error: {self.failure}; restart the server",
                            type="server_error", code="engine_dead")
 
-    # engine thread -> loop: one call per step, whatever the number of requests in it
-    def _on_step(self, updates: list, stats) -> None:
-        if updates:
-            self._loop.call_soon_threadsafe(self.streams.deliver, updates)
+    # the driver's Sink (its thread -> the loop): one call per step, whatever the number of requests in it
+    def deliver(self, updates: list) -> None:
+        self._loop.call_soon_threadsafe(self.streams.deliver, updates)
 
-    def _on_failure(self, reason: str) -> None:
-        error = APIError(500, f"the engine failed: {reason}", type="server_error", code="engine_error")
-        self._loop.call_soon_threadsafe(self.streams.fail_all, error)
+    def fail(self, error: BaseException) -> None:
+        pass  # every stream is failed by _on_failure below, which follows
+
+    def _on_failure(self, exc: BaseException) -> None:
+        log.error("engine step failed; every open request ends with an error", exc_info=exc)
+        error = APIError(500, f"the engine failed: {type(exc).__name__}: {exc}", type="server_error",
+                         code="engine_error")
+        self._loop.call_soon_threadsafe(self._died, error)
+
+    def _died(self, error: APIError) -> None:
+        self.streams.fail_all(error)
+        self.on_death(self.failure)
+
+    async def restart(self) -> None:
+        """After a step failed: a new engine core (the model loaded again), serving once it is up."""
+        old = self.core
+        self._driver.stop()
+        await asyncio.get_running_loop().run_in_executor(None, old.close)
+        self.core = await asyncio.get_running_loop().run_in_executor(None, EngineCore, self.config)
+        self._driver = Driver(self.core, on_failure=self._on_failure, stop_on_failure=True)
 
     def stop(self) -> None:
         """Stop stepping and release the engine (idempotent)."""
-        self._stepper.stop()
+        self._driver.stop()
         self._prepare.shutdown(wait=False, cancel_futures=True)
         if self.core is not None:
             self.core.close()

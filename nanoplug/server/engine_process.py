@@ -17,7 +17,8 @@ the socket (the bug class behind vLLM's and SGLang's ZMQ advisories). The socket
 parameters travel as plain dicts and are validated again by SamplingParams on the engine side.
 
 The front end (`EngineProcess`) has the same surface as `EngineLoop`: submit, abort, stats, streams.
-The child (`main`) runs the same `Stepper` and `prepare_all` as the in-process layout.
+The child (`main`) steps its core with the engine's `Driver` and prepares requests with `prepare_all`,
+as the in-process layout does.
 """
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ class Update(msgspec.Struct, array_like=True):
     num_prompt_tokens: int
     num_cached_tokens: int
     logprobs: Union[list[TokenLogprobs], None] = None
+    prompt_logprobs: Union[list[Union[TokenLogprobs, None]], None] = None
 
 
 class Start(msgspec.Struct, tag="start", array_like=True):
@@ -85,6 +87,7 @@ class Start(msgspec.Struct, tag="start", array_like=True):
 class Ready(msgspec.Struct, tag="ready", array_like=True):
     max_model_len: int
     max_num_seqs: int
+    vocab_size: int
     stats: Stats
 
 
@@ -111,10 +114,12 @@ class Add(msgspec.Struct, tag="add", array_like=True):
     token: int
     items: list[tuple[Prompt, list[tuple[str, dict[str, Any]]]]]
     fill_context: bool
+    want_prompt_ids: bool = False  # answer with each prompt's token ids (echo with logprobs)
 
 
 class Accepted(msgspec.Struct, tag="accepted", array_like=True):
     token: int
+    prompt_token_ids: Union[list[list[int]], None] = None
 
 
 class Rejected(msgspec.Struct, tag="rejected", array_like=True):
@@ -178,20 +183,28 @@ class EngineProcess:
     """Starts the engine process and waits until its model is loaded (a load error is raised here)."""
 
     def __init__(self, config: EngineConfig, startup_timeout: float = 1800):
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.proc = subprocess.Popen([sys.executable, "-m", "nanoplug.server.engine_process", str(child.fileno())],
-                                     pass_fds=[child.fileno()])
-        child.close()
-        self._sock = parent
+        self.config, self.startup_timeout = config, startup_timeout
         self.streams = Streams()
         self.failure: str | None = None
+        self.on_death = lambda reason: None  # the app's: restart or exit (app.py)
         self._pending: dict[int, asyncio.Future] = {}
         self._tokens = count()
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
         self._closing = False
-        parent.sendall(frame(Start(config.model_dump(mode="json", exclude_unset=True))))
-        parent.settimeout(startup_timeout)
+        self._spawn()
+        self.tokenizer = _tokenizer(config.model)  # echo's text and logprobs' token strings are written here
+        self.token_text = token_texts(self.tokenizer)
+
+    def _spawn(self) -> None:
+        """A new engine process, its model loaded (blocking)."""
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.proc = subprocess.Popen([sys.executable, "-m", "nanoplug.server.engine_process", str(child.fileno())],
+                                     pass_fds=[child.fileno()])
+        child.close()
+        self._sock = parent
+        parent.sendall(frame(Start(self.config.model_dump(mode="json", exclude_unset=True))))
+        parent.settimeout(self.startup_timeout)
         first = recv_message(parent)
         parent.settimeout(None)
         if isinstance(first, Failed):
@@ -201,7 +214,24 @@ class EngineProcess:
             self.stop()
             raise RuntimeError(f"the engine process exited during start-up (exit code {self.proc.poll()})")
         self.max_model_len, self.max_num_seqs, self.stats = first.max_model_len, first.max_num_seqs, first.stats
-        self.token_text = token_texts(_tokenizer(config.model))  # logprobs' token strings are written here
+        self.vocab_size = first.vocab_size
+
+    async def restart(self) -> None:
+        """After the engine process died: a new one, serving again once its model is loaded."""
+        old_sock, old_proc = self._sock, self.proc
+        self._closing = True
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+        if old_proc.poll() is None:
+            old_proc.kill()
+        await asyncio.get_running_loop().run_in_executor(None, old_proc.wait)
+        old_sock.close()
+        await asyncio.get_running_loop().run_in_executor(None, self._spawn)
+        self._closing = False
+        self._pending.clear()
+        self.start(asyncio.get_running_loop())
+        await self._started.wait()
+        self.failure = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._started = asyncio.Event()
@@ -229,6 +259,8 @@ class EngineProcess:
                 self._fail(f"the engine process went away (exit code {self.proc.poll()}; {type(exc).__name__})")
 
     def _fail(self, reason: str) -> None:
+        if self.failure is not None:
+            return
         self.failure = reason
         log.error("engine process failed: %s", reason)
         error = APIError(500, f"the engine failed: {reason}", type="server_error", code="engine_error")
@@ -236,21 +268,35 @@ class EngineProcess:
         for future in self._pending.values():
             if not future.done():
                 future.set_result(Rejected(-1, reason))
+        self.on_death(reason)
 
     def _send(self, message: Any) -> None:
-        self._writer.write(frame(message))  # buffered, in order, never blocks the loop
+        self._write(frame(message))
 
-    async def submit(self, items: list[PromptChoices], fill_context: bool = False) -> list[RequestStream]:
+    def _write(self, data: bytes) -> None:
+        self._writer.write(data)  # buffered, in order, never blocks the loop
+
+    async def submit(self, items: list[PromptChoices], fill_context: bool = False,
+                     want_prompt_ids: bool = False) -> list[RequestStream]:
         if self.failure is not None:
             raise APIError(503, f"the engine stopped after an error: {self.failure}; restart the server",
                            type="server_error", code="engine_dead")
         await self._started.wait()
-        ready = asyncio.Event()
-        streams = [self.streams.register(rid, ready) for _, choices in items for rid, _ in choices]
+        dumped: dict[int, dict] = {}  # choices share SamplingParams objects (api.py): each is dumped once
+        wire = [(Prompt.of(prompt), [(rid, dumped.get(id(p)) or dumped.setdefault(id(p), p.model_dump(mode="json")))
+                                     for rid, p in choices]) for prompt, choices in items]
         token = next(self._tokens)
+        data = frame(Add(token, wire, fill_context, want_prompt_ids))  # raises before anything is registered (checks.py should
+        ready = asyncio.Event()  # have refused what the wire cannot carry; this keeps a slip from leaking)
+        streams = [self.streams.register(rid, ready) for _, choices in items for rid, _ in choices]
         future = self._pending[token] = asyncio.get_running_loop().create_future()
-        wire = [(Prompt.of(prompt), [(rid, params.model_dump(mode="json")) for rid, params in choices]) for prompt, choices in items]
-        self._send(Add(token, wire, fill_context))
+        try:
+            self._write(data)
+        except BaseException:  # the engine never heard of them: take them back whole
+            self._pending.pop(token, None)
+            for stream in streams:
+                self.streams.forget(stream.request_id)
+            raise
         try:
             answer = await future
         except asyncio.CancelledError:  # the client left before the engine accepted: take the requests back
@@ -265,6 +311,11 @@ class EngineProcess:
                 raise APIError(503, f"the engine stopped after an error: {self.failure}", type="server_error",
                                code="engine_dead")
             raise RequestError(answer.message)
+        if answer.prompt_token_ids is not None:
+            choices = iter(streams)
+            for ids, (_, item_choices) in zip(answer.prompt_token_ids, items):
+                for _ in item_choices:
+                    next(choices).prompt_token_ids = ids
         return streams
 
     def abort(self, request_id: str) -> None:
@@ -297,8 +348,8 @@ def _tokenizer(model: str) -> Any:
 # -------------------------------------------------------------------------------- the child
 def main(fd: int) -> int:
     """The engine process: read requests from the socket, step, write updates back."""
+    from nanoplug.engine.driver import Driver
     from nanoplug.engine.engine_core import EngineCore
-    from nanoplug.server.stepper import Stepper
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front end decides
     sock = socket.socket(fileno=fd)
@@ -317,10 +368,21 @@ def main(fd: int) -> int:
     except Exception as exc:
         send(Failed(f"{type(exc).__name__}: {exc}"))
         return 1
-    stepper = Stepper(core, lambda updates, stats: send(Stepped([_update(u) for u in updates], _stats(stats))),
-                      lambda reason: send(Failed(reason)))
-    send(Ready(core.config.max_model_len, core.config.max_num_seqs, _stats(core.stats())))
-    stepper.start()
+    class Wire:  # the driver's Sink: each step's updates as one frame
+        def deliver(self, updates: list) -> None:
+            send(Stepped([_update(u) for u in updates], _stats(driver.stats)))
+
+        def fail(self, error: BaseException) -> None:
+            pass  # the front end fails every stream on the Failed frame below
+
+    def failed(exc: BaseException) -> None:
+        log.error("engine step failed", exc_info=exc)
+        send(Failed(f"{type(exc).__name__}: {exc}"))
+
+    wire = Wire()
+    driver = Driver(core, on_idle=lambda stats: send(Stepped([], _stats(stats))), on_failure=failed,
+                    stop_on_failure=True)
+    send(Ready(core.config.max_model_len, core.config.max_num_seqs, core.facts.vocab_size, _stats(core.stats())))
     prepare = ThreadPoolExecutor(1, thread_name_prefix="nanoplug-prepare")
 
     def add(message: Add) -> None:
@@ -331,14 +393,19 @@ def main(fd: int) -> int:
         except (RequestError, ValueError) as exc:
             send(Rejected(message.token, str(exc)))
             return
-        for request in requests:
-            core.add_request(request)
-        stepper.wake()
-        send(Accepted(message.token))
-
-    def abort(request_id: str) -> None:
-        core.abort(request_id)
-        stepper.wake()
+        try:
+            driver.submit(requests, wire)
+        except Exception as exc:  # noqa: BLE001 (an id in use, a closed engine: the front end releases them)
+            send(Rejected(message.token, str(exc)))
+            return
+        ids = None
+        if message.want_prompt_ids:
+            firsts, k = [], 0
+            for _, choices in message.items:
+                firsts.append(list(requests[k].prompt_token_ids))
+                k += len(choices)
+            ids = firsts
+        send(Accepted(message.token, ids))
 
     try:
         while True:
@@ -348,20 +415,24 @@ def main(fd: int) -> int:
             if isinstance(message, Add):
                 prepare.submit(add, message)
             elif isinstance(message, Abort):  # through the same queue, so it never overtakes its request's Add
-                prepare.submit(abort, message.request_id)
+                prepare.submit(driver.abort, message.request_id)
     finally:
-        stepper.stop()
+        driver.stop()
         prepare.shutdown(wait=False, cancel_futures=True)
         core.close()
         sock.close()
     return 0
 
 
+def _logprobs(e: Any) -> TokenLogprobs | None:
+    return None if e is None else TokenLogprobs(e.token_id, e.logprob, e.rank, [(int(i), float(lp)) for i, lp in e.top])
+
+
 def _update(u: Any) -> Update:
-    logprobs = None if u.logprobs is None else [
-        TokenLogprobs(e.token_id, e.logprob, e.rank, [(int(i), float(lp)) for i, lp in e.top]) for e in u.logprobs]
+    logprobs = None if u.logprobs is None else [_logprobs(e) for e in u.logprobs]
+    prompt = None if u.prompt_logprobs is None else [_logprobs(e) for e in u.prompt_logprobs]
     return Update(u.request_id, list(u.token_ids), u.text, u.finished, u.finish_reason, u.num_prompt_tokens,
-                  u.num_cached_tokens, logprobs)
+                  u.num_cached_tokens, logprobs, prompt)
 
 
 if __name__ == "__main__":

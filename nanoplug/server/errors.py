@@ -45,6 +45,9 @@ def validation_error(errors: list[dict]) -> APIError:
     loc = [str(part) for part in err.get("loc", ()) if part != "body"]
     param = ".".join(loc) or None
     msg = err.get("msg", "invalid value")
+    if err.get("type") == "missing" and not loc:
+        return bad_request("the request body is empty; send a JSON object, e.g. {\"prompt\": \"Hello\"}",
+                           code="invalid_json")
     if err.get("type") == "missing":
         return bad_request(f"the field {param!r} is required", param=param, code="missing_required_parameter")
     if not loc:

@@ -23,6 +23,13 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state):
         super().__init__(config)
         self.nanoplug = state
+        self.exit_code = 0
+        state.request_exit = self.exit_with
+
+    def exit_with(self, code: int) -> None:
+        """Stop serving (on the loop's thread) and have `serve` return `code`."""
+        self.exit_code = code
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         loop = getattr(self.nanoplug, "loop", None)
@@ -45,8 +52,9 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(engine, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000, access_log: bool = False,
-          log_level: str = "warning") -> None:
-    """Serve until a signal; `engine` is loaded already (EngineProcess, or EngineLoop with --single-process)."""
+          log_level: str = "warning") -> int:
+    """Serve until a signal (returns 0) or the engine's death (returns 1 unless restarted); `engine` is loaded
+    already (EngineProcess, or EngineLoop with --single-process)."""
     sock = bind(host, port)
     shown_host = f"[{host}]" if ":" in host else host
     url = f"http://{shown_host}:{sock.getsockname()[1]}"
@@ -54,10 +62,19 @@ def serve(engine, settings: ServerSettings, host: str = "127.0.0.1", port: int =
     state = app.state.nanoplug
     state.on_ready = lambda: print(f"nanoplug: serving {settings.model_name} on {url} (chat page: {url}/)",
                                    file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, access_log=access_log, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 5)
     try:
-        _Server(config, state).run(sockets=[sock])
+        from nanoplug.server.http import guarded_protocol
+
+        http = guarded_protocol(settings.header_timeout_s, settings.max_header_bytes)
+    except ImportError:  # no httptools: h11 bounds the headers' size (not their time)
+        http = "h11"
+    config = uvicorn.Config(app, access_log=access_log, log_level=log_level, lifespan="on", http=http,
+                            h11_max_incomplete_event_size=settings.max_header_bytes,
+                            timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 5)
+    server = _Server(config, state)
+    try:
+        server.run(sockets=[sock])
     finally:
         sock.close()
         engine.stop()  # idempotent: the lifespan stopped it unless start-up failed
+    return server.exit_code

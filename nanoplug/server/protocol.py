@@ -13,6 +13,10 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit, and the engine's
+# list lengths refused before the rest of the body is validated (a 1 MB list of prompts takes pydantic seconds,
+# on the event loop); the server's own --max-prompts is checked after, in checks.py
+MAX_LIST_ITEMS = 4096
+MAX_PROMPT_TOKENS = 1 << 20
 
 
 class _Body(BaseModel):
@@ -72,11 +76,23 @@ PromptForm = Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
 
 class CompletionRequest(_Sampling):
     prompt: PromptForm
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0, description="0 with echo: only the prompt (and its logprobs)")
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="vLLM's extra")
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _bounded(cls, value: Any) -> Any:
+        if isinstance(value, list) and value:
+            flat = not isinstance(value[0], (str, list))
+            limit = MAX_PROMPT_TOKENS if flat else MAX_LIST_ITEMS
+            if len(value) > limit:
+                raise ValueError(f"{len(value)} {'token ids' if flat else 'prompts'} are more than the {limit} "
+                                 "one request may carry; split the request")
+        return value
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt of the request: a string or a token-id list."""
@@ -108,7 +124,7 @@ class ChatMessage(_Body):
 
 
 class ChatRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_LIST_ITEMS)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False

@@ -47,11 +47,48 @@ def completion_logprobs(entries: list[Any], text: Callable[[int], str], offset: 
         offset += len(t)
     tops = []
     for e, t in zip(entries, tokens):
+        if e.logprob is None:  # a prompt's first token: nothing before it to score it
+            tops.append(None)
+            continue
         top = {text(i): lp for i, lp in e.top}
         top.setdefault(t, e.logprob)
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
             "text_offset": offsets}
+
+
+class _Unscored:
+    """The first prompt token's entry: nothing before it scores it."""
+
+    __slots__ = ("token_id",)
+    logprob = rank = None
+    top = ()
+
+    def __init__(self, token_id: int):
+        self.token_id = token_id
+
+
+def prompt_entries(prompt_token_ids: list[int] | None, entries: list[Any] | None) -> list[Any]:
+    """The engine's prompt logprobs (None first) as one entry per prompt token, the first unscored."""
+    if not entries or not prompt_token_ids:
+        return []
+    return [_Unscored(prompt_token_ids[0]), *entries[1:]]
+
+
+def vllm_prompt_logprobs(entries: list[Any] | None, text: Callable[[int], str]) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token, None first, then {token id: {logprob, rank, decoded_token}}
+    for the token itself and the most likely ones."""
+    if entries is None:
+        return None
+    out: list[dict | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        top = {str(i): {"logprob": lp, "rank": r + 1, "decoded_token": text(i)} for r, (i, lp) in enumerate(e.top)}
+        top[str(e.token_id)] = {"logprob": e.logprob, "rank": e.rank, "decoded_token": text(e.token_id)}
+        out.append(top)
+    return out
 
 
 def chat_logprobs(entries: list[Any], text: Callable[[int], str]) -> dict:

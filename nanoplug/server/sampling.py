@@ -40,9 +40,9 @@ def check_completion(req: CompletionRequest) -> None:
         unsupported("suffix", req.suffix, "insertion needs a fill-in-the-middle model; leave it out")
     if req.logprobs is not None and not engine_has("logprobs"):
         unsupported("logprobs", req.logprobs, "this engine's SamplingParams has no logprobs yet; leave it out")
-    if req.echo and req.logprobs is not None:
-        unsupported("echo", req.echo, "the prompt's logprobs (echo with logprobs) are not served yet; "
-                    "drop echo or logprobs")
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens=0 asks for no text; it is for scoring a prompt with echo=true (and logprobs)",
+                          param="max_tokens")
 
 
 def check_chat(req: ChatRequest) -> None:

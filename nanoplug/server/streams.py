@@ -26,6 +26,7 @@ class Delta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: list[Any] | None = None
+    prompt_logprobs: list[Any] | None = None  # when asked: None first, then one entry per prompt token
 
 
 class RequestStream:
@@ -35,7 +36,7 @@ class RequestStream:
     prompts) waits on one event and then takes whatever each of its streams gained."""
 
     __slots__ = ("request_id", "arrived", "first_token_at", "last_token_at", "_pending", "ready", "error",
-                 "finished", "done", "num_tokens")
+                 "finished", "done", "num_tokens", "prompt_token_ids")
 
     def __init__(self, request_id: str, ready: asyncio.Event | None = None):
         self.request_id = request_id
@@ -48,6 +49,7 @@ class RequestStream:
         self.finished = False  # the engine reported its last update
         self.done = False  # the handler took that last update
         self.num_tokens = 0
+        self.prompt_token_ids: list[int] | None = None  # filled in when the submitter asked (echo with logprobs)
 
     def push(self, update: Any) -> None:
         self._pending.append(update)
@@ -74,6 +76,8 @@ class RequestStream:
             texts.append(u.text)
             if u.logprobs is not None:
                 delta.logprobs = (delta.logprobs or []) + list(u.logprobs)
+            if getattr(u, "prompt_logprobs", None) is not None:
+                delta.prompt_logprobs = list(u.prompt_logprobs)
         delta.text = "".join(texts)
         self.done = delta.finished
         return delta
