@@ -21,6 +21,11 @@ CHECKPOINTS = {
     "qwen3_tied": ("Qwen3ForCausalLM", dict(tie_word_embeddings=True, seed=1)),
     "qwen2": ("Qwen2ForCausalLM", dict(tie_word_embeddings=False, seed=2)),  # q/k/v bias, no q/k norm
     "qwen2_tied": ("Qwen2ForCausalLM", dict(tie_word_embeddings=True, num_key_value_heads=1, seed=3)),
+    # sliding windows of a few tokens, so that the tests' prompts are several windows long
+    "mistral": ("MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=8, seed=20)),
+    "qwen2_swa": ("Qwen2ForCausalLM", dict(tie_word_embeddings=False, use_sliding_window=True, sliding_window=8,
+                                           max_window_layers=1, seed=21)),  # layer 0 full, layer 1 windowed
+    "phi3": ("Phi3ForCausalLM", dict(tie_word_embeddings=False, sliding_window=12, seed=22)),
 }
 
 PROMPTS = [

@@ -1,0 +1,69 @@
+"""Sliding-window models against transformers in float32 (tiny random checkpoints, windows of 8-12 tokens, so
+the prompts are several windows long): Mistral (every layer windowed), Qwen2 with use_sliding_window
+(max_window_layers: layer 0 full, layer 1 windowed) and Phi-3 (fused qkv/gate_up in the checkpoint), through
+the paths the dense families take (mixed lengths in one batch, prefix-cache hits, chunked prefill,
+preemption, both attention backends). Each checkpoint's tokens differ from the same weights run with full
+attention, so a window ignored anywhere would fail."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import pytest
+import torch
+
+from _checkpoints import checkpoint, hf_logits, prompt_ids, relative_error
+from nanoplug import SamplingParams
+from test_engine_vs_hf import GREEDY, VARIANTS, cache_prompts, engine, reference, tokens_of
+
+MODELS = ["mistral", "qwen2_swa", "phi3"]
+PATHS = ["manual", "sdpa", "chunks_of_7", "chunks_of_13_sdpa", "preemption_chunks_sdpa", "overlapped_steps"]
+
+
+@lru_cache(maxsize=None)
+def full_attention_tokens(name: str) -> list[list[int]]:
+    """transformers' greedy tokens of the same weights with the window turned off."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(checkpoint(name))
+    config.sliding_window = None
+    if getattr(config, "layer_types", None):
+        config.layer_types = ["full_attention"] * config.num_hidden_layers
+    model = AutoModelForCausalLM.from_pretrained(checkpoint(name), config=config, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for ids in cache_prompts(name):
+            gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=GREEDY.max_tokens, do_sample=False, pad_token_id=0)
+            out.append(gen[0, len(ids):].tolist())
+    return out
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_window_changes_the_tokens(name):
+    assert reference(name, GREEDY.max_tokens, "cache") != full_attention_tokens(name)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_logits_match_transformers(name):
+    llm = engine(name, attention="sdpa")
+    params = SamplingParams(temperature=0, max_tokens=4, output_logits=True, ignore_eos=True)
+    prompts = prompt_ids(name) + cache_prompts(name)[5:6]  # the longest: several windows
+    for ids, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        want = hf_logits(name, ids + out.token_ids[:-1])[len(ids) - 1:]
+        assert relative_error(torch.stack(out.logits), want) < 1e-4, f"{name}: prompt of {len(ids)} tokens"
+
+
+@pytest.mark.parametrize("name,variant", [(m, v) for m in MODELS for v in PATHS])
+def test_greedy_equals_transformers(name, variant):
+    options = VARIANTS[variant]
+    llm = engine(name, **options)
+    prompts = cache_prompts(name)
+    want = reference(name, GREEDY.max_tokens, "cache")
+    assert tokens_of(llm.generate(prompts, GREEDY, use_tqdm=False)) == want
+    second = llm.generate(prompts, GREEDY, use_tqdm=False)  # prefix-cache hits now
+    assert tokens_of(second) == want
+    if llm.config.enable_prefix_caching:
+        assert sum(o.num_cached_tokens for o in second) > 0
+    if "num_kv_blocks" in options:
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.blocks.num_free_blocks == llm.engine.num_kv_blocks
