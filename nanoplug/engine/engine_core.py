@@ -120,7 +120,10 @@ class EngineCore:
                 f"({config.max_model_len}); lower max_model_len or give the cache more memory"
             )
         self.num_kv_blocks = num_blocks
-        self.scheduler = Scheduler(config, BlockManager(num_blocks, config.kv_block_size, config.enable_prefix_caching))
+        windows = checkpoint.facts.sliding_windows  # blocks are released only when every layer's window passed them
+        window = max(windows) if windows and None not in windows else None
+        self.scheduler = Scheduler(config, BlockManager(num_blocks, config.kv_block_size, config.enable_prefix_caching,
+                                                        window))
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, config.max_model_len)
         self.overlap = self._wants_overlap()
         self.requests: dict[str, RequestState] = {}  # every request added and not finished, by id
