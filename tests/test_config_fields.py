@@ -11,11 +11,17 @@ from nanoplug.api import ModelFacts, Target
 from nanoplug.api.config_fields import INERT
 from nanoplug.engine.registry import Registry
 
-MODELS = ["Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM"]
+MODELS = ["Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM",
+          "Gemma3ForCausalLM"]
+
+
+def config_class(architecture: str):
+    name = {"Gemma3ForCausalLM": "Gemma3TextConfig"}.get(architecture, architecture.replace("ForCausalLM", "Config"))
+    return getattr(transformers, name)
 
 
 def reasons(architecture: str, **fields) -> list[str]:
-    config = getattr(transformers, architecture.replace("ForCausalLM", "Config"))(**fields)
+    config = config_class(architecture)(**fields)
     config.architectures = [architecture]
     cls = Registry(load_entry_points=False).get("model", architecture)
     return cls.unavailable(Target(torch.device("cpu"), torch.float32, ModelFacts.from_hf_config(config)))
@@ -23,7 +29,7 @@ def reasons(architecture: str, **fields) -> list[str]:
 
 @pytest.mark.parametrize("architecture", MODELS)
 def test_every_field_of_a_default_config_is_classified(architecture):
-    config = getattr(transformers, architecture.replace("ForCausalLM", "Config"))()
+    config = config_class(architecture)()
     cls = Registry(load_entry_points=False).get("model", architecture)
     unclassified = set(config.to_dict()) - INERT - cls.honoured_fields - set(cls.fixed_fields)
     assert not unclassified
@@ -31,7 +37,7 @@ def test_every_field_of_a_default_config_is_classified(architecture):
 
 
 CHANGES = [
-    ("hidden_act", "gelu", "hidden_act"),
+    ("hidden_act", "gelu", "hidden_act"),  # (Gemma's is hidden_activation: hidden_act is a field it does not know)
     ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}, "dynamic"),
     ("some_new_switch", True, "some_new_switch"),
 ]
@@ -62,3 +68,9 @@ def test_the_engine_refuses_such_a_checkpoint_at_start_up(tmp_path):
     path = write_random_checkpoint(tmp_path / "gelu", "LlamaForCausalLM", hidden_act="gelu", tokenizer=False)
     with pytest.raises(PluginUnavailableError, match="hidden_act"):
         LLM(str(path), attention="manual", num_kv_blocks=8, max_model_len=64)
+
+
+def test_gemma3_attention_softcapping_and_bidirectional_attention_are_refused():
+    assert any("attn_logit_softcapping" in r for r in reasons("Gemma3ForCausalLM", attn_logit_softcapping=50.0))
+    assert any("use_bidirectional_attention" in r
+               for r in reasons("Gemma3ForCausalLM", use_bidirectional_attention=True))

@@ -2,7 +2,9 @@
 the prompts are several windows long): Mistral (every layer windowed), Qwen2 with use_sliding_window
 (max_window_layers: layer 0 full, layer 1 windowed) and Phi-3 (fused qkv/gate_up in the checkpoint), through
 the paths the dense families take (mixed lengths in one batch, prefix-cache hits, chunked prefill,
-preemption, both attention backends). Each checkpoint's tokens differ from the same weights run with full
+preemption, both attention backends), and Gemma-3 (two local layers, then a global one with its own rope
+base and linear scaling; q/k norms, four norms a layer, GeGLU, scaled embeddings, query_pre_attn_scalar and
+final logit soft-capping set away from their defaults). Each checkpoint's tokens differ from the same weights run with full
 attention, so a window ignored anywhere would fail."""
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from _checkpoints import checkpoint, hf_logits, prompt_ids, relative_error
 from nanoplug import SamplingParams
 from test_engine_vs_hf import GREEDY, VARIANTS, cache_prompts, engine, reference, tokens_of
 
-MODELS = ["mistral", "qwen2_swa", "phi3"]
+MODELS = ["mistral", "qwen2_swa", "phi3", "gemma3"]
 # chunked prefill with prefix hits and preemption, through sdpa; the oracle and overlapped steps (slow: the
 # machine of these tests is small) through manual
 PATHS = ["chunks_of_13_sdpa", "preemption_chunks_sdpa"]
@@ -28,9 +30,10 @@ def full_attention_tokens(name: str) -> list[list[int]]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(checkpoint(name))
-    config.sliding_window = None
     if getattr(config, "layer_types", None):
         config.layer_types = ["full_attention"] * config.num_hidden_layers
+    else:
+        config.sliding_window = None
     model = AutoModelForCausalLM.from_pretrained(checkpoint(name), config=config, dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
