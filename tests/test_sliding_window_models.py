@@ -74,3 +74,16 @@ def test_greedy_equals_transformers(name, variant):
     if "num_kv_blocks" in options:
         assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.scheduler.blocks.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_cpu_backend_decodes_windowed_layers_eagerly_and_equals_transformers():
+    """`cpu` serves a windowed layer's decode through sdpa's gathered decode (its C++ kernel reads whole
+    contexts), eager: that decode builds its index per step, which a CPU recording would not see."""
+    from nanoplug.kernels import cpu as cpu_kernels
+
+    if cpu_kernels.unavailable() is not None:
+        pytest.skip(cpu_kernels.unavailable())
+    llm = engine("mistral_dim64", attention="cpu")
+    assert llm.engine.worker.graphs is None and llm.engine.worker.ctx.decode.window_decode is not None
+    assert tokens_of(llm.generate(cache_prompts("mistral_dim64"), GREEDY, use_tqdm=False)) == reference(
+        "mistral_dim64", GREEDY.max_tokens, "cache")

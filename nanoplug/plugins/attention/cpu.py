@@ -52,6 +52,8 @@ class CpuAttention(SdpaAttention):
         # decode steps take the kernel, not sdpa's gather; a sliding-window layer's take the gather
         self.paged_decode = None
         self.window_decode = PagedDecode(spec) if spec.windows != {None} else None
+        if self.window_decode is not None:  # its index and masks are built per step in prepare, which a recording
+            self.supports_cuda_graphs = False  # does not see: decode runs eager
         self.kernel_decoding = False
 
     def prepare(self, meta: AttentionMetadata) -> None:
