@@ -21,7 +21,22 @@ INERT = frozenset({
     "num_key_value_heads", "head_dim", "max_position_embeddings",
     # transformers' Llama no longer reads it (its slicing was numerically the same matmul)
     "pretraining_tp",
+    # transformers' cache layout and generation defaults, and the generic fields older config.json files carry
+    "cache_implementation", "tokenizer_class", "prefix", "task_specific_params", "finetuning_task", "is_decoder",
+    "add_cross_attention", "cross_attention_hidden_size", "tie_encoder_decoder", "torchscript", "pruned_heads",
+    "return_dict_in_generate", "output_scores", "max_length", "min_length", "do_sample", "early_stopping",
+    "num_beams", "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p", "typical_p",
+    "repetition_penalty", "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+    "bad_words_ids", "num_return_sequences", "remove_invalid_values", "exponential_decay_length_penalty",
+    "suppress_tokens", "begin_suppress_tokens", "tf_legacy_loss", "use_bfloat16", "auto_map",
+    "_attn_implementation_autoset", "transformers.js_config",
 })
+
+
+def inert(name: str) -> bool:
+    """A field that does not change the forward: INERT's, and every token id (unk_token_id, sep_token_id, ...,
+    which GGUF files and older configs carry)."""
+    return name in INERT or name.endswith(("_token_id", "_token_ids"))
 
 # rope types whose frequencies are fixed tables (rope_inv_freq); "dynamic" and "longrope" change them with the
 # sequence's length in transformers, which precomputed tables cannot follow
@@ -51,7 +66,7 @@ def config_reasons(hf_config: Any, architecture: str, honoured: frozenset[str],
     the one value it runs (`fixed`), as a refusal naming it."""
     reasons = []
     for name, value in hf_config.to_dict().items():
-        if name in INERT or name in honoured:
+        if inert(name) or name in honoured:
             continue
         if name in fixed:
             if value != fixed[name]:
