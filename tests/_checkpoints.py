@@ -31,6 +31,21 @@ CHECKPOINTS = {
                                               decoder_sparse_step=2, tie_word_embeddings=False, seed=5)),
     "mixtral": ("MixtralForCausalLM", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48,
                                            tie_word_embeddings=False, seed=6)),
+    # sliding windows of a few tokens, so that the tests' prompts are several windows long
+    "mistral": ("MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=8, seed=20)),
+    "qwen2_swa": ("Qwen2ForCausalLM", dict(tie_word_embeddings=False, use_sliding_window=True, sliding_window=8,
+                                           max_window_layers=1, seed=21)),  # layer 0 full, layer 1 windowed
+    "phi3": ("Phi3ForCausalLM", dict(tie_word_embeddings=False, sliding_window=12, seed=22)),
+    "mistral_dim64": ("MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=8, hidden_size=128,
+                                                 num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                                 seed=24)),  # a head size the C++ decode kernel takes
+    # two local layers (window 8, rope base 10k) then a global one (base 1e6, linear scaling 2), q scale 1/sqrt(24)
+    "gemma3": ("Gemma3ForCausalLM", dict(
+        tie_word_embeddings=True, num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=24,
+        final_logit_softcapping=30.0, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}},
+        seed=23)),
 }
 
 PROMPTS = [

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from nanoplug.api import ModelArchitecture, PagedAttention, RMSNorm, RotaryEmbedding, SiluAndMul, Target
+from nanoplug.api.config_fields import config_reasons
 
 
 class DecoderAttention(nn.Module):
@@ -107,9 +108,19 @@ class DecoderForCausalLM(nn.Module, ModelArchitecture):
         "up_proj": ("gate_up_proj", 1),
     }
 
+    # ---- config fields (api/config_fields.py): what this decoder implements, and what it runs at one value only
+    honoured_fields = frozenset({
+        "rms_norm_eps", "rope_parameters", "rope_scaling", "rope_theta", "tie_word_embeddings", "attention_bias",
+        "mlp_bias", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types",
+    })
+    fixed_fields: dict[str, Any] = {"hidden_act": "silu"}
+
     @classmethod
     def unavailable(cls, target: Target) -> list[str]:
-        return []
+        facts = target.model
+        if facts is None or facts.config is None:
+            return []
+        return config_reasons(facts.config, cls.__name__, cls.honoured_fields, cls.fixed_fields)
 
     def __init__(self, hf_config: Any, layers, attention_factory, max_positions: int | None = None):
         super().__init__()

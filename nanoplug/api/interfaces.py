@@ -38,7 +38,9 @@ class AttentionBackend(Plugin, ABC):
     K/V of the new tokens are already stored in the cache when `forward` is called. The cache of one
     layer is `[num_blocks, block_size, num_kv_heads, head_dim]` for K and the same for V, of
     `spec.cache_dtype` (a backend that cannot read some cache dtype says so in `unavailable`, from
-    `target.cache_dtype`).
+    `target.cache_dtype`). A layer of a sliding-window model sees only the last `spec.window(layer.index)` keys
+    (None: all); a backend that cannot honour that says so in `unavailable`, from `target.model.sliding_windows`.
+    Table entries before a window may name the scratch block (the engine released those blocks).
     """
 
     supports_cuda_graphs: ClassVar[bool] = False

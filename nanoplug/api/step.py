@@ -257,6 +257,18 @@ class AttentionSpec:
     device: torch.device
     kv: KVCacheSpec | None = None  # the cache it reads; None: plain, of `dtype`
     limits: StepLimits | None = None  # the engine's step sizes, for backends that allocate for them; None: unknown
+    # the model's declaration, per layer (KVLayer.index): keys a query sees, itself included; None: all. Empty:
+    # full attention on every layer
+    sliding_windows: tuple[int | None, ...] = ()
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (a query at i sees keys j with i - window < j <= i), None: full."""
+        return self.sliding_windows[layer] if self.sliding_windows else None
+
+    @property
+    def windows(self) -> set[int | None]:
+        """The distinct windows of the model's layers (None for full attention)."""
+        return set(self.sliding_windows) or {None}
 
     @property
     def cache_dtype(self) -> torch.dtype:

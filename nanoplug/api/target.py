@@ -6,7 +6,7 @@ may depend on small, and the config free to change.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,6 +25,14 @@ class ModelFacts:
     vocab_size: int
     intermediate_size: int | None = None
     max_position_embeddings: int | None = None
+    # per layer: how many keys (itself included) a query attends to, None for full attention
+    sliding_windows: tuple[int | None, ...] = ()
+    # the Hugging Face config itself, for model plugins that judge its fields (api/config_fields.py)
+    config: Any = field(default=None, compare=False, hash=False, repr=False)
+
+    @property
+    def has_sliding_window(self) -> bool:
+        return any(w is not None for w in self.sliding_windows)
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> "ModelFacts":
@@ -40,7 +48,31 @@ class ModelFacts:
             vocab_size=hf_config.vocab_size,
             intermediate_size=getattr(hf_config, "intermediate_size", None),
             max_position_embeddings=getattr(hf_config, "max_position_embeddings", None),
+            sliding_windows=sliding_windows(hf_config),
+            config=hf_config,
         )
+
+
+def sliding_windows(hf_config: Any) -> tuple[int | None, ...]:
+    """Each layer's window as transformers reads the config: `sliding_window` (Qwen2's and Qwen3's only with
+    `use_sliding_window`, which their configs fold in) on the layers `layer_types` marks "sliding_attention"
+    (Qwen2's from `max_window_layers` on, Gemma's interleaved), on every layer where a config has no
+    `layer_types` (Mistral, Phi-3). A query at position i sees keys j with i - window < j <= i."""
+    layers = hf_config.num_hidden_layers
+    window = getattr(hf_config, "sliding_window", None)
+    if window is not None and getattr(hf_config, "use_sliding_window", True) is False:
+        window = None  # a config class that keeps the field although the switch is off
+    if not window:
+        return (None,) * layers
+    types = getattr(hf_config, "layer_types", None)
+    if types is None:
+        return (int(window),) * layers
+    if len(types) != layers:
+        raise ValueError(f"layer_types names {len(types)} layers, the model has {layers}")
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ValueError(f"layer_types {unknown} are not attention this engine runs (sliding_attention, full_attention)")
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
 
 
 @dataclass(frozen=True)

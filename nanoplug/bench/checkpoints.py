@@ -39,7 +39,9 @@ def qwen_tokenizer_dir() -> Path:
 def _hf_classes(architecture: str):
     import transformers
 
-    config_cls = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    # Gemma3ForCausalLM is the text model: its config is Gemma3TextConfig (Gemma3Config is the multimodal one's)
+    config_name = {"Gemma3ForCausalLM": "Gemma3TextConfig"}.get(architecture, architecture.replace("ForCausalLM", "Config"))
+    config_cls = getattr(transformers, config_name)
     return config_cls, getattr(transformers, architecture)
 
 

@@ -3,6 +3,11 @@
 A full block is registered under the hash of (previous block's hash, its token ids) only once its
 K/V are computed, so a later prompt with the same prefix reuses it. Freed blocks keep their hash and
 data until they are handed out again, so a prefix stays reusable while memory allows.
+
+When every layer of the model attends over a sliding window (Mistral), a sequence gives back each block
+that the window of its next query has passed (`release_passed`): its table entry then names the scratch
+block past those handed out (api/step.py), which the attention masks, so a long sequence holds about one
+window of blocks. A released block keeps its hash like any freed one, so prefixes stay reusable.
 """
 from __future__ import annotations
 
@@ -26,9 +31,14 @@ def block_hash(prev: int, token_ids: list[int]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: int | None = None):
         self.block_size = block_size
         self.num_blocks = num_blocks
+        # the sliding window every layer attends over (None: some layer sees every token, no block is released)
+        self.window = window
+        self.released = num_blocks  # what a released block's table entry names: the scratch block
+        self.num_released: dict[int, int] = {}  # seq_id -> its leading blocks released
         self.prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.hashes = [-1] * num_blocks
@@ -132,7 +142,10 @@ class BlockManager:
         assert not child.block_table and len(parent.block_table) == self.blocks_needed(n)
         child.block_table = parent.block_table[:full]
         for b in child.block_table:
-            self.ref_counts[b] += 1
+            if b != self.released:
+                self.ref_counts[b] += 1
+        if parent.seq_id in self.num_released:
+            self.num_released[child.seq_id] = min(self.num_released[parent.seq_id], full)
         if partial:
             copy = self._take_free()
             self.copies.append((parent.block_table[full], copy))
@@ -143,10 +156,36 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         for b in reversed(seq.block_table):
-            self.ref_counts[b] -= 1
-            if self.ref_counts[b] == 0:
-                self.free_ids.append(b)
+            if b != self.released:
+                self._unref(b)
         seq.block_table, seq.block_hashes = [], []
+        self.num_released.pop(seq.seq_id, None)
+
+    def _unref(self, b: int) -> None:
+        self.ref_counts[b] -= 1
+        if self.ref_counts[b] == 0:
+            self.free_ids.append(b)
+
+    def release_passed(self, seq: Sequence) -> None:
+        """Give back the leading blocks no query of `seq` from now on can see: its next query sits at position
+        num_computed_tokens and sees keys from (that - window + 1) on. With prefix caching, only blocks already
+        registered (commit), so they stay reusable by later prompts."""
+        if self.window is None or not seq.block_table:
+            return
+        passed = max(0, seq.num_computed_tokens - self.window + 1) // self.block_size
+        if self.prefix_caching:
+            passed = min(passed, len(seq.block_hashes))
+        first = self.num_released.get(seq.seq_id, 0)
+        for i in range(first, passed):
+            b, seq.block_table[i] = seq.block_table[i], self.released
+            if b != self.released:
+                self._unref(b)
+        if passed > first:
+            self.num_released[seq.seq_id] = passed
+
+    def num_held(self, seq: Sequence) -> int:
+        """Blocks `seq` holds now (its released ones not counted)."""
+        return len(seq.block_table) - self.num_released.get(seq.seq_id, 0)
 
     # -------------------------------------------------------------------------------- decode
     def can_append(self, seq: Sequence) -> bool:
@@ -168,7 +207,7 @@ class BlockManager:
             ids = seq.token_ids[i * bs:(i + 1) * bs]
             h = block_hash(seq.block_hashes[-1] if seq.block_hashes else chain_root(seq), ids)
             b = seq.block_table[i]
-            if self.hashes[b] == -1:
+            if b != self.released and self.hashes[b] == -1:
                 self.hashes[b], self.tokens[b] = h, ids
                 self.hash_to_block.setdefault(h, b)
             seq.block_hashes.append(h)

@@ -65,7 +65,9 @@ class EngineCore:
         self.choices, self.device, self.dtype = wired.choices, wired.target.device, wired.target.dtype
         self.tokenizer, self.eos_token_ids = wired.tokenizer, wired.eos_token_ids
         self.worker, self.num_kv_blocks, self.overlap = wired.worker, wired.num_kv_blocks, wired.overlap
-        blocks = BlockManager(wired.num_kv_blocks, config.kv_block_size, config.enable_prefix_caching)
+        windows = self.facts.sliding_windows  # blocks are released only when every layer's window passed them
+        window = max(windows) if windows and None not in windows else None
+        blocks = BlockManager(wired.num_kv_blocks, config.kv_block_size, config.enable_prefix_caching, window)
         self.scheduler = Scheduler(config, blocks)
         self.builder = BatchBuilder(self.scheduler.blocks, self.scheduler.penalty_slots)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, config.max_model_len)

@@ -95,6 +95,7 @@ class Scheduler:
             if budget == 0:
                 return batch
             if seq.is_prefilling:
+                self.blocks.release_passed(seq)
                 n = min(seq.num_uncomputed_tokens, budget)
                 batch.append(Scheduled(seq, n))
                 budget -= n
@@ -103,6 +104,7 @@ class Scheduler:
             if not self.blocks.can_allocate(seq):
                 break
             seq.num_computed_tokens = self.blocks.allocate(seq)  # prefix-cache hits are computed already
+            self.blocks.release_passed(seq)  # hits a sliding window has passed
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -122,6 +124,7 @@ class Scheduler:
                 continue  # preempted below while serving an earlier sequence
             if seq.num_pending and self._ends_with_pending(seq):
                 continue  # its last token is still on the device: nothing follows it
+            self.blocks.release_passed(seq)
             if len(seq.token_ids) <= len(seq.block_table) * block_size:  # fast path: room in its last block
                 batch.append(Scheduled(seq, 1))
                 continue

@@ -31,9 +31,13 @@ class PagedDecode:
         pos = torch.arange(max_k, device=dev)
         tables = meta.block_tables[:, : (max_k + bs - 1) // bs].long()
         self.index = (tables[:, pos // bs] * bs + pos % bs).flatten()  # cache slot of every (seq, position)
-        pad = pos.unsqueeze(0) >= meta.seq_lens.long().unsqueeze(1)  # [B, Lk]
-        mask = torch.zeros(pad.shape, dtype=self.spec.dtype, device=dev).masked_fill_(pad, float("-inf"))
-        self.mask = mask.view(pad.shape[0], 1, 1, max_k)
+        seq_lens = meta.seq_lens.long().unsqueeze(1)
+        pad = pos.unsqueeze(0) >= seq_lens  # [B, Lk]
+        self.masks = {}  # one per sliding window of the model's layers (None: full attention)
+        for w in self.spec.windows:
+            hidden = pad if w is None else pad | (pos.unsqueeze(0) <= seq_lens - 1 - w)
+            mask = torch.zeros(pad.shape, dtype=self.spec.dtype, device=dev).masked_fill_(hidden, float("-inf"))
+            self.masks[w] = mask.view(pad.shape[0], 1, 1, max_k)
         self.max_k = max_k
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: KVLayer) -> torch.Tensor:
@@ -50,5 +54,5 @@ class PagedDecode:
         if self.cast:
             keys, values = layer.dequantize(keys, values, q.dtype)
         queries = q.reshape(num_seqs, kv_heads, self.group, dim)  # heads of one KV head as its query rows
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=self.spec.scale)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.masks[self.spec.window(layer.index)], scale=self.spec.scale)
         return out.reshape(num_seqs, self.spec.num_heads, dim)

@@ -38,26 +38,30 @@ triton, tl, TRITON_ERROR = import_triton()
 if triton is not None:
 
     @triton.jit
-    def _program(seq_lens_ptr, b, kvh, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+    def _program(seq_lens_ptr, b, kvh, window, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr):
         """This program's split (grid axis 2), the context positions [start, end) it covers (whole tiles, an
-        empty range past the end), and its query heads' and head dims' indices with their masks."""
+        empty range past the end), the first position its query sees (`first`: 0, or where a sliding window of
+        `window` keys starts; the tiles before the one holding it are never read), and its query heads' and
+        head dims' indices with their masks."""
         split = tl.program_id(2)
         num_splits = tl.num_programs(2)  # a grid size, not a constexpr: one compiled kernel serves every count
         seq_len = tl.load(seq_lens_ptr + b)
-        tiles = (seq_len + BLOCK_N - 1) // BLOCK_N  # (not tl.cdiv: a jit function the CPU interpreter runs
-        per_split = (tiles + num_splits - 1) // num_splits * BLOCK_N  # only if triton was imported under it)
-        start = split * per_split
+        first = tl.maximum(seq_len - window, 0)  # `window` is FULL_CONTEXT for a layer of full attention
+        origin = first // BLOCK_N * BLOCK_N  # tiles stay aligned to the context, and so to its pages
+        tiles = (seq_len - origin + BLOCK_N - 1) // BLOCK_N  # (not tl.cdiv: a jit function the CPU
+        per_split = (tiles + num_splits - 1) // num_splits * BLOCK_N  # interpreter runs only if triton was
+        start = origin + split * per_split  # imported under it)
         end = tl.minimum(start + per_split, seq_len)
         rows = tl.arange(0, GROUP_P)
         dims = tl.arange(0, HEAD_DIM_P)
-        return split, num_splits, start, end, kvh * GROUP + rows, rows < GROUP, dims, dims < HEAD_DIM
+        return split, num_splits, start, end, first, kvh * GROUP + rows, rows < GROUP, dims, dims < HEAD_DIM
 
     @triton.jit
     def _load_tile(k_cache_ptr, v_cache_ptr, tables_ptr, b, kvh, stride_tb, stride_kb, stride_kt, stride_kh,
-                   stride_vb, stride_vt, stride_vh, tile_start, end, pos, live, dims, dim_ok, PAGE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, TILE_IN_PAGE: tl.constexpr, FULL_TILES: tl.constexpr):
-        """The tile's K and V rows [BLOCK_N, HEAD_DIM_P] of KV head `kvh`, as stored."""
+                   stride_vb, stride_vt, stride_vh, tile_start, first, end, pos, live, dims, dim_ok,
+                   PAGE: tl.constexpr, BLOCK_N: tl.constexpr, TILE_IN_PAGE: tl.constexpr, FULL_TILES: tl.constexpr):
+        """The tile's K and V rows [BLOCK_N, HEAD_DIM_P] of KV head `kvh`, as stored (V zero where not `live`)."""
         if TILE_IN_PAGE:  # the tile lies in one page: one table read, and rows the loads can vectorize
             page = tl.load(tables_ptr + b * stride_tb + tile_start // PAGE).to(tl.int64)
             row = (tile_start % PAGE + tl.arange(0, BLOCK_N))[:, None]
@@ -71,7 +75,7 @@ if triton is not None:
             # NaN times 0 would still be NaN)
             k = tl.load(k_rows)
             v = tl.load(v_rows)
-            if tile_start + BLOCK_N > end:
+            if tile_start + BLOCK_N > end or tile_start < first:
                 v = tl.where(live[:, None], v, 0.0)
         else:
             kv_mask = live[:, None] & dim_ok[None, :]
@@ -111,12 +115,12 @@ if triton is not None:
             x = _butterflies(x, D, G, 1 << i)
         return x
 
-    # the block table's address and row stride vary with the step (eager tables, graph buffers): not specialized
-    # on, or each alignment would compile a kernel of its own
-    @triton.jit(do_not_specialize=["tables_ptr", "stride_tb"])
+    # the block table's address and row stride vary with the step (eager tables, graph buffers), the window with
+    # the layer: not specialized on, or each alignment would compile a kernel of its own
+    @triton.jit(do_not_specialize=["tables_ptr", "stride_tb", "window"])
     def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr,
-        out_ptr, part_out_ptr, part_lse_ptr, qk_scale,
+        out_ptr, part_out_ptr, part_lse_ptr, qk_scale, window,
         stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_tb,
         stride_ob, stride_oh,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
@@ -127,8 +131,8 @@ if triton is not None:
         cache. `qk_scale` is the softmax scale times log2(e): the softmax runs in base 2."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
-        split, num_splits, start, end, heads, row_ok, dims, dim_ok = _program(
-            seq_lens_ptr, b, kvh, BLOCK_N, GROUP, GROUP_P, HEAD_DIM, HEAD_DIM_P)
+        split, num_splits, start, end, first, heads, row_ok, dims, dim_ok = _program(
+            seq_lens_ptr, b, kvh, window, BLOCK_N, GROUP, GROUP_P, HEAD_DIM, HEAD_DIM_P)
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
                     mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
         if IEEE:
@@ -140,10 +144,10 @@ if triton is not None:
         offs = tl.arange(0, BLOCK_N)
         for tile_start in range(start, end, BLOCK_N):  # empty when the split lies past the sequence
             pos = tile_start + offs
-            live = pos < end
+            live = (pos < end) & (pos >= first)
             k, v = _load_tile(k_cache_ptr, v_cache_ptr, tables_ptr, b, kvh, stride_tb, stride_kb, stride_kt, stride_kh,
-                              stride_vb, stride_vt, stride_vh, tile_start, end, pos, live, dims, dim_ok, PAGE, BLOCK_N,
-                              TILE_IN_PAGE, FULL_TILES)
+                              stride_vb, stride_vt, stride_vh, tile_start, first, end, pos, live, dims, dim_ok, PAGE,
+                              BLOCK_N, TILE_IN_PAGE, FULL_TILES)
             k, v = k.to(q.dtype), v.to(q.dtype)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -163,10 +167,10 @@ if triton is not None:
                      row_ok[:, None] & dim_ok[None, :], row_ok, out_ptr, stride_ob, stride_oh, part_out_ptr,
                      part_lse_ptr, HEAD_DIM_P)
 
-    @triton.jit(do_not_specialize=["tables_ptr", "stride_tb"])
+    @triton.jit(do_not_specialize=["tables_ptr", "stride_tb", "window"])
     def _decode_f8_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, rot_ptr, tables_ptr, seq_lens_ptr,
-        out_ptr, part_out_ptr, part_lse_ptr, qk_scale,
+        out_ptr, part_out_ptr, part_lse_ptr, qk_scale, window,
         stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_tb,
         stride_ob, stride_oh,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
@@ -179,8 +183,8 @@ if triton is not None:
         Sylvester's), so q is turned by R here and the output by R^T = R."""
         kvh = tl.program_id(0)  # a sequence's KV heads side by side: their rows share the cache's lines
         b = tl.program_id(1)
-        split, num_splits, start, end, heads, row_ok, dims, dim_ok = _program(
-            seq_lens_ptr, b, kvh, BLOCK_N, GROUP, GROUP_P, HEAD_DIM, HEAD_DIM_P)
+        split, num_splits, start, end, first, heads, row_ok, dims, dim_ok = _program(
+            seq_lens_ptr, b, kvh, window, BLOCK_N, GROUP, GROUP_P, HEAD_DIM, HEAD_DIM_P)
         q_t = tl.load(q_ptr + b * stride_qb + heads[None, :] * stride_qh + dims[:, None],
                       mask=dim_ok[:, None] & row_ok[None, :], other=0.0).to(tl.float32)
         if HADAMARD:
@@ -196,10 +200,10 @@ if triton is not None:
         offs = tl.arange(0, BLOCK_N)
         for tile_start in range(start, end, BLOCK_N):
             pos = tile_start + offs
-            live = pos < end
+            live = (pos < end) & (pos >= first)
             k, v = _load_tile(k_cache_ptr, v_cache_ptr, tables_ptr, b, kvh, stride_tb, stride_kb, stride_kt, stride_kh,
-                              stride_vb, stride_vt, stride_vh, tile_start, end, pos, live, dims, dim_ok, PAGE, BLOCK_N,
-                              TILE_IN_PAGE, FULL_TILES)
+                              stride_vb, stride_vt, stride_vh, tile_start, first, end, pos, live, dims, dim_ok, PAGE,
+                              BLOCK_N, TILE_IN_PAGE, FULL_TILES)
             k, v = k.to(dot_dtype), v.to(dot_dtype)  # exact: e4m3 values are float16 values
             if IEEE:
                 s = tl.dot(k, q_t, input_precision="ieee")
@@ -243,6 +247,7 @@ if triton is not None:
 
 
 LOG2E = 1.4426950408889634
+FULL_CONTEXT = 1 << 30  # the window argument of a layer of full attention: longer than any context
 
 
 @dataclass(frozen=True)
@@ -271,18 +276,19 @@ def num_splits(batch: int, kv_heads: int, max_seqlen_k: int, num_sms: int, cfg: 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, splits: int, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None, cfg: DecodeConfig = DecodeConfig(),
-                 rotation: torch.Tensor | None = None, hadamard: bool = False) -> torch.Tensor:
+                 rotation: torch.Tensor | None = None, hadamard: bool = False, window: int | None = None) -> torch.Tensor:
     """q: [B, H, D], one query per sequence at the end of its context of `seq_lens[b]` tokens (its own
     K/V already stored); caches [num_blocks, page, Hkv, D]; block_tables int32 [B, W]. -> [B, H, D].
     `rotation` [D, D]: the cache holds K and V times it (RotatedKVLayer.rotation); q and the output stay in the
     model's basis. `hadamard` (`is_hadamard(rotation)`, float8 caches): the kernel turns them; else two GEMMs
-    around the kernel do (one rounding each, in q's dtype)."""
+    around the kernel do (one rounding each, in q's dtype). `window`: the query sees only its context's last
+    `window` keys (a sliding-window layer; the tiles before them are not read)."""
     fp8 = k_cache.element_size() == 1
     dim = q.shape[-1]
     if rotation is not None and not (hadamard and fp8 and dim & (dim - 1) == 0):
         q = torch.matmul(q, rotation)
         return torch.matmul(paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, k_scale, v_scale,
-                                         cfg), rotation.T)
+                                         cfg, window=window), rotation.T)
     if q.stride(-1) != 1:
         q = q.contiguous()
     batch, heads, dim = q.shape
@@ -309,13 +315,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             k_scale = v_scale = torch.ones((), dtype=torch.float32, device=q.device)
         _decode_f8_kernel[(kv_heads, batch, splits)](
             q, k_cache, v_cache, k_scale, v_scale, rotation if rotation is not None else k_scale, block_tables,
-            seq_lens, out, part_out, part_lse, scale * LOG2E, *strides,
+            seq_lens, out, part_out, part_lse, scale * LOG2E, window or FULL_CONTEXT, *strides,
             GROUP=group, GROUP_P=max(8, triton.next_power_of_2(group)),
             FULL_TILES=page % cfg.block_n == 0 and dim == dim_p, HADAMARD=rotation is not None,
             LOG2_D=dim_p.bit_length() - 1, num_stages=cfg.num_stages_8bit, **tiling)
     else:
         _decode_split_kernel[(batch, kv_heads, splits)](
-            q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, scale * LOG2E, *strides,
+            q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, scale * LOG2E, window or FULL_CONTEXT,
+            *strides,
             GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)),
             FULL_TILES=page % cfg.block_n == 0 and dim == dim_p and k_cache.element_size() != 2,
             num_stages=cfg.num_stages, **tiling)
@@ -344,9 +351,12 @@ class TritonDecode:
     def prepare(self, meta) -> None:
         # max_seqlen_k is the model's limit in a captured graph, so a graph's grid fits every replay
         self.meta = meta
-        self.splits = num_splits(meta.num_seqs, self.spec.num_kv_heads, meta.max_seqlen_k, self.num_sms, self.cfg)
+        # per window of the model's layers: a sliding window's tiles span at most one more than the window
+        self.splits = {w: num_splits(meta.num_seqs, self.spec.num_kv_heads, meta.max_seqlen_k if w is None
+                                     else min(meta.max_seqlen_k, w + self.cfg.block_n), self.num_sms, self.cfg)
+                       for w in self.spec.windows}
 
     def forward(self, q, k_cache, v_cache, layer) -> torch.Tensor:
-        meta = self.meta
-        return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.spec.scale, self.splits,
-                            layer.k_scale, layer.v_scale, self.cfg, rotation_of(layer), hadamard_of(layer))
+        meta, window = self.meta, self.spec.window(layer.index)
+        return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.spec.scale, self.splits[window],
+                            layer.k_scale, layer.v_scale, self.cfg, rotation_of(layer), hadamard_of(layer), window)

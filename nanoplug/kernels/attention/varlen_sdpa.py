@@ -44,9 +44,10 @@ class CudaVarlenAttention:
 
     @staticmethod
     def usable(spec: AttentionSpec) -> bool:
-        fn, _ = _varlen()
+        fn, params = _varlen()
+        windows_served = spec.windows == {None} or "window_size" in params  # a sliding window needs window_size
         return (fn is not None and spec.device.type == "cuda" and spec.dtype in (torch.float16, torch.bfloat16)
-                and spec.cache_dtype == spec.dtype)
+                and spec.cache_dtype == spec.dtype and windows_served)
 
     def __init__(self, spec: AttentionSpec):
         self.spec = spec
@@ -60,6 +61,8 @@ class CudaVarlenAttention:
         # one query per sequence, the last of its context, sees every key: no mask, and then FlashAttention
         # lays the query heads of a KV head out as the rows of one tile (each K/V read once per KV head)
         self.one_query = {**common, **({"window_size": (-1, -1)} if windowed else {"is_causal": False})}
+        if windowed:  # a sliding-window layer: w - 1 keys back and itself (FlashAttention's window_size)
+            self.windowed = {w: {**common, "window_size": (w - 1, 0)} for w in spec.windows if w is not None}
         self.torch_pages = {"block_table", "seqused_k"} <= params and spec.block_size % 256 == 0
         self.packed = None
         limits = spec.limits
@@ -85,9 +88,13 @@ class CudaVarlenAttention:
             self.path = "varlen, packed pages"
             self.groups = self.packed.groups(meta)
 
-    def forward(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, layer) -> torch.Tensor:
         meta = self.meta
-        kwargs = self.one_query if meta.max_seqlen_q == 1 else self.causal
+        window = self.spec.window(layer.index)
+        if window is not None:
+            kwargs = self.windowed[window]
+        else:
+            kwargs = self.one_query if meta.max_seqlen_q == 1 else self.causal
         if self.path == "varlen":
             out = self.fn(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q, meta.max_seqlen_q,
                           **kwargs)

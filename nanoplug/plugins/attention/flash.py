@@ -162,38 +162,42 @@ class FlashAttention(AttentionBackend, RotatedCacheReader):
             self.fp8_pages.prepare(meta, self.spec.block_size)
 
     def forward(self, q, k, v, k_cache, v_cache, layer):
-        meta, scale = self.meta, self.spec.scale
+        meta, window = self.meta, self.spec.window(layer.index)
+        options = {"softmax_scale": self.spec.scale}
+        if window is not None:  # a sliding-window layer: FlashAttention's window_size, w - 1 keys back and itself
+            options["window_size"] = (window - 1, 0)
         if self.split_step:
             return self.split_decode.forward(q, k_cache, v_cache, layer)
         if self.fp8 and self.paged:
             k_cache, v_cache, meta = self.fp8_pages.gather(k_cache, v_cache, layer, q.dtype)
         if self.kernels.name == "FA2":
-            return self._fa2(q, k, v, k_cache, v_cache, meta, scale)
+            return self._fa2(q, k, v, k_cache, v_cache, meta, options)
         if not self.paged:
             bound = max(meta.max_seqlen_q, FA4_MIN_SEQLEN_Q)
             out = self.kernels.varlen(q, k, v, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_q,
-                                      max_seqlen_q=bound, max_seqlen_k=bound, softmax_scale=scale, causal=True)
+                                      max_seqlen_q=bound, max_seqlen_k=bound, **options, causal=True)
         elif not meta.is_prefill:
             # decode as a batch of one-token queries [B, 1, H, D], not varlen: no per-call tile
             # scheduling, 25% faster on the H200 (benchmarks/gpu_decode_attention.py)
             out = self.kernels.varlen(q.unsqueeze(1), k_cache, v_cache, seqused_k=meta.seq_lens,
-                                      page_table=meta.block_tables, softmax_scale=scale, causal=True)
+                                      page_table=meta.block_tables, **options, causal=True)
             out = out[0] if isinstance(out, tuple) else out
             return out.squeeze(1)
         else:
             out = self.kernels.varlen(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, seqused_k=meta.seq_lens,
                                       max_seqlen_q=max(meta.max_seqlen_q, FA4_MIN_SEQLEN_Q),
-                                      page_table=meta.block_tables, softmax_scale=scale, causal=True)
+                                      page_table=meta.block_tables, **options, causal=True)
         return out[0] if isinstance(out, tuple) else out
 
-    def _fa2(self, q, k, v, k_cache, v_cache, meta, scale):
+    def _fa2(self, q, k, v, k_cache, v_cache, meta, options):
         if meta.is_prefill and not meta.has_cached_context:
             return self.kernels.varlen(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q,
-                                       meta.max_seqlen_q, softmax_scale=scale, causal=True)
+                                       meta.max_seqlen_q, **options, causal=True)
         if meta.is_prefill:
             return self.kernels.varlen(q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
-                                       meta.max_seqlen_k, softmax_scale=scale, causal=True,
+                                       meta.max_seqlen_k, **options, causal=True,
                                        block_table=meta.block_tables)
         out = self.kernels.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
-                                        block_table=meta.block_tables, softmax_scale=scale, causal=True)
+                                        block_table=meta.block_tables, **options, causal=True)
         return out.squeeze(1)
+

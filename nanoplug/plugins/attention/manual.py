@@ -40,7 +40,11 @@ class ManualAttention(AttentionBackend):
             scores = (qi @ ki.transpose(1, 2)) * spec.scale
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
             k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
-            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+            masked = k_pos > q_pos
+            window = spec.window(layer.index)
+            if window is not None:  # a sliding-window layer: keys more than window - 1 back are out of sight
+                masked |= k_pos <= q_pos - window
+            scores = scores.masked_fill(masked, float("-inf"))
             out[start:start + q_len] = (scores.softmax(dim=-1) @ vi).transpose(0, 1).to(q.dtype)
             start += q_len
         return out

@@ -5,7 +5,8 @@ prefill, and paged steps too where it can read the cache's pages (through torch'
 packed by a Triton kernel): then decode reads no device value on the host and runs under CUDA graphs.
 Elsewhere `scaled_dot_product_attention` runs over a padded batch, with keys read from the paged cache
 through the block tables, so cached prefixes, chunked prefill and decode all work; the padding and the
-causal-with-offset mask are built once per step in `prepare`, not per layer. Decode steps on the CPU
+causal-with-offset mask are built once per step in `prepare`, not per layer (one mask per sliding window the
+model's layers declare). Decode steps on the CPU
 gather live tokens only (paged_decode.py). Each step's path is counted in `paths`, by (step kind, path).
 """
 from __future__ import annotations
@@ -75,13 +76,15 @@ class SdpaAttention(AttentionBackend):
         self.fresh = not meta.has_cached_context
         q_pos = (seq_lens - q_lens).unsqueeze(1) + torch.arange(max_q, device=dev).unsqueeze(0)  # [B, Lq]
         k_pos = torch.arange(max_q if self.fresh else num_blocks * block_size, device=dev)
-        self.mask = (k_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)) & (k_pos.view(1, 1, -1) < seq_lens.view(-1, 1, 1))
-        self.mask = self.mask.unsqueeze(1)  # [B, 1, Lq, Lk]
+        mask = (k_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)) & (k_pos.view(1, 1, -1) < seq_lens.view(-1, 1, 1))
+        # one mask per window the model's layers use (None: full attention), each [B, 1, Lq, Lk]
+        self.masks = {w: (mask if w is None else mask & (k_pos.view(1, 1, -1) > q_pos.unsqueeze(2) - w)).unsqueeze(1)
+                      for w in self.spec.windows}
         self.max_q = max_q
 
     def forward(self, q, k, v, k_cache, v_cache, layer):
         if self.fast:
-            return self.cuda.forward(q, k, v, k_cache, v_cache)
+            return self.cuda.forward(q, k, v, k_cache, v_cache, layer)
         if self.decoding:
             return self.paged_decode.forward(q, k_cache, v_cache, layer)
         num_seqs = self.blocks.shape[0]
@@ -102,7 +105,7 @@ class SdpaAttention(AttentionBackend):
         if self.cast and not self.fresh:
             kp, vp = layer.dequantize(kp, vp, q.dtype)
         out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), kp, vp, attn_mask=self.mask, scale=self.spec.scale,
+            qp.transpose(1, 2), kp, vp, attn_mask=self.masks[self.spec.window(layer.index)], scale=self.spec.scale,
             enable_gqa=self.spec.num_heads != self.spec.num_kv_heads,
         )
         return out.transpose(1, 2)[self.row, self.col]

@@ -60,6 +60,10 @@ class XformersAttention(AttentionBackend):
                            f"(got {target.block_size})")
         if importlib.util.find_spec("triton") is None:
             reasons.append("decode by xformers' triton_splitk needs triton; pip install triton")
+        if target.model is not None and target.model.has_sliding_window:
+            reasons.append("sliding-window layers are not served: xformers' paged decode (triton_splitk over "
+                           "BlockDiagonalCausalWithOffsetPaddedKeysMask) has no local-attention variant; use "
+                           "attention='flash', 'triton' or 'sdpa'")
         lib, why = load_xformers()
         if lib is None:
             reasons.append(f"{why}; pip install xformers (a build matching this torch), and if flash_attn.cute "
