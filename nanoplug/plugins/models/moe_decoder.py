@@ -25,6 +25,13 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
     block_name = "mlp"  # checkpoint module of the MoE block (Mixtral: block_sparse_moe)
     expert_parts = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None)}
     shared_expert = False
+    # the experts' fields are read by build_mlp / is_sparse / router_renormalize; the router's training-only fields
+    # (aux loss, logits output, jitter noise) do not change inference
+    honoured_fields = DecoderForCausalLM.honoured_fields | {
+        "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+        "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size", "qkv_bias",
+        "output_router_logits", "router_aux_loss_coef", "router_jitter_noise",
+    }
 
     def __init__(self, hf_config: Any, layers, attention_factory, max_positions: int | None = None):
         self.check_config(hf_config, max_positions)
