@@ -80,13 +80,15 @@ def entry_points(monkeypatch):
 # ----------------------------------------------------------------------------------- built-ins
 def test_builtins_of_every_kind_are_listed_and_not_imported_until_asked():
     reg = Registry(load_entry_points=False)
-    assert set(reg.entries) == set(KIND_HOOKS) == {"attention", "kv_cache", "model", "parallel", "adapter", "platform"}
+    assert set(reg.entries) == set(KIND_HOOKS) == {"attention", "kv_cache", "model", "parallel", "adapter", "platform",
+                                                      "structured_output"}
     assert {"manual", "sdpa", "flash", "xformers"} <= set(reg.names("attention"))
     assert {"torch", "triton"} <= set(reg.names("kv_cache"))
     assert {"Qwen3ForCausalLM", "LlamaForCausalLM"} <= set(reg.names("model"))
     assert {"single", "tensor"} <= set(reg.names("parallel"))
     assert "lora" in reg.names("adapter")
     assert {"cpu", "cuda"} <= set(reg.names("platform"))
+    assert {"xgrammar", "llguidance"} <= set(reg.names("structured_output"))
     assert all(e.cls is None and e.source == "built-in" for k in reg.entries.values() for e in k.values())
     assert reg.get("attention", "manual") is ManualAttention
     assert reg.entries["attention"]["manual"].cls is ManualAttention

@@ -37,6 +37,7 @@ from nanoplug.worker.runner import PluginClasses, RunnerFactory, WorkerSpec
 from nanoplug.engine.scheduler import Scheduled, Scheduler
 from nanoplug.engine.sequence import PENDING, Sequence, Status
 from nanoplug.engine.startup import Checkpoint, resolve_plugins, with_weight_format
+from nanoplug.engine.structured import StructuredOutputs
 from nanoplug.engine.tokenizer import load_tokenizer
 
 __all__ = ["EngineCore", "EngineRequest", "EngineStats", "RequestUpdate"]
@@ -77,6 +78,7 @@ class _Launched:
     sampled: list[Sequence]  # the sequence of each sample row (n > 1: a fork puts several on one query row)
     prompt_scored: list[tuple[Sequence, int, int]]  # (sequence, first position, count) of the prompt logprobs
     row_of: dict[int, int]  # seq_id -> row of the step's sampled tokens
+    masked: list[Sequence] | None = None  # structured outputs: the sequence of each of sampling.mask_rows
 
 
 class EngineCore:
@@ -100,6 +102,8 @@ class EngineCore:
         self.device, self.dtype = target.device, target.dtype
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(checkpoint_dir(config.model))
         self.eos_token_ids = self._eos_ids()
+        self.structured = StructuredOutputs(*StructuredOutputs.resolve(self.registry, config.structured_output, target),
+                                            self.tokenizer, self.facts.vocab_size, self.eos_token_ids)
         plugins = PluginClasses(
             model=self.choices["model"].cls,
             prefill_attention=self.choices["prefill_attention"].cls,
@@ -123,6 +127,7 @@ class EngineCore:
         self.scheduler = Scheduler(config, BlockManager(num_blocks, config.kv_block_size, config.enable_prefix_caching))
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, config.max_model_len)
         self.overlap = self._wants_overlap()
+        self.defers_sampling = bool(getattr(self.worker, "defers_sampling", False))
         self.requests: dict[str, RequestState] = {}  # every request added and not finished, by id
         self.in_flight: _Launched | None = None  # overlapped: the launched step whose tokens are still to come
         self.last_step = (False, 0, 0)  # (is_prefill, tokens, sequences) of the last step resolved
@@ -164,7 +169,9 @@ class EngineCore:
 
     def describe_plugins(self) -> list[str]:
         """One line per kind: what was asked, what was chosen, and why."""
-        return self.choices.describe()
+        so = self.structured.resolution
+        return self.choices.describe() + [so.describe() if so is not None else
+                                          f"structured_output: asked 'auto', none ({self.structured.why_none})"]
 
     # ---------------------------------------------------------------------------- requests
     def _check_open(self) -> None:
@@ -202,6 +209,8 @@ class EngineCore:
             raise RequestError(f"prompt {index} has stop strings, but this LLM has no tokenizer "
                                "(skip_tokenizer_init=True) to read text; use stop_token_ids")
         check_token_ids(params, vocab, f"prompt {index}")
+        if params.structured_outputs is not None:
+            self.structured.check(params, f"prompt {index}")  # compiled now: a bad constraint is never queued
         if params.adapter is not None and params.adapter not in self.request_adapter_ids:
             loaded = ", ".join(map(repr, self.request_adapter_ids)) or "none"
             raise RequestError(
@@ -277,6 +286,7 @@ class EngineCore:
         temps, top_ks, top_ps, min_ps, seeds, positions, adapter_ids = [], [], [], [], [], [], []
         prev_at, prev_rows, sampled, prompt_scored = [], [], [], []
         processing, logprob_rows, num_top = None, [], []
+        mask_rows, masked = [], []
         plp_at, plp_ids, plp_top = [], [], 0
         row_of = self.in_flight.row_of if self.in_flight is not None else {}
         for i, item in enumerate(batch):
@@ -309,6 +319,9 @@ class EngineCore:
                         logits_rows.append(len(rows))
                     if p.needs_sampler_extras:
                         processing = self._sampler_extras(s, len(rows), processing, logprob_rows, num_top)
+                    if p.structured_outputs is not None:
+                        mask_rows.append(len(rows))
+                        masked.append(s)
                     rows.append(i)
                     sampled.append(s)
                     temps.append(p.temperature)
@@ -318,12 +331,16 @@ class EngineCore:
                     seeds.append(p.seed)
                     positions.append(len(s))
         sampling = SamplingBatch(temps, top_ks, top_ps, min_ps, seeds, positions, processing, logprob_rows, num_top)
+        if masked:  # overlapped: the masks follow the launch (`_sample_masked`), once the grammars know every token
+            sampling.mask_rows, sampling.mask_later = mask_rows, self.overlap and self.defers_sampling
+            if not sampling.mask_later:
+                sampling.bitmask = self.structured.masks(masked)
         blocks = self.scheduler.blocks
         step = StepBatch(is_prefill, input_ids, starts, q_lens, tables, rows, sampling, logits_rows, adapter_ids,
                          new_blocks=blocks.take_new_blocks(), from_previous_at=prev_at, from_previous_rows=prev_rows,
                          block_copies=blocks.take_copies(), prompt_logprob_at=plp_at, prompt_logprob_ids=plp_ids,
                          prompt_logprob_top=plp_top)
-        return _Launched(batch, step, sampled, prompt_scored, {})
+        return _Launched(batch, step, sampled, prompt_scored, {}, masked or None)
 
     def _sampler_extras(self, seq: Sequence, row: int, processing: LogitsProcessingBatch | None,
                         logprob_rows: list[int], num_top: list[int]) -> LogitsProcessingBatch | None:
@@ -365,6 +382,10 @@ class EngineCore:
             self.scheduler.advance(batch)
             return updates + self._apply(launched, result)
         launched = None
+        if self.in_flight is not None and self.in_flight.masked and not self.defers_sampling:
+            # a worker that cannot sample after its launch: a grammar's mask needs the step before it collected
+            previous, self.in_flight = self.in_flight, None
+            updates += self._apply(previous, self.worker.collect())
         if self.scheduler.has_work():
             batch, is_prefill = self.scheduler.schedule()
             if batch:
@@ -377,8 +398,17 @@ class EngineCore:
         if previous is None:
             if launched is None and self.scheduler.has_work():
                 raise RuntimeError(NOTHING_TO_RUN)
+            self._sample_masked(launched)
             return updates
-        return updates + self._apply(previous, self.worker.collect())
+        updates += self._apply(previous, self.worker.collect())
+        self._sample_masked(launched)
+        return updates
+
+    def _sample_masked(self, launched: _Launched | None) -> None:
+        """Structured outputs, overlapped: the launched step's forward runs while the previous step's tokens
+        advanced the grammars; now its masks are filled on the host and it is sampled under them."""
+        if launched is not None and launched.step.sampling.mask_later:
+            self.worker.sample(self.structured.masks(launched.masked))
 
     def _apply(self, launched: _Launched, result: StepResult) -> list[RequestUpdate]:
         """Give a finished step's tokens to their sequences, register full blocks, check for stops."""
@@ -412,6 +442,12 @@ class EngineCore:
                 if logprobs_of is not None and k in logprobs_of:
                     state.logprobs.append(logprobs_of[k])
                 reason = outputs.finish_reason(state, token)
+                if seq.params.structured_outputs is not None:
+                    done = self.structured.accept(seq, token)
+                    if reason is None and done is not None:  # the grammar ended (even with ignore_eos), or broke
+                        reason = done
+                        if state.detok is not None:
+                            state.detok.flush()
                 if reason is not None:
                     self.scheduler.finish(seq, reason)
                     updates.append(self._sample_finished(state))

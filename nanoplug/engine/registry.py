@@ -26,6 +26,7 @@ from nanoplug.api import (AttentionBackend, KVCacheStore, ModelArchitecture, Par
                           WeightAdapter, hookspecs)
 from nanoplug.api.errors import PluginLoadError, PluginUnavailableError, UnknownPluginError
 from nanoplug.api.hookspecs import KIND_HOOKS, PLUGIN_API_VERSION
+from nanoplug.api.structured import StructuredOutputBackend
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -41,6 +42,7 @@ KIND_BASES = {
     "parallel": ParallelStrategy,
     "adapter": WeightAdapter,
     "platform": Platform,
+    "structured_output": StructuredOutputBackend,
 }
 ENTRY_POINT_GROUP = "nanoplug"
 DISABLE_ENTRY_POINTS_ENV = "NANOPLUG_DISABLE_ENTRY_POINTS"

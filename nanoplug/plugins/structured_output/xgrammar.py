@@ -1,0 +1,74 @@
+"""Structured output `xgrammar`: MLC's grammar engine (JSON schema, regex, EBNF, Lark), masks filled on the host."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from typing import Any
+
+import numpy as np
+
+from nanoplug.api import Constraint, ConstraintError, GrammarMatcher, StructuredOutputBackend, Target
+
+JSON_SEPARATORS = (", ", ": ")  # one space after each, no free whitespace: llguidance is set alike (same tokens)
+
+
+class _Matcher(GrammarMatcher):
+    def __init__(self, matcher: Any):
+        self.m = matcher
+
+    def accept(self, token: int) -> bool:
+        return self.m.accept_token(token)
+
+    def fill_mask(self, bitmask: np.ndarray, row: int) -> None:
+        self.m.fill_next_token_bitmask(bitmask, row)
+
+    @property
+    def terminated(self) -> bool:
+        return self.m.is_terminated()
+
+
+class XGrammarBackend(StructuredOutputBackend):
+    description = "xgrammar: JSON schema, regex, choice, EBNF/GBNF and Lark; CPU masks"
+    priority = 20
+
+    @classmethod
+    def unavailable(cls, target: Target) -> list[str]:
+        return [] if importlib.util.find_spec("xgrammar") else ["xgrammar is not installed; pip install xgrammar"]
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
+        super().__init__(tokenizer, vocab_size, stop_token_ids)
+        import xgrammar
+
+        self.xgr = xgrammar
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=self.stop_token_ids)
+        # the engine caches compiled grammars itself (one owner), so xgrammar's own cache stays off
+        self.compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+
+    def compile(self, constraint: Constraint) -> Any:
+        kind, text, c = constraint.kind, constraint.text, self.compiler
+        try:
+            if kind == "json":
+                return c.compile_json_schema(text, any_whitespace=False, separators=JSON_SEPARATORS)
+            if kind == "json_object":
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=JSON_SEPARATORS)
+            if kind == "regex":
+                return c.compile_regex(text)
+            if kind == "choice":
+                return c.compile_grammar("root ::= " + " | ".join(json.dumps(s, ensure_ascii=False)
+                                                                  for s in json.loads(text)))
+            if kind == "grammar":
+                return c.compile_grammar(text)
+            if kind == "lark":
+                return c.compile_lark(text)
+        except Exception as exc:  # xgrammar raises RuntimeError/ValueError with the feature or syntax error
+            raise ConstraintError(f"xgrammar cannot compile this {kind} constraint: {_first_line(exc)}") from None
+        raise ConstraintError(f"xgrammar compiles {', '.join(self.kinds)}, not {kind!r}")
+
+    def matcher(self, compiled: Any) -> GrammarMatcher:
+        return _Matcher(self.xgr.GrammarMatcher(compiled))
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:500]
