@@ -50,7 +50,8 @@ class GrammarMatcher(ABC):
 
     @abstractmethod
     def fill_mask(self, bitmask: np.ndarray, row: int) -> None:
-        """Write the allowed next tokens into row `row` of an int32 [rows, words] bitmask."""
+        """Write the allowed next tokens into row `row` of an int32 [rows, words] bitmask (once `terminated`: any
+        row that allows at least the stop tokens; the engine never samples past the end)."""
 
     @property
     @abstractmethod

@@ -97,12 +97,13 @@ class StructuredOutputs:
         return seq.grammar
 
     def masks(self, seqs: list[Sequence]) -> np.ndarray:
-        """The packed bitmask of each sequence's allowed next tokens, int32 [len(seqs), words]. A sequence that
-        ended (its row runs ahead for nothing) or whose grammar is stuck gets every token."""
+        """The packed bitmask of each sequence's allowed next tokens, int32 [len(seqs), words]. A grammar that is
+        complete allows the stop tokens (a row of an ended sequence runs ahead for nothing); one that is stuck
+        allows every token."""
         bitmask = np.empty((len(seqs), self.words), dtype=np.int32)
         for row, seq in enumerate(seqs):
             matcher = self._matcher(seq)
-            if seq.grammar_failed or matcher.terminated:
+            if seq.grammar_failed:
                 bitmask[row] = -1
             else:
                 matcher.fill_mask(bitmask, row)

@@ -20,7 +20,10 @@ class _Matcher(GrammarMatcher):
         return self.m.accept_token(token)
 
     def fill_mask(self, bitmask: np.ndarray, row: int) -> None:
-        self.m.fill_next_token_bitmask(bitmask, row)
+        if self.m.is_terminated():  # it accepted a stop token: the row runs ahead of a finished sequence
+            bitmask[row] = -1
+        else:
+            self.m.fill_next_token_bitmask(bitmask, row)
 
     @property
     def terminated(self) -> bool:
