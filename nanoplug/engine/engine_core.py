@@ -23,6 +23,7 @@ from typing import Any
 from nanoplug.api import LogitsProcessingBatch, LogprobsTensors, SamplingBatch, SlotInit, StepBatch, StepResult
 from nanoplug.engine.blocks import BlockManager
 from nanoplug.engine.chat_template import chat_token_ids
+from nanoplug.engine.chat_tools import for_template
 from nanoplug.config import EngineConfig, SamplingParams
 from nanoplug.engine.context_length import checked_max_model_len
 from nanoplug.errors import EngineClosedError, RequestError
@@ -465,17 +466,25 @@ class EngineCore:
             generated_tokens_total=self.generated_tokens_total,
         )
 
-    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
         """The conversation through the checkpoint's chat template, as token ids. Text inside the messages
-        never becomes a special token (see core/chat_template.py); the template's own tokens do."""
+        never becomes a special token (see core/chat_template.py); the template's own tokens do. `tools` (and
+        tool calls and results in the messages) go through engine/chat_tools.py first."""
         self._check_open()
         if self.tokenizer is None:
             raise RequestError("chat needs the checkpoint's tokenizer and chat template, but this LLM was created "
                                "with skip_tokenizer_init=True; give generate() token ids instead")
         if not getattr(self.tokenizer, "chat_template", None):
             raise RequestError(f"the tokenizer of {self.config.model!r} has no chat template; use generate() with plain text")
+        if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages if isinstance(m, dict)):
+            messages, tools = for_template(messages, tools, self.tokenizer.chat_template, self.tool_call_format)
         with self._tokenizer_lock:
-            return chat_token_ids(self.tokenizer, messages)
+            return chat_token_ids(self.tokenizer, messages, tools)
+
+    @property
+    def tool_call_format(self) -> Any:
+        """How this model writes tool calls (its model plugin's ToolCallFormat), or None."""
+        return getattr(self.choices["model"].cls, "tool_call_format", None)
 
     def close(self) -> None:
         """Stop the worker; safe to call twice."""

@@ -20,6 +20,8 @@ from nanoplug.server.protocol import ChatRequest, CompletionRequest
 from nanoplug.server.render import Responder, encode, usage
 from nanoplug.server.sampling import check_chat, check_completion, sampling_params
 from nanoplug.server.streams import RequestStream, read
+from nanoplug.server.structured import constraint_of
+from nanoplug.server.tools import ToolPlan, chat_messages
 
 CHAT_ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
 
@@ -42,8 +44,10 @@ def add_routes(app: FastAPI, state: Any, auth: Any) -> None:
         if body.echo and any(not isinstance(p, str) for p in prompts):
             raise bad_request("echo works with text prompts only; send the prompt as a string", param="echo")
         n = body.n or 1
+        constraint = constraint_of(body)
         responder = Responder(chat=False, model=state.settings.model_name, token_text=state.engine.token_text)
-        items = [(prompt, [(f"{responder.id}-{i * n + j}", sampling_params(body, body.max_tokens or 16, j, body.logprobs))
+        items = [(prompt, [(f"{responder.id}-{i * n + j}", sampling_params(body, body.max_tokens or 16, j, body.logprobs,
+                                                                           constraint))
                            for j in range(n)]) for i, prompt in enumerate(prompts)]
         echo = [p for p in prompts for _ in range(n)] if body.echo else None
         return await respond(state, request, responder, items, n, bool(body.stream), body.include_usage,
@@ -56,20 +60,29 @@ def add_routes(app: FastAPI, state: Any, auth: Any) -> None:
         n = body.n or 1
         max_tokens = body.max_completion_tokens or body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        messages = [{"role": CHAT_ROLES.get(m.role, m.role), "content": m.text()} for m in body.messages]
+        messages = chat_messages(body.messages, CHAT_ROLES)
+        plan = ToolPlan.of(body, getattr(state.engine, "tool_call_format", None))
+        constraint = constraint_of(body)
+        if plan is not None and plan.constraint() is not None:
+            if constraint is not None:
+                raise bad_request(f"tool_choice={body.tool_choice!r} generates the call under its own grammar; "
+                                  "leave out response_format (or the other constraint)", param="tool_choice")
+            constraint = plan.constraint()
+        prompt = {"messages": messages, "tools": plan.tools} if plan is not None else messages
         responder = Responder(chat=True, model=state.settings.model_name, token_text=state.engine.token_text)
-        items = [(messages, [(f"{responder.id}-{j}", sampling_params(body, max_tokens or 1, j, logprobs))
-                             for j in range(n)])]
+        items = [(prompt, [(f"{responder.id}-{j}", sampling_params(body, max_tokens or 1, j, logprobs, constraint))
+                           for j in range(n)])]
         return await respond(state, request, responder, items, n, bool(body.stream), body.include_usage,
-                             fill_context=max_tokens is None)
+                             fill_context=max_tokens is None, plan=plan)
 
 
 async def respond(state: Any, request: Request, responder: Responder, items: list, n: int, stream: bool,
-                  include_usage: bool, fill_context: bool, echo: list[str] | None = None) -> Response:
+                  include_usage: bool, fill_context: bool, echo: list[str] | None = None,
+                  plan: ToolPlan | None = None) -> Response:
     with state.admit(sum(len(choices) for _, choices in items)):
         streams = await state.engine.submit(items, fill_context)
     if stream:
-        events = _events(state, responder, streams, n, include_usage, echo)
+        events = _events(state, responder, streams, n, include_usage, echo, plan)
         return EventSourceResponse(events, shutdown_event=anyio.Event(),
                                    shutdown_grace_period=state.settings.shutdown_grace_s)
     collect = asyncio.ensure_future(_collect(streams, n, echo))
@@ -84,7 +97,8 @@ async def respond(state: Any, request: Request, responder: Responder, items: lis
     if not collect.done() or collect.cancelled():
         return Response(status_code=499)  # nobody is listening; the status shows in the logs and metrics
     texts, reasons, logprobs, usage_body = collect.result()  # raises the stream's APIError (shutdown, engine failure)
-    return JSONResponse(responder.body(texts, reasons, logprobs, usage_body, echo))
+    body = responder.body(texts, reasons, logprobs, usage_body, echo)
+    return JSONResponse(plan.rewrite(body) if plan is not None else body)
 
 
 class _Usage:
@@ -122,9 +136,11 @@ async def _collect(streams: list[RequestStream], n: int, echo: list[str] | None)
 
 
 async def _events(state: Any, responder: Responder, streams: list[RequestStream], n: int, include_usage: bool,
-                  echo: list[str] | None):
-    """The SSE stream: one event per choice per read (what piled up since the last read, merged)."""
+                  echo: list[str] | None, plan: ToolPlan | None = None):
+    """The SSE stream: one event per choice per read (what piled up since the last read, merged); with tools,
+    the deltas each choice's ToolStream makes of its text."""
     counted = _Usage(len(streams), n)
+    tool_streams = [plan.stream() for _ in streams] if plan is not None else None
     try:
         if responder.chat or echo:
             for i in range(len(streams)):
@@ -132,7 +148,12 @@ async def _events(state: Any, responder: Responder, streams: list[RequestStream]
         async for got in read(streams):
             for i, delta in got:
                 counted.add(i, delta)
-                if delta.text or delta.finished or delta.logprobs:
+                if tool_streams is not None:
+                    for chunk in responder.tool_chunks(i, *tool_streams[i].feed(delta.text, delta.finished,
+                                                                               delta.finish_reason),
+                                                       delta.finished, include_usage):
+                        yield chunk
+                elif delta.text or delta.finished or delta.logprobs:
                     yield responder.chunk(i, delta, include_usage)
         if include_usage:
             yield responder.usage_chunk(counted.body())

@@ -32,6 +32,7 @@ class EngineLoop:
         self.max_model_len, self.max_num_seqs = self.config.max_model_len, self.config.max_num_seqs
         self.streams = Streams()
         self.token_text = token_texts(self.core.tokenizer)  # for logprobs
+        self.tool_call_format = self.core.tool_call_format  # how its model writes tool calls (server/tools.py)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stepper = Stepper(self.core, self._on_step, self._on_failure)
         self._prepare = ThreadPoolExecutor(1, thread_name_prefix="nanoplug-prepare")
