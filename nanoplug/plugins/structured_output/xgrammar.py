@@ -3,6 +3,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import sys
+import tempfile
+import threading
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -10,6 +15,28 @@ import numpy as np
 from nanoplug.api import Constraint, ConstraintError, GrammarMatcher, StructuredOutputBackend, Target
 
 JSON_SEPARATORS = (", ", ": ")  # one space after each, no free whitespace: llguidance is set alike (same tokens)
+_STDERR_LOCK = threading.Lock()
+
+
+@contextmanager
+def _warnings_of_cpp(found: list[str]):
+    """Collect what xgrammar's C++ prints on stderr while compiling: it warns (and goes on) where it approximates a
+    schema (oneOf as anyOf, multipleOf on numbers ignored, allOf partly). Other lines are written back."""
+    with _STDERR_LOCK, tempfile.TemporaryFile() as sink:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            for line in sink.read().decode(errors="replace").splitlines():
+                if "Warning:" in line:
+                    found.append(line.split("Warning:", 1)[1].strip())
+                else:
+                    print(line, file=sys.stderr)
 
 
 class _Matcher(GrammarMatcher):
@@ -52,7 +79,7 @@ class XGrammarBackend(StructuredOutputBackend):
         kind, text, c = constraint.kind, constraint.text, self.compiler
         try:
             if kind == "json":
-                return c.compile_json_schema(text, any_whitespace=False, separators=JSON_SEPARATORS)
+                return self._json(text)
             if kind == "json_object":
                 return c.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=JSON_SEPARATORS)
             if kind == "regex":
@@ -67,6 +94,15 @@ class XGrammarBackend(StructuredOutputBackend):
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError with the feature or syntax error
             raise ConstraintError(f"xgrammar cannot compile this {kind} constraint: {_first_line(exc)}") from None
         raise ConstraintError(f"xgrammar compiles {', '.join(self.kinds)}, not {kind!r}")
+
+    def _json(self, text: str) -> Any:
+        """A schema xgrammar would only approximate is refused with its own warning: outputs must validate."""
+        warnings: list[str] = []
+        with _warnings_of_cpp(warnings):
+            compiled = self.compiler.compile_json_schema(text, any_whitespace=False, separators=JSON_SEPARATORS)
+        if warnings:
+            raise ValueError(f"it would only approximate the schema: {warnings[0]} (llguidance may serve it)")
+        return compiled
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
         return _Matcher(self.xgr.GrammarMatcher(compiled))
