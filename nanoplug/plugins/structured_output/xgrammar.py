@@ -97,6 +97,10 @@ class XGrammarBackend(StructuredOutputBackend):
 
     def _json(self, text: str) -> Any:
         """A schema xgrammar would only approximate is refused with its own warning: outputs must validate."""
+        missing = _required_without_properties(json.loads(text))
+        if missing:  # xgrammar drops such a name silently (found by JSONSchemaBench's Github_easy/o28187)
+            raise ValueError(f"it cannot generate the required property {missing!r}, which has no schema under "
+                             "properties (llguidance may serve it)")
         warnings: list[str] = []
         with _warnings_of_cpp(warnings):
             compiled = self.compiler.compile_json_schema(text, any_whitespace=False, separators=JSON_SEPARATORS)
@@ -106,6 +110,23 @@ class XGrammarBackend(StructuredOutputBackend):
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
         return _Matcher(self.xgr.GrammarMatcher(compiled))
+
+
+def _required_without_properties(schema: Any) -> str | None:
+    """A property some object of `schema` requires but does not declare (None: there is none)."""
+    if isinstance(schema, list):
+        return next((m for m in map(_required_without_properties, schema) if m), None)
+    if not isinstance(schema, dict):
+        return None
+    required, properties = schema.get("required"), schema.get("properties")
+    if isinstance(required, list) and (isinstance(properties, dict) or "additionalProperties" not in schema):
+        declared = properties if isinstance(properties, dict) else {}
+        extra = schema.get("additionalProperties", False)
+        if extra is False or extra is None:
+            missing = next((r for r in required if isinstance(r, str) and r not in declared), None)
+            if missing:
+                return missing
+    return next((m for m in map(_required_without_properties, schema.values()) if m), None)
 
 
 def _first_line(exc: Exception) -> str:
