@@ -127,7 +127,7 @@ def e2e(llm, schema: dict, batch: int, max_tokens: int) -> dict[str, float]:
     out = {}
     for label, extra in (("none", {"ignore_eos": True}), ("schema", {"structured_outputs": {"json": schema}})):
         params = [SamplingParams(temperature=0.8, seed=i, max_tokens=max_tokens, **extra) for i in range(batch)]
-        llm.generate([prompt] * batch, params[:1], use_tqdm=False)  # warm (and compile the schema's grammar)
+        llm.generate([prompt], params[:1], use_tqdm=False)  # warm (and compile the schema's grammar)
         started = time.perf_counter()
         outs = llm.generate([prompt] * batch, params, use_tqdm=False)
         seconds = time.perf_counter() - started
