@@ -10,7 +10,7 @@ from typing import Any
 
 from nanoplug.api.hookspecs import PLUGIN_API_VERSION, hookimpl
 
-__all__ = ["LLM", "AdapterSpec", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "StreamDelta",
+__all__ = ["LLM", "AdapterSpec", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "StreamDelta",
            "TokenLogprobs", "Registry", "hookimpl", "PLUGIN_API_VERSION"]
 __version__ = "0.1.0"
 
@@ -23,6 +23,7 @@ _LAZY = {
     "AdapterSpec": "nanoplug.config",
     "EngineConfig": "nanoplug.config",
     "SamplingParams": "nanoplug.config",
+    "StructuredOutputsParams": "nanoplug.config",
     "Registry": "nanoplug.engine.registry",  # the plugins this process sees: LLM(path, registry=...)
 }
 

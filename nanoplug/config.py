@@ -13,7 +13,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator, model_validator
 
 from nanoplug.api.options import Bool, Float, Int, _integer_scalar
 
@@ -99,6 +99,8 @@ class EngineConfig(BaseModel):
     skip_tokenizer_init: Bool = Field(False, description="load no tokenizer (as vLLM's option): prompts must be token "
                                       "ids, outputs carry token ids and empty text, no stop strings or chat")
     seed: Int = 0
+    structured_output: PluginName = Field("auto", description="the constrained-decoding backend (xgrammar, "
+                                          "llguidance); auto: the best one installed")
     # every other keyword is a platform's options, under its name: cpu={"kernels": False}, cuda={...}, or a
     # third-party platform's; the engine validates each through that platform's own model (`Platform.Options`)
     __pydantic_extra__: dict[str, Annotated[dict[str, Any], BeforeValidator(_options_part)]] = Field(init=False)
@@ -154,6 +156,59 @@ class EngineConfig(BaseModel):
         return value
 
 
+class StructuredOutputsParams(BaseModel):
+    """One constraint on a request's output (vLLM's StructuredOutputsParams): exactly one field set.
+
+    json: a JSON schema (a dict, or its text); json_object: any JSON object; regex; choice: one of these
+    strings; grammar: EBNF/GBNF (rules written `name ::= ...`) or else Lark."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    # vLLM's keyword `json` (an attribute of that name would shadow pydantic's BaseModel.json)
+    json_schema: dict[str, Any] | Bool | str | None = Field(None, alias="json")
+    json_object: Bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutputsParams":
+        given = [name for name in type(self).model_fields if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            given = ["json" if name == "json_schema" else name for name in given]
+            raise ValueError("give exactly one of json, json_object, regex, choice, grammar; found "
+                             + (", ".join(given) or "none"))
+        if isinstance(self.json_schema, str):
+            import json
+
+            try:
+                json.loads(self.json_schema)
+            except ValueError as exc:
+                raise ValueError(f"json is not a JSON schema: {exc}") from None
+        if self.choice is not None and not self.choice:
+            raise ValueError("choice must list at least one string")
+        return self
+
+    @cached_property
+    def constraint(self) -> "Constraint":
+        """As the backends compile it (plain text, so equal constraints share one compiled grammar)."""
+        import json
+
+        from nanoplug.api.structured import Constraint
+
+        if self.json_schema is not None:
+            schema = self.json_schema if isinstance(self.json_schema, str) else json.dumps(
+                {} if self.json_schema is True else self.json_schema, ensure_ascii=False)
+            return Constraint("json", schema)
+        if self.json_object:
+            return Constraint("json_object", "")
+        if self.regex is not None:
+            return Constraint("regex", self.regex)
+        if self.choice is not None:
+            return Constraint("choice", json.dumps(self.choice, ensure_ascii=False))
+        return Constraint("grammar" if "::=" in self.grammar else "lark", self.grammar)
+
+
 class SamplingParams(BaseModel):
     """What to sample for one request. temperature 0 means greedy."""
 
@@ -183,6 +238,8 @@ class SamplingParams(BaseModel):
                                       "positive logits divided, negative ones multiplied by it; 1 leaves them")
     logit_bias: dict[TokenIdKey, Annotated[Float, Field(ge=-100, le=100)]] = Field(
         default_factory=dict, description="token id -> value added to its logit before sampling (OpenAI's)")
+    structured_outputs: StructuredOutputsParams | None = Field(
+        None, description="constrain the output to a JSON schema, any JSON object, a regex, a choice or a grammar")
 
     @field_validator("stop", mode="before")
     @classmethod

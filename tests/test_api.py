@@ -16,6 +16,8 @@ PINNED = [
     "AdapterOptions", "RequestAdapters", "ModelArchitecture", "Platform", "StepGraphs", "PrefillGraphs", "Target", "ModelFacts",
     "StepBatch", "SamplingBatch", "StepResult", "StepInputs", "StepLimits", "AttentionMetadata", "AttentionSpec",
     "KVCacheSpec", "KVLayer", "to_device", "LogitsProcessingBatch", "SlotInit", "LogprobsTensors",
+    "StructuredOutputBackend", "GrammarMatcher", "Constraint", "ConstraintError", "CONSTRAINT_KINDS", "ToolCallFormat",
+    "HERMES_TOOL_CALLS", "bitmask_words", "unpack_bitmask",
     "Worker", "WorkerMethod", "WorkerReport", "StartupTimes", "StepStats",
     "LinearMethod", "DenseLinearMethod", "check_shape", "copy_weight", "Layers", "LinearBase", "VocabParallelEmbedding",
     "ParallelLMHead", "RMSNorm", "rms_norm", "add_rms_norm", "RotaryEmbedding", "apply_rope", "rope_inv_freq",
@@ -46,10 +48,11 @@ def test_the_top_level_names_still_work():
     assert set(nanoplug.__all__) <= set(dir(nanoplug))
 
 
-def test_the_seven_kinds_each_have_a_hook_and_a_base_class():
+def test_every_kind_has_a_hook_and_a_base_class():
     bases = {"attention": api.AttentionBackend, "kv_cache": api.KVCacheStore, "model": api.ModelArchitecture,
              "parallel": api.ParallelStrategy, "adapter": api.WeightAdapter,
-             "weight_format": api.WeightFormat, "platform": api.Platform}
+             "weight_format": api.WeightFormat, "platform": api.Platform,
+             "structured_output": api.StructuredOutputBackend}
     assert list(api.KIND_HOOKS) == list(bases)
     for kind, hook in api.KIND_HOOKS.items():
         assert hook == f"nanoplug_register_{kind}" and hasattr(api.hookspecs, hook)

@@ -81,7 +81,7 @@ def entry_points(monkeypatch):
 def test_builtins_of_every_kind_are_listed_and_not_imported_until_asked():
     reg = Registry(load_entry_points=False)
     assert set(reg.entries) == set(KIND_HOOKS) == {"attention", "kv_cache", "model", "parallel", "adapter",
-                                                  "weight_format", "platform"}
+                                                  "weight_format", "platform", "structured_output"}
     assert {"manual", "sdpa", "flash", "xformers"} <= set(reg.names("attention"))
     assert {"torch", "triton"} <= set(reg.names("kv_cache"))
     assert {"Qwen3ForCausalLM", "LlamaForCausalLM"} <= set(reg.names("model"))
@@ -89,6 +89,7 @@ def test_builtins_of_every_kind_are_listed_and_not_imported_until_asked():
     assert reg.names("adapter") == ["lora"]  # adapters are LoRA; weight formats are their own kind
     assert {"dense", "gguf", "gguf_triton", "fp8"} <= set(reg.names("weight_format"))
     assert {"cpu", "cuda"} <= set(reg.names("platform"))
+    assert {"xgrammar", "llguidance"} <= set(reg.names("structured_output"))
     assert all(e.cls is None and e.source == "built-in" for k in reg.entries.values() for e in k.values())
     assert reg.get("attention", "manual") is ManualAttention
     assert reg.entries["attention"]["manual"].cls is ManualAttention

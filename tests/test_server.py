@@ -198,8 +198,8 @@ def test_bad_requests_are_400_with_openai_shaped_bodies(server, client):
     assert _error(exc)["param"] == "messages"
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model=model, messages=CHAT,
-                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    assert _error(exc)["param"] == "tools"
+                                       tools=[{"type": "function", "function": {"parameters": {}}}])  # no name
+    assert _error(exc)["param"] == "tools.0"
     # malformed JSON and a body that is not an object
     for raw in (b'{"prompt": "hi", ', b"[1, 2]"):
         r = httpx.post(f"{server.url}/v1/completions", content=raw, headers={**server.headers(),

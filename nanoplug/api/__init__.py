@@ -20,6 +20,9 @@ from nanoplug.api.triton_support import import_triton, interpreting, triton_reas
 from nanoplug.api.step import (AttentionMetadata, AttentionSpec, KVCacheSpec, KVLayer, LogitsProcessingBatch,
                                LogprobsTensors, PromptLogprobsBatch, SamplingBatch, SlotInit, StepBatch, StepInputs,
                                StepLimits, StepResult, to_device)
+from nanoplug.api.structured import (CONSTRAINT_KINDS, Constraint, ConstraintError, GrammarMatcher,
+                                     StructuredOutputBackend, ToolCallFormat, HERMES_TOOL_CALLS, bitmask_words,
+                                     unpack_bitmask)
 from nanoplug.api.target import ModelFacts, Target
 from nanoplug.api.worker import StartupTimes, StepStats, Worker, WorkerMethod, WorkerReport
 
@@ -32,6 +35,9 @@ __all__ = [
     # one step as data
     "StepBatch", "SamplingBatch", "StepResult", "StepInputs", "StepLimits", "AttentionMetadata", "AttentionSpec",
     "KVCacheSpec", "KVLayer", "to_device", "LogitsProcessingBatch", "PromptLogprobsBatch", "SlotInit", "LogprobsTensors",
+    # constrained decoding (structured outputs) and tool-call formats
+    "StructuredOutputBackend", "GrammarMatcher", "Constraint", "ConstraintError", "CONSTRAINT_KINDS", "ToolCallFormat",
+    "HERMES_TOOL_CALLS", "bitmask_words", "unpack_bitmask",
     # the worker protocol
     "Worker", "WorkerMethod", "WorkerReport", "StartupTimes", "StepStats",
     # the linear-method seam and the layer library

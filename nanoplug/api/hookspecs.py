@@ -1,4 +1,4 @@
-"""The seven hook specs a nanoplug plugin implements: each adds what it offers to a registrar.
+"""The hook specs a nanoplug plugin implements (one per kind): each adds what it offers to a registrar.
 
 A plugin module implements one or more of these with `@hookimpl` and sets `NANOPLUG_API_VERSION`
 to the plugin API version it was written for. Built-ins are declared in nanoplug/registry.toml
@@ -26,6 +26,7 @@ KIND_HOOKS = {
     "adapter": "nanoplug_register_adapter",
     "weight_format": "nanoplug_register_weight_format",
     "platform": "nanoplug_register_platform",
+    "structured_output": "nanoplug_register_structured_output",
 }
 """Plugin kind -> the hook that registers plugins of that kind."""
 
@@ -64,3 +65,9 @@ def nanoplug_register_weight_format(register) -> None:
 @hookspec
 def nanoplug_register_platform(register) -> None:
     """Add platforms (device families): `register.add("npu", NpuPlatform)` (a Platform subclass)."""
+
+
+@hookspec
+def nanoplug_register_structured_output(register) -> None:
+    """Add constrained-decoding backends: `register.add("xgrammar", XGrammarBackend)` (a StructuredOutputBackend
+    subclass)."""

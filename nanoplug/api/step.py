@@ -57,6 +57,12 @@ class SamplingBatch:
     processing: LogitsProcessingBatch | None = None  # penalties and bias; None when no row has any
     logprob_rows: list[int] = field(default_factory=list)  # rows that want the logprobs of their token
     num_top_logprobs: list[int] = field(default_factory=list)  # for each of them, how many alternatives
+    # structured outputs: rows sampled under a grammar, and their packed allowed-token bitmask (int32 numpy
+    # [len(mask_rows), ceil(vocab / 32)], bit j of word w allows token 32 w + j). mask_later: the bitmask comes
+    # after the launch (Worker.sample), once the previous step's tokens have advanced the grammars
+    mask_rows: list[int] = field(default_factory=list)
+    bitmask: Any = None
+    mask_later: bool = False
 
     @property
     def all_greedy(self) -> bool:

@@ -87,6 +87,15 @@ class Worker(ABC):
     def num_kv_blocks(self) -> int:
         """How many KV blocks the engine may hand out (the scratch block not counted)."""
 
+    defers_sampling = False
+    """True when `sample` is implemented: a step launched with `sampling.mask_later` waits for its grammar bitmask
+    (structured outputs), computed on the host while its forward runs. False: the engine collects the step
+    before instead (no overlap while constrained requests run)."""
+
+    def sample(self, bitmask) -> None:
+        """Sample the step launched with `sampling.mask_later`, under `bitmask` (see `defers_sampling`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not defer sampling")
+
     def shutdown(self) -> None:
         """Stop and release everything; safe to call twice."""
 

@@ -43,6 +43,9 @@ def add_parser(sub) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no fused small-op kernels")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--structured-output", default="auto",
+                   help="constrained-decoding backend for response_format, guided_* and tool calls: xgrammar, "
+                   "llguidance (default: auto)")
     p.set_defaults(func=run)
 
 
@@ -61,7 +64,8 @@ def engine_config(args: argparse.Namespace):
     options = dict(attention=args.attention, kv_cache=args.kv_cache, device=args.device, dtype=args.dtype,
                    max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, kv_block_size=args.kv_block_size,
-                   num_kv_blocks=args.num_kv_blocks, tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
+                   num_kv_blocks=args.num_kv_blocks, tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
+                   structured_output=args.structured_output)
     if args.tensor_parallel_size > 1:
         options["parallel"] = "tensor"
     options = {k: v for k, v in options.items() if v is not None}  # unset: the engine's own default

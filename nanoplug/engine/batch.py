@@ -13,6 +13,7 @@ feature no request of the step uses costs one attribute test per row.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from nanoplug.api import (LogitsProcessingBatch, LogprobsTensors, PromptLogprobsBatch, SamplingBatch, SlotInit, StepBatch,
                           StepResult)
@@ -34,6 +35,7 @@ class Launched:
     sampled: list[Sequence]  # the sequence of each sample row (n > 1: a fork puts several on one query row)
     prompt_scored: list[tuple[Sequence, int, int]]  # (sequence, first position, count) of the prompt logprobs
     row_of: dict[int, int]  # seq_id -> row of the step's sampled tokens (set once launched overlapped)
+    masked: list[Sequence] | None = None  # structured outputs: the sequence of each of sampling.mask_rows
 
     def number_rows(self) -> None:
         """Record each sampled sequence's row, for the next step to read its placeholder token from."""
@@ -57,9 +59,14 @@ class Launched:
 class BatchBuilder:
     """Builds each step's data from the scheduler's batch; the owner of every row feature (see the module)."""
 
-    def __init__(self, blocks: BlockManager, penalty_slots: PenaltySlots):
+    def __init__(self, blocks: BlockManager, penalty_slots: PenaltySlots, structured: Any = None,
+                 masks_later: bool = False):
+        """`structured`: the engine's StructuredOutputs (grammar masks of constrained rows); `masks_later`: an
+        overlapped worker samples after its launch, so the masks follow it (EngineCore._sample_masked)."""
         self.blocks = blocks
         self.penalty_slots = penalty_slots
+        self.structured = structured
+        self.masks_later = masks_later
 
     def build(self, batch: list[Scheduled], is_prefill: bool, in_flight: Launched | None) -> Launched:
         """The step's data, with the sequence of each sample row and the prompt positions it scores.
@@ -70,6 +77,7 @@ class BatchBuilder:
         prev_at, prev_rows, sampled, prompt_scored = [], [], [], []
         processing, logprob_rows, num_top = None, [], []
         plp_at, plp_ids, plp_top = [], [], 0
+        mask_rows, masked = [], []
         row_of = in_flight.row_of if in_flight is not None else {}
         for i, item in enumerate(batch):
             seq, n = item.seq, item.num_tokens
@@ -101,6 +109,9 @@ class BatchBuilder:
                         logits_rows.append(len(rows))
                     if p.needs_sampler_extras:
                         processing = self._sampler_extras(s, len(rows), processing, logprob_rows, num_top)
+                    if p.structured_outputs is not None:
+                        mask_rows.append(len(rows))
+                        masked.append(s)
                     rows.append(i)
                     sampled.append(s)
                     temps.append(p.temperature)
@@ -110,12 +121,16 @@ class BatchBuilder:
                     seeds.append(p.seed)
                     positions.append(len(s))
         sampling = SamplingBatch(temps, top_ks, top_ps, min_ps, seeds, positions, processing, logprob_rows, num_top)
+        if masked:  # overlapped: the masks follow the launch, once the grammars know every token
+            sampling.mask_rows, sampling.mask_later = mask_rows, self.masks_later
+            if not sampling.mask_later:
+                sampling.bitmask = self.structured.masks(masked)
         blocks = self.blocks
         step = StepBatch(is_prefill, input_ids, starts, q_lens, tables, rows, sampling, logits_rows, adapter_ids,
                          new_blocks=blocks.take_new_blocks(), from_previous_at=prev_at, from_previous_rows=prev_rows,
                          block_copies=blocks.take_copies(),
                          prompt_logprobs=PromptLogprobsBatch(plp_at, plp_ids, plp_top) if plp_at else None)
-        return Launched(batch, step, sampled, prompt_scored, {})
+        return Launched(batch, step, sampled, prompt_scored, {}, masked or None)
 
     def _sampler_extras(self, seq: Sequence, row: int, processing: LogitsProcessingBatch | None,
                         logprob_rows: list[int], num_top: list[int]) -> LogitsProcessingBatch | None:

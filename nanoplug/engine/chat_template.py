@@ -66,10 +66,12 @@ def _template_refused(exc: Exception) -> RequestError:
     return RequestError(f"the chat template refused the messages: {exc}")
 
 
-def _render(tokenizer: Any, messages: Any) -> str:
+def _render(tokenizer: Any, messages: Any, tools: list[dict] | None = None) -> str:
     from jinja2 import TemplateError
 
     try:
+        if tools:  # (only then: a template that never heard of the keyword renders as before)
+            return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except TemplateError as exc:  # the template's own raise_exception(...), e.g. roles out of order
         raise _template_refused(exc) from exc
@@ -97,27 +99,28 @@ def _special_texts_in(messages: Any, specials: list[str]) -> set[str]:
     return found
 
 
-def chat_token_ids(tokenizer: Any, messages: Any) -> list[int]:
-    """The conversation with the generation prompt, as token ids; the messages' text stays text."""
+def chat_token_ids(tokenizer: Any, messages: Any, tools: list[dict] | None = None) -> list[int]:
+    """The conversation with the generation prompt, as token ids; the messages' text stays text. `tools`: the
+    functions a template that knows tools renders (engine/chat_tools.py)."""
     specials = special_texts(tokenizer)
     _check_messages(messages, specials)
     if not _special_texts_in(messages, specials):  # nothing to guard: transformers' own result
-        return list(tokenizer.encode(_render(tokenizer, list(messages)), add_special_tokens=False))
-    return guarded_chat_token_ids(tokenizer, messages)
+        return list(tokenizer.encode(_render(tokenizer, list(messages), tools), add_special_tokens=False))
+    return guarded_chat_token_ids(tokenizer, messages, tools)
 
 
-def guarded_chat_token_ids(tokenizer: Any, messages: Any) -> list[int]:
+def guarded_chat_token_ids(tokenizer: Any, messages: Any, tools: list[dict] | None = None) -> list[int]:
     """chat_token_ids the guarded way, whether or not the messages hold special text (tests compare it
     with transformers' plain result on messages without any)."""
     specials = special_texts(tokenizer)
     _check_messages(messages, specials)
     if not specials:  # no special token at all: no text can become one
-        return list(tokenizer.encode(_render(tokenizer, list(messages)), add_special_tokens=False))
+        return list(tokenizer.encode(_render(tokenizer, list(messages), tools), add_special_tokens=False))
     marker = secrets.token_hex(8)
     placeholders = {s: f"\ue000{marker}{k}\ue001" for k, s in enumerate(specials)}
     swap = re.compile("|".join(map(re.escape, specials)))
     guarded = _walk(list(messages), lambda where, text: swap.sub(lambda m: placeholders[m.group()], text))
-    text = _render(tokenizer, guarded)
+    text = _render(tokenizer, guarded, tools)
     # pieces tokenized apart must give the whole text's tokens (checked with the placeholders still in)
     if _pieces_ids(tokenizer, text, swap, {}) != list(tokenizer.encode(text, add_special_tokens=False)):
         found = ", ".join(map(repr, sorted(_special_texts_in(messages, specials)))) or "none"

@@ -24,6 +24,7 @@ from nanoplug.api import StepResult
 from nanoplug.engine.batch import BatchBuilder, Launched
 from nanoplug.engine.blocks import BlockManager
 from nanoplug.engine.chat_template import chat_token_ids
+from nanoplug.engine.chat_tools import for_template
 from nanoplug.config import EngineConfig, SamplingParams
 from nanoplug.errors import EngineClosedError, RequestError
 from nanoplug.engine.outputs import OutputProcessor, RequestState, RequestUpdate
@@ -32,6 +33,7 @@ from nanoplug.engine.requests import EngineRequest, RequestMaker
 from nanoplug.engine.scheduler import Scheduler
 from nanoplug.engine.sequence import Sequence, Status
 from nanoplug.engine.startup import start
+from nanoplug.engine.structured import StructuredOutputs
 
 __all__ = ["EngineCore", "EngineRequest", "EngineStats", "RequestUpdate"]
 log = logging.getLogger("nanoplug")
@@ -65,11 +67,17 @@ class EngineCore:
         self.choices, self.device, self.dtype = wired.choices, wired.target.device, wired.target.dtype
         self.tokenizer, self.eos_token_ids = wired.tokenizer, wired.eos_token_ids
         self.worker, self.num_kv_blocks, self.overlap = wired.worker, wired.num_kv_blocks, wired.overlap
+        self.structured = StructuredOutputs(*StructuredOutputs.resolve(self.registry, config.structured_output,
+                                                                       wired.target),
+                                            self.tokenizer, self.facts.vocab_size, self.eos_token_ids)
+        # a worker that can sample after its launch (Worker.sample): a grammar's masks follow an overlapped launch
+        self.defers_sampling = bool(getattr(self.worker, "defers_sampling", False))
         windows = self.facts.sliding_windows  # blocks are released only when every layer's window passed them
         window = max(windows) if windows and None not in windows else None
         blocks = BlockManager(wired.num_kv_blocks, config.kv_block_size, config.enable_prefix_caching, window)
         self.scheduler = Scheduler(config, blocks)
-        self.builder = BatchBuilder(self.scheduler.blocks, self.scheduler.penalty_slots)
+        self.builder = BatchBuilder(self.scheduler.blocks, self.scheduler.penalty_slots, self.structured,
+                                    self.overlap and self.defers_sampling)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, config.max_model_len)
         self.requests: dict[str, RequestState] = {}  # every request added and not finished, by id
         self.in_flight: Launched | None = None  # overlapped: the launched step whose tokens are still to come
@@ -88,7 +96,9 @@ class EngineCore:
     # --------------------------------------------------------------------------- start-up
     def describe_plugins(self) -> list[str]:
         """One line per kind: what was asked, what was chosen, and why."""
-        return self.choices.describe()
+        so = self.structured.resolution
+        return self.choices.describe() + [so.describe() if so is not None else
+                                          f"structured_output: asked 'auto', none ({self.structured.why_none})"]
 
     # ---------------------------------------------------------------------------- requests
     def _check_open(self) -> None:
@@ -101,7 +111,10 @@ class EngineCore:
         """Tokenize and check one prompt and its SamplingParams (engine/requests.py); raises RequestError
         saying what is wrong. `index`: the prompt's place in the caller's list, for messages."""
         self._check_open()
-        return self.request_maker.make(prompt, params, request_id, index=index, incremental_text=incremental_text)
+        request = self.request_maker.make(prompt, params, request_id, index=index, incremental_text=incremental_text)
+        if request.params.structured_outputs is not None:
+            self.structured.check(request.params, f"prompt {index}")  # compiled now: a bad constraint is never queued
+        return request
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request for the next step (any thread)."""
@@ -183,6 +196,10 @@ class EngineCore:
             self.scheduler.advance(batch)
             return updates + self._apply(launched, result)
         launched = None
+        if self.in_flight is not None and self.in_flight.masked and not self.defers_sampling:
+            # a worker that cannot sample after its launch: a grammar's mask needs the step before it collected
+            previous, self.in_flight = self.in_flight, None
+            updates += self._apply(previous, self.worker.collect())
         if self.scheduler.has_work():
             batch, is_prefill = self.scheduler.schedule()
             if batch:
@@ -195,8 +212,17 @@ class EngineCore:
         if previous is None:
             if launched is None and self.scheduler.has_work():
                 raise RuntimeError(NOTHING_TO_RUN)
+            self._sample_masked(launched)
             return updates
-        return updates + self._apply(previous, self.worker.collect())
+        updates += self._apply(previous, self.worker.collect())
+        self._sample_masked(launched)
+        return updates
+
+    def _sample_masked(self, launched: Launched | None) -> None:
+        """Structured outputs, overlapped: the launched step's forward runs while the previous step's tokens
+        advanced the grammars; now its masks are filled on the host and it is sampled under them."""
+        if launched is not None and launched.step.sampling.mask_later:
+            self.worker.sample(self.structured.masks(launched.masked))
 
     def _apply(self, launched: Launched, result: StepResult) -> list[RequestUpdate]:
         """Give a finished step's tokens to their sequences, register full blocks, check for stops."""
@@ -223,6 +249,12 @@ class EngineCore:
                 if logprobs_of is not None and k in logprobs_of:
                     state.logprobs.append(logprobs_of[k])
                 reason = outputs.finish_reason(state, token)
+                if seq.params.structured_outputs is not None:
+                    done = self.structured.accept(seq, token)
+                    if reason is None and done is not None:  # the grammar ended (even with ignore_eos), or broke
+                        reason = done
+                        if state.detok is not None:
+                            state.detok.flush()
                 if reason is not None:
                     self.scheduler.finish(seq, reason)
                     updates.append(self._sample_finished(state))
@@ -240,17 +272,25 @@ class EngineCore:
             generated_tokens_total=self.generated_tokens_total,
         )
 
-    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
         """The conversation through the checkpoint's chat template, as token ids. Text inside the messages
-        never becomes a special token (see core/chat_template.py); the template's own tokens do."""
+        never becomes a special token (see core/chat_template.py); the template's own tokens do. `tools` (and
+        tool calls and results in the messages) go through engine/chat_tools.py first."""
         self._check_open()
         if self.tokenizer is None:
             raise RequestError("chat needs the checkpoint's tokenizer and chat template, but this LLM was created "
                                "with skip_tokenizer_init=True; give generate() token ids instead")
         if not getattr(self.tokenizer, "chat_template", None):
             raise RequestError(f"the tokenizer of {self.config.model!r} has no chat template; use generate() with plain text")
+        if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages if isinstance(m, dict)):
+            messages, tools = for_template(messages, tools, self.tokenizer.chat_template, self.tool_call_format)
         with self._tokenizer_lock:
-            return chat_token_ids(self.tokenizer, messages)
+            return chat_token_ids(self.tokenizer, messages, tools)
+
+    @property
+    def tool_call_format(self) -> Any:
+        """How this model writes tool calls (its model plugin's ToolCallFormat), or None."""
+        return getattr(self.choices["model"].cls, "tool_call_format", None)
 
     def close(self) -> None:
         """Stop the worker; safe to call twice."""

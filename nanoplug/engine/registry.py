@@ -26,6 +26,7 @@ from nanoplug.api import (AttentionBackend, KVCacheStore, ModelArchitecture, Par
                           WeightAdapter, WeightFormat, hookspecs)
 from nanoplug.api.errors import PluginLoadError, PluginUnavailableError, UnknownPluginError
 from nanoplug.api.hookspecs import KIND_HOOKS, PLUGIN_API_VERSION
+from nanoplug.api.structured import StructuredOutputBackend
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -42,6 +43,7 @@ KIND_BASES = {
     "adapter": WeightAdapter,
     "weight_format": WeightFormat,
     "platform": Platform,
+    "structured_output": StructuredOutputBackend,
 }
 ENTRY_POINT_GROUP = "nanoplug"
 DISABLE_ENTRY_POINTS_ENV = "NANOPLUG_DISABLE_ENTRY_POINTS"

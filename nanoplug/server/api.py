@@ -23,6 +23,8 @@ from nanoplug.server.render import (Responder, completion_logprobs, encode, prom
                                     vllm_prompt_logprobs)
 from nanoplug.server.sampling import check_chat, check_completion, sampling_params
 from nanoplug.server.streams import RequestStream, read
+from nanoplug.server.structured import constraint_of
+from nanoplug.server.tools import ToolPlan, chat_messages
 
 CHAT_ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
 
@@ -52,8 +54,9 @@ def add_routes(app: FastAPI, state: Any) -> None:
         if body.stream and (echo_logprobs or body.prompt_logprobs is not None):
             raise bad_request("the prompt's logprobs (echo with logprobs, prompt_logprobs) come in a whole response; "
                               "send stream=false", param="stream")
+        constraint = constraint_of(body)
         responder = Responder(chat=False, model=state.settings.model_name, token_text=engine.token_text)
-        params = sampling_params(body, max(max_tokens, 1), 0, body.logprobs)
+        params = sampling_params(body, max(max_tokens, 1), 0, body.logprobs, constraint)
         plp = body.prompt_logprobs if body.prompt_logprobs is not None else body.logprobs if echo_logprobs else None
         if plp is not None:
             params = params.model_copy(update={"prompt_logprobs": plp})
@@ -74,13 +77,21 @@ def add_routes(app: FastAPI, state: Any) -> None:
         max_tokens = body.max_completion_tokens or body.max_tokens
         check_request(body, state.engine, state.capacity, 1, 1, max_tokens)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        messages = [{"role": CHAT_ROLES.get(m.role, m.role), "content": m.text()} for m in body.messages]
+        messages = chat_messages(body.messages, CHAT_ROLES)
+        plan = ToolPlan.of(body, getattr(state.engine, "tool_call_format", None))
+        constraint = constraint_of(body)
+        if plan is not None and plan.constraint() is not None:
+            if constraint is not None:
+                raise bad_request(f"tool_choice={body.tool_choice!r} generates the call under its own grammar; "
+                                  "leave out response_format (or the other constraint)", param="tool_choice")
+            constraint = plan.constraint()
+        prompt = {"messages": messages, "tools": plan.tools} if plan is not None else messages
         responder = Responder(chat=True, model=state.settings.model_name, token_text=state.engine.token_text)
-        params = sampling_params(body, max_tokens or 1, 0, logprobs)
-        items = [(messages, [(f"{responder.id}-{j}", params if body.seed is None else
-                              params.model_copy(update={"seed": body.seed + j})) for j in range(n)])]
+        params = sampling_params(body, max_tokens or 1, 0, logprobs, constraint)
+        items = [(prompt, [(f"{responder.id}-{j}", params if body.seed is None else
+                            params.model_copy(update={"seed": body.seed + j})) for j in range(n)])]
         return await respond(state, request, responder, items, n, bool(body.stream), body.include_usage,
-                             fill_context=max_tokens is None)
+                             fill_context=max_tokens is None, plan=plan)
 
 
 @dataclass
@@ -105,7 +116,8 @@ def _echo_texts(state: Any, shape: Shape, streams: list[RequestStream]) -> list[
 
 
 async def respond(state: Any, request: Request, responder: Responder, items: list, n: int, stream: bool,
-                  include_usage: bool, fill_context: bool, shape: Shape | None = None) -> Response:
+                  include_usage: bool, fill_context: bool, shape: Shape | None = None,
+                  plan: ToolPlan | None = None) -> Response:
     shape = shape or Shape()
     with state.admit(sum(len(choices) for _, choices in items)):
         if shape.wants_prompt_ids:
@@ -114,7 +126,7 @@ async def respond(state: Any, request: Request, responder: Responder, items: lis
             streams = await state.engine.submit(items, fill_context)
     echo = _echo_texts(state, shape, streams)
     if stream:
-        events = _events(state, responder, streams, n, include_usage, echo, shape)
+        events = _events(state, responder, streams, n, include_usage, echo, shape, plan)
         return EventSourceResponse(events, shutdown_event=anyio.Event(),
                                    shutdown_grace_period=state.settings.shutdown_grace_s)
     collect = asyncio.ensure_future(_collect(streams, n, echo, shape))
@@ -137,7 +149,7 @@ async def respond(state: Any, request: Request, responder: Responder, items: lis
                 choice["logprobs"] = completion_logprobs(prompt + (logprobs[i] or []), responder.token_text, 0)
             if shape.prompt_logprobs:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(prompt_lps[i], responder.token_text)
-    return JSONResponse(body)
+    return JSONResponse(plan.rewrite(body) if plan is not None else body)
 
 
 class _Usage:
@@ -180,9 +192,11 @@ async def _collect(streams: list[RequestStream], n: int, echo: list[str] | None,
 
 
 async def _events(state: Any, responder: Responder, streams: list[RequestStream], n: int, include_usage: bool,
-                  echo: list[str] | None, shape: Shape):
-    """The SSE stream: one event per choice per read (what piled up since the last read, merged)."""
+                  echo: list[str] | None, shape: Shape, plan: ToolPlan | None = None):
+    """The SSE stream: one event per choice per read (what piled up since the last read, merged); with tools,
+    the deltas each choice's ToolStream makes of its text."""
     counted = _Usage(len(streams), n)
+    tool_streams = [plan.stream() for _ in streams] if plan is not None else None
     try:
         if responder.chat or echo:
             for i in range(len(streams)):
@@ -192,7 +206,12 @@ async def _events(state: Any, responder: Responder, streams: list[RequestStream]
                 if shape.drop_output:
                     delta.token_ids, delta.text, delta.logprobs = [], "", None
                 counted.add(i, delta)
-                if delta.text or delta.finished or delta.logprobs:
+                if tool_streams is not None:
+                    for chunk in responder.tool_chunks(i, *tool_streams[i].feed(delta.text, delta.finished,
+                                                                               delta.finish_reason),
+                                                       delta.finished, include_usage):
+                        yield chunk
+                elif delta.text or delta.finished or delta.logprobs:
                     yield responder.chunk(i, delta, include_usage)
         if include_usage:
             yield responder.usage_chunk(counted.body())

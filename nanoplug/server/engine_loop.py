@@ -37,6 +37,7 @@ class EngineLoop:
         self.streams = Streams()
         self.tokenizer = self.core.tokenizer
         self.token_text = token_texts(self.tokenizer)  # for logprobs
+        self.tool_call_format = self.core.tool_call_format  # how its model writes tool calls (server/tools.py)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._driver = Driver(self.core, on_failure=self._on_failure, stop_on_failure=True)
         self.on_death = lambda reason: None  # the app's: restart or exit (app.py)

@@ -42,6 +42,7 @@ from nanoplug.server.errors import APIError
 from nanoplug.server.prepare import PromptChoices, prepare_all
 from nanoplug.server.render import token_texts
 from nanoplug.server.streams import RequestStream, Streams
+from nanoplug.server.tools import model_tool_call_format
 
 log = logging.getLogger("nanoplug.server")
 _HEADER = struct.Struct(">I")
@@ -96,17 +97,22 @@ class Prompt(msgspec.Struct, array_like=True):
 
     text: Union[str, None] = None
     token_ids: Union[list[int], None] = None
-    messages: Union[list[dict[str, str]], None] = None
+    messages: Union[list[dict[str, Any]], None] = None  # (Any: tool calls in the history)
+    tools: Union[list[dict[str, Any]], None] = None
 
     @classmethod
     def of(cls, prompt: Any) -> "Prompt":
         if isinstance(prompt, str):
             return cls(text=prompt)
+        if isinstance(prompt, dict):  # a conversation with tools
+            return cls(messages=prompt["messages"], tools=prompt.get("tools"))
         if prompt and isinstance(prompt[0], dict):
             return cls(messages=prompt)
         return cls(token_ids=prompt)
 
     def value(self) -> Any:
+        if self.tools is not None:
+            return {"messages": self.messages, "tools": self.tools}
         return self.text if self.text is not None else self.messages if self.messages is not None else self.token_ids
 
 
@@ -195,6 +201,7 @@ class EngineProcess:
         self._spawn()
         self.tokenizer = _tokenizer(config.model)  # echo's text and logprobs' token strings are written here
         self.token_text = token_texts(self.tokenizer)
+        self.tool_call_format = model_tool_call_format(config.model)  # its model plugin's (server/tools.py)
 
     def _spawn(self) -> None:
         """A new engine process, its model loaded (blocking)."""

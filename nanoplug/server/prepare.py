@@ -12,7 +12,7 @@ from typing import Any, Union
 from nanoplug.config import SamplingParams
 from nanoplug.errors import RequestError
 
-Prompt = Union[str, list[int], list[dict]]  # text, token ids, or chat messages
+Prompt = Union[str, list[int], list[dict], dict]  # text, token ids, chat messages, or {"messages", "tools"}
 # one prompt and each of its choices: (engine request id, SamplingParams)
 PromptChoices = tuple[Prompt, list[tuple[str, SamplingParams]]]
 
@@ -26,6 +26,8 @@ def prepare_all(core: Any, items: list[PromptChoices], fill_context: bool) -> li
     for index, (prompt, choices) in enumerate(items):
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             prompt = core.chat_prompt_ids(prompt)
+        elif isinstance(prompt, dict):  # a conversation with tools (server/tools.py)
+            prompt = core.chat_prompt_ids(prompt["messages"], prompt.get("tools"))
         first_id, params = choices[0]
         if fill_context and isinstance(prompt, list):
             params = params.model_copy(update={"max_tokens": max(1, limit - len(prompt))})

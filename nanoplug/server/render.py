@@ -141,6 +141,16 @@ class Responder:
             choice = {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": reason}
         return self._chunk(choice, with_usage)
 
+    def tool_chunks(self, index: int, deltas: list[dict], reason: str | None, finished: bool,
+                    with_usage: bool = False) -> list[str]:
+        """Chat chunks of `deltas` (content or tool-call deltas, server/tools.py), the last one carrying the
+        finish reason when the choice has finished."""
+        if finished and not deltas:
+            deltas = [{}]
+        return [self._chunk({"index": index, "delta": d, "logprobs": None,
+                             "finish_reason": reason if finished and k == len(deltas) - 1 else None}, with_usage)
+                for k, d in enumerate(deltas)]
+
     def _chunk(self, choice: dict, with_usage: bool) -> str:
         body = self._envelope([choice], chunk=True)
         if with_usage:

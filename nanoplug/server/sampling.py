@@ -46,14 +46,7 @@ def check_completion(req: CompletionRequest) -> None:
 
 
 def check_chat(req: ChatRequest) -> None:
-    if req.tools:
-        unsupported("tools", "[...]", "tool calling is not implemented; leave tools out")
-    if req.tool_choice not in (None, "none", "auto"):
-        unsupported("tool_choice", req.tool_choice, "tool calling is not implemented; leave it out")
-    fmt = (req.response_format or {}).get("type", "text")
-    if fmt != "text":
-        unsupported("response_format", req.response_format, "structured output is not implemented; "
-                    "use {\"type\": \"text\"} or leave it out")
+    # tools, tool_choice and response_format: server/tools.py and server/structured.py
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
     if req.logprobs and not engine_has("logprobs"):
@@ -65,9 +58,13 @@ def check_chat(req: ChatRequest) -> None:
                     unsupported(f"messages.{i}.content", part.type, "only text parts are understood")
 
 
-def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int | None) -> SamplingParams:
-    """The engine's SamplingParams for choice `choice` of the request (seeded choices get seed + choice)."""
+def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int | None,
+                    constraint: Any = None) -> SamplingParams:
+    """The engine's SamplingParams for choice `choice` of the request (seeded choices get seed + choice);
+    `constraint`: its StructuredOutputsParams (server/structured.py, server/tools.py), or None."""
     values: dict[str, Any] = {"max_tokens": max_tokens}
+    if constraint is not None:
+        values["structured_outputs"] = constraint
     if req.temperature is not None:
         values["temperature"] = req.temperature
     if req.top_p is not None:

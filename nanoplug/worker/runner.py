@@ -73,6 +73,7 @@ class RunnerFactory:
 
 
 class ModelRunner(Worker):
+    defers_sampling = True  # `sample(bitmask)` completes a step launched with sampling.mask_later
     graphs: Any = None  # the platform's captured decode graphs; None (eager) until captured after warm-up
     graphs_error: str | None = None  # why graphs the platform was asked for could not be captured
     graph_limit = 0  # decode steps of up to this many sequences should replay a graph (else: eager by design)
@@ -129,6 +130,7 @@ class ModelRunner(Worker):
         self.sampler = Sampler(device, config.seed, greedy=self.platform.greedy_sampler(),
                                temperature=self.platform.temperature_sampler())
         self.pending: deque = deque()  # launched steps whose tokens are not collected yet
+        self.unsampled = None  # a step launched with sampling.mask_later, waiting for `sample`
         self.last_tokens: torch.Tensor | None = None
         self.stats = StepStats()
         load = self._lap()
@@ -311,6 +313,22 @@ class ModelRunner(Worker):
             bits = self.kv_cache.view(_BITS[self.kv_cache.dtype.itemsize])  # float8 has no index_copy_
             bits.index_copy_(2, to_device(dst, torch.int64, self.device),
                              bits.index_select(2, to_device(src, torch.int64, self.device)))
+        if step.sampling.mask_later and step.sample_rows:  # the grammars' bitmask comes with `sample`
+            self.unsampled = (step, logits, prompt_lps, share_tokens)
+            return
+        self._sample_and_send(step, logits if step.sample_rows else None, prompt_lps, share_tokens)
+
+    @torch.inference_mode()
+    def sample(self, bitmask: Any) -> None:
+        """Sample the step launched with `sampling.mask_later`, under the bitmask the engine computed on the
+        host while that step's forward ran (structured outputs); then it is collected as any launched step."""
+        (step, logits, prompt_lps, share_tokens), self.unsampled = self.unsampled, None
+        step.sampling.bitmask = bitmask
+        self._sample_and_send(step, logits, prompt_lps, share_tokens)
+
+    def _sample_and_send(self, step: StepBatch, logits: torch.Tensor | None, prompt_lps: LogprobsTensors | None,
+                         share_tokens: bool) -> None:
+        """Sample the step's rows, keep the tokens for the next step, and start their copy to the host."""
         tokens = None
         if step.sample_rows:
             if self.group.rank == 0:

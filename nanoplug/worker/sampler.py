@@ -7,7 +7,8 @@ platform may draw batches sampled at a temperature alone itself (`Platform.tempe
 pass over the logits), keyed by a seed the sampler gives it every step.
 
 Penalties and logit bias (nanoplug/worker/logits_processors.py) change the logits first, and logprobs
-(nanoplug/worker/logprobs.py) are read from the raw logits; a batch with neither takes the plain path.
+(nanoplug/worker/logprobs.py) are read from the raw logits; a batch with neither takes the plain path. Rows under a
+grammar (structured outputs) have the tokens it forbids set to -inf first, from the step's bitmask.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import random
 
 import torch
 
-from nanoplug.api import LogprobsTensors, SamplingBatch, to_device  # noqa: F401  (SamplingBatch: the step's settings)
+from nanoplug.api import LogprobsTensors, SamplingBatch, to_device, unpack_bitmask  # noqa: F401  (SamplingBatch: the step's settings)
 from nanoplug.worker import logprobs as logprobs_math
 from nanoplug.worker.logits_processors import LogitsProcessors
 
@@ -45,11 +46,23 @@ class Sampler:
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """The next token of every row. `logits` itself is never changed."""
+        if batch.mask_rows:
+            logits = self.masked(logits, batch)
         if batch.processing is None:
             return self._sample(logits, batch)
         tokens = self._sample(self.processors.apply(logits, batch.processing), batch)
         self.processors.record(tokens, batch.processing)
         return tokens
+
+    @staticmethod
+    def masked(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """A copy of `logits` with the tokens a row's grammar forbids at -inf (structured outputs): the bitmask
+        is copied in asynchronously and unpacked on the device, so no host-device sync is added."""
+        rows = to_device(batch.mask_rows, torch.int64, logits.device)
+        allowed = unpack_bitmask(to_device(batch.bitmask, torch.int32, logits.device), logits.shape[1])
+        out = logits.clone()
+        out.index_copy_(0, rows, out.index_select(0, rows).masked_fill_(~allowed, float("-inf")))
+        return out
 
     @torch.no_grad()
     def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> LogprobsTensors:

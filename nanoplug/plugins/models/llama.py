@@ -1,6 +1,7 @@
 """Model `llama` (LlamaForCausalLM). Llama 2/3 and SmolLM2 (rope scaling from the config)."""
 from __future__ import annotations
 
+from nanoplug.api import HERMES_TOOL_CALLS
 from nanoplug.api.decoder import DecoderForCausalLM
 
 
@@ -8,4 +9,5 @@ class LlamaForCausalLM(DecoderForCausalLM):
     description = "Llama 2/3 and SmolLM2 (rope scaling from the config)"
     qk_norm = False
     qkv_bias = False
-
+    # SmolLM2-Instruct was tuned on <tool_call> JSON calls (Hermes'); Llama 3's bare-JSON format is not recognised yet
+    tool_call_format = HERMES_TOOL_CALLS

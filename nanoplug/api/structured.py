@@ -1,0 +1,137 @@
+"""Constrained decoding (structured outputs): the constraint a request carries, the contract of a backend
+that compiles it against the tokenizer, and the per-sequence matcher that says which tokens may come next.
+
+A backend is a plugin of kind `structured_output`. The engine builds one per engine (lazily, at the
+first constrained request: a tokenizer's vocabulary is read once), compiles each new constraint once
+(cached by `Constraint.key`), and keeps one matcher per sequence on the engine side, advanced by the
+tokens the sampler picked. The masks cross to the worker as a packed bitmask (`pack`: 32 tokens per
+int32, bit j of word w allows token 32 w + j, as xgrammar and llguidance both lay them out).
+"""
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from nanoplug.api.errors import RequestError
+from nanoplug.api.interfaces import Plugin
+
+CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "lark")
+"""json: a JSON schema (text); json_object: any JSON object; regex; choice: a JSON list of strings;
+grammar: EBNF/GBNF; lark: a Lark grammar."""
+
+
+class ConstraintError(RequestError):
+    """A constraint the backend cannot compile: the message names the feature or the syntax error."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """One request's constraint as plain text (so equal constraints hash equal, whatever dict order)."""
+
+    kind: str
+    text: str
+
+    @property
+    def key(self) -> str:
+        """The compiled-grammar cache key."""
+        return hashlib.sha256(f"{self.kind}\0{self.text}".encode()).hexdigest()
+
+
+class GrammarMatcher(ABC):
+    """One sequence's place in a compiled grammar."""
+
+    @abstractmethod
+    def accept(self, token: int) -> bool:
+        """Advance by a sampled token; False when the grammar does not allow it (the matcher is then stuck)."""
+
+    @abstractmethod
+    def fill_mask(self, bitmask: np.ndarray, row: int) -> None:
+        """Write the allowed next tokens into row `row` of an int32 [rows, words] bitmask (once `terminated`: any
+        row that allows at least the stop tokens; the engine never samples past the end)."""
+
+    @property
+    @abstractmethod
+    def terminated(self) -> bool:
+        """The grammar is complete and accepted its end (a stop token, or nothing may follow)."""
+
+
+class StructuredOutputBackend(Plugin, ABC):
+    """Compiles constraints for one tokenizer and makes matchers of them.
+
+    `tokenizer`: the engine's Hugging Face tokenizer; `vocab_size`: the width of the logits (may exceed
+    the tokenizer's: the extra ids are never allowed); `stop_token_ids`: the tokens that end a sequence
+    (allowed once the grammar is complete)."""
+
+    kinds: ClassVar[tuple[str, ...]] = CONSTRAINT_KINDS
+    """The constraint kinds this backend compiles; another kind is refused with the list."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+
+    @abstractmethod
+    def compile(self, constraint: Constraint) -> Any:
+        """The compiled grammar; raise ConstraintError naming what it cannot compile."""
+
+    @abstractmethod
+    def matcher(self, compiled: Any) -> GrammarMatcher:
+        """A fresh matcher at the start of `compiled`."""
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def unpack_bitmask(bitmask: Any, vocab_size: int) -> Any:
+    """int32 [rows, words] (a torch tensor) -> bool [rows, vocab_size], True where a token is allowed (ids past
+    the bitmask's, e.g. padding of the logits, never are)."""
+    import torch
+
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).reshape(bitmask.shape[0], -1).bool()
+    if bits.shape[1] < vocab_size:
+        bits = torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[1]), value=False)
+    return bits[:, :vocab_size]
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """How a model writes a tool call in its own text (declared by its model plugin, never a table in the
+    server): each call is `start` + a JSON object {name_key: ..., arguments_key: {...}} + `end`, as
+    Hermes and Qwen write `<tool_call>{"name": ..., "arguments": ...}</tool_call>`."""
+
+    name: str
+    start: str
+    end: str
+    name_key: str = "name"
+    arguments_key: str = "arguments"
+
+    def parse(self, text: str) -> tuple[str, list[tuple[str, Any]]] | None:
+        """(the text outside the calls, [(function name, arguments)]), or None when no complete call parses."""
+        import json
+
+        calls, content, at = [], [], 0
+        while (begin := text.find(self.start, at)) >= 0:
+            finish = text.find(self.end, begin + len(self.start))
+            body = text[begin + len(self.start):finish if finish >= 0 else len(text)].strip()
+            try:
+                call = json.loads(body)
+            except ValueError:
+                return None
+            if not isinstance(call, dict) or not isinstance(call.get(self.name_key), str):
+                return None
+            content.append(text[at:begin])
+            calls.append((call[self.name_key], call.get(self.arguments_key, {})))
+            at = len(text) if finish < 0 else finish + len(self.end)
+        if not calls:
+            return None
+        content.append(text[at:])
+        return "".join(content).strip(), calls
+
+
+HERMES_TOOL_CALLS = ToolCallFormat("hermes", "<tool_call>", "</tool_call>")

@@ -1,0 +1,123 @@
+"""Structured outputs on the engine side: the backend of this engine, its compiled grammars (cached by the
+constraint's hash), and each constrained sequence's matcher, advanced by the tokens it is given.
+
+The backend plugin is resolved at start-up (asked, chosen, why) but built at the first constrained request,
+so an engine that never sees one never reads its vocabulary into a grammar library. Compiling happens in
+`make_request` (the caller's thread, before anything is queued): a bad constraint is that caller's
+RequestError, and the step loop only ever fills masks from grammars compiled already.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from nanoplug.api import Constraint, GrammarMatcher, bitmask_words
+from nanoplug.api.errors import PluginUnavailableError
+from nanoplug.config import SamplingParams
+from nanoplug.engine.registry import Registry, Resolution
+from nanoplug.engine.sequence import Sequence
+from nanoplug.errors import RequestError
+
+log = logging.getLogger("nanoplug")
+CACHE_SIZE = 512  # compiled grammars kept per engine (least recently used dropped first)
+
+
+class StructuredOutputs:
+    """One engine's constrained decoding: backend, grammar cache, and the matchers of its sequences."""
+
+    def __init__(self, resolution: Resolution | None, why_none: str, tokenizer: Any, vocab_size: int,
+                 stop_token_ids: set[int]):
+        self.resolution, self.why_none = resolution, why_none
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, sorted(stop_token_ids)
+        self.words = bitmask_words(vocab_size)
+        self.backend = None
+        self.cache: OrderedDict[str, Any] = OrderedDict()
+        self.lock = threading.Lock()  # make_request compiles on callers' threads
+        self.compile_seconds: dict[str, float] = {}  # the first compile of each key, for benchmarks
+
+    @classmethod
+    def resolve(cls, registry: Registry, asked: str, target: Any) -> tuple[Resolution | None, str]:
+        """The backend for this engine; with "auto" and none available, None and why (requests then hear it)."""
+        try:
+            return registry.resolve("structured_output", asked, target), ""
+        except PluginUnavailableError as exc:
+            if asked != "auto":
+                raise
+            return None, str(exc)
+
+    @property
+    def name(self) -> str | None:
+        return self.resolution.name if self.resolution is not None else None
+
+    def _backend(self) -> Any:
+        if self.backend is None:
+            if self.resolution is None:
+                raise RequestError(f"this request has a structured-output constraint, but {self.why_none}; "
+                                   "pip install xgrammar or llguidance")
+            started = time.perf_counter()
+            self.backend = self.resolution.cls(self.tokenizer, self.vocab_size, self.stop_token_ids)
+            log.info("structured output: %s ready in %.3f s", self.resolution.name, time.perf_counter() - started)
+        return self.backend
+
+    def compiled(self, constraint: Constraint) -> Any:
+        """The compiled grammar of `constraint` (compiled now if new); ConstraintError when it cannot be."""
+        key = constraint.key
+        with self.lock:
+            if key in self.cache:
+                self.cache.move_to_end(key)
+                return self.cache[key]
+            backend = self._backend()
+            started = time.perf_counter()
+            grammar = backend.compile(constraint)  # raises ConstraintError (a RequestError) naming the problem
+            self.compile_seconds.setdefault(key, time.perf_counter() - started)
+            self.cache[key] = grammar
+            if len(self.cache) > CACHE_SIZE:
+                self.cache.popitem(last=False)
+            return grammar
+
+    def check(self, params: SamplingParams, where: str) -> None:
+        """Compile the request's constraint now (before it is queued), so a bad one is the caller's error."""
+        if self.tokenizer is None:
+            raise RequestError(f"{where} has a structured-output constraint, but this LLM has no tokenizer "
+                               "(skip_tokenizer_init=True) to build grammars over")
+        try:
+            self.compiled(params.structured_outputs.constraint)
+        except RequestError as exc:
+            raise type(exc)(f"{where}: {exc}") from None
+
+    # ------------------------------------------------------------------------------ per step
+    def _matcher(self, seq: Sequence) -> GrammarMatcher:
+        if seq.grammar is None:
+            seq.grammar = self._backend().matcher(self.compiled(seq.params.structured_outputs.constraint))
+        return seq.grammar
+
+    def masks(self, seqs: list[Sequence]) -> np.ndarray:
+        """The packed bitmask of each sequence's allowed next tokens, int32 [len(seqs), words]. A grammar that is
+        complete allows the stop tokens (a row of an ended sequence runs ahead for nothing); one that is stuck
+        allows every token."""
+        bitmask = np.empty((len(seqs), self.words), dtype=np.int32)
+        for row, seq in enumerate(seqs):
+            matcher = self._matcher(seq)
+            if seq.grammar_failed:
+                bitmask[row] = -1
+            else:
+                matcher.fill_mask(bitmask, row)
+        return bitmask
+
+    def accept(self, seq: Sequence, token: int) -> str | None:
+        """Advance the sequence's grammar by its new token: "stop" when the grammar has ended on a stop token
+        (it finishes even with ignore_eos), "abort" when the grammar refuses the token (never under its own
+        mask; logged), else None."""
+        matcher = self._matcher(seq)
+        if seq.grammar_failed:
+            return None
+        if not matcher.accept(token):
+            seq.grammar_failed = True
+            log.error("request %s: the grammar refused token %d that was sampled under its mask", seq.request_id, token)
+            return "abort"
+        return "stop" if matcher.terminated and token in self.stop_token_ids else None

@@ -1,0 +1,1 @@
+"""Constrained-decoding backends (kind `structured_output`): one module per library."""

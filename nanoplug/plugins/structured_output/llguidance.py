@@ -1,0 +1,86 @@
+"""Structured output `llguidance`: Microsoft's Earley-based engine (JSON schema, regex, GBNF and Lark), masks
+filled on the host."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from typing import Any
+
+import numpy as np
+
+from nanoplug.api import Constraint, ConstraintError, GrammarMatcher, StructuredOutputBackend, Target
+
+# as the xgrammar backend: ", " and ": " between items, no free whitespace (the same language, the same tokens)
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class _Matcher(GrammarMatcher):
+    def __init__(self, matcher: Any, fill: Any):
+        self.m, self.fill = matcher, fill
+
+    def accept(self, token: int) -> bool:
+        return self.m.consume_token(token)
+
+    def fill_mask(self, bitmask: np.ndarray, row: int) -> None:
+        self.fill(self.m, bitmask, row)
+
+    @property
+    def terminated(self) -> bool:
+        return self.m.is_stopped()
+
+
+class LLGuidanceBackend(StructuredOutputBackend):
+    description = "llguidance: JSON schema, regex, choice, GBNF and Lark; CPU masks"
+    priority = 10
+
+    @classmethod
+    def unavailable(cls, target: Target) -> list[str]:
+        return [] if importlib.util.find_spec("llguidance") else ["llguidance is not installed; pip install llguidance"]
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
+        super().__init__(tokenizer, vocab_size, stop_token_ids)
+        import llguidance
+        import llguidance.hf
+        import llguidance.numpy
+
+        self.llg = llguidance
+        self.fill = llguidance.numpy.fill_next_token_bitmask
+        self.tokenizer_ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                                         eos_token=self.stop_token_ids or None)
+
+    def compile(self, constraint: Constraint) -> Any:
+        kind, text, llg = constraint.kind, constraint.text, self.llg
+        try:
+            if kind == "json":
+                grammar = llg.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
+            elif kind == "json_object":
+                grammar = llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=JSON_OPTIONS)
+            elif kind == "regex":
+                grammar = llg.LLMatcher.grammar_from_regex(text)
+            elif kind == "choice":
+                grammar = llg.grammar_from("choice", json.dumps(json.loads(text)))
+            elif kind == "grammar":
+                grammar = llg.grammar_from("grammar", text)
+            elif kind == "lark":
+                grammar = llg.LLMatcher.grammar_from_lark(text)
+            else:
+                raise ConstraintError(f"llguidance compiles {', '.join(self.kinds)}, not {kind!r}")
+        except ConstraintError:
+            raise
+        except Exception as exc:
+            raise ConstraintError(f"llguidance cannot compile this {kind} constraint: {_first_line(exc)}") from None
+        error = llg.LLMatcher.validate_grammar(grammar, self.tokenizer_ll)
+        if error:
+            raise ConstraintError(f"llguidance cannot compile this {kind} constraint: {_first_line(error)}")
+        return grammar
+
+    def matcher(self, compiled: Any) -> GrammarMatcher:
+        m = self.llg.LLMatcher(self.tokenizer_ll, compiled, log_level=0)
+        if m.is_error():
+            raise ConstraintError(f"llguidance cannot compile this constraint: {_first_line(m.get_error())}")
+        return _Matcher(m, self.fill)
+
+
+def _first_line(exc: Any) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:500]

@@ -1,0 +1,187 @@
+"""Structured outputs through the engine, on the embedded default model (SmolLM2-135M, its real tokenizer):
+each constraint kind ends with "stop" in text that the constraint accepts; a batch mixes constrained and free
+requests; a bad constraint is a RequestError before anything is queued; overlapped steps (the mask filled while
+the forward runs, `Worker.sample`) give the tokens of plain steps; n > 1, seeds, stop strings, logprobs,
+preemption and chunked prefill keep working; both backends give the same tokens at temperature 0; and the
+sampler's mask equals the plain masked_fill it stands for."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from _engine_checks import assert_idle
+from nanoplug import LLM, SamplingParams
+from nanoplug.api import SamplingBatch, bitmask_words, unpack_bitmask
+from nanoplug.errors import RequestError
+from nanoplug.worker.sampler import Sampler
+
+# no recorded decode steps: recording one per batch size is most of a start-up here, and the sampler (where the
+# mask applies) runs outside them either way
+OPTIONS = dict(num_kv_blocks=48, kv_block_size=64, max_model_len=1024, max_num_seqs=16, cpu={"graphs": False})
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def chat(question: str) -> str:
+    return f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from nanoplug.checkpoint.default_model import default_model_path
+
+    return str(default_model_path(progress=True))
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    with LLM(model_dir, **OPTIONS, overlap_steps=False) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def overlapped(model_dir):
+    with LLM(model_dir, **OPTIONS, overlap_steps=True) as engine:
+        assert engine.engine.overlap and engine.engine.defers_sampling
+        yield engine
+
+
+def constrained(max_tokens: int = 48, temperature: float = 0.0, **constraint) -> SamplingParams:
+    return SamplingParams(temperature=temperature, max_tokens=max_tokens, structured_outputs=constraint)
+
+
+CASES = [
+    (chat("Describe a person as JSON."), dict(json=PERSON), lambda t: jsonschema.validate(json.loads(t), PERSON)),
+    (chat("Give me any JSON object."), dict(json_object=True), lambda t: isinstance(json.loads(t), dict) or 1 / 0),
+    ("Phone number:", dict(regex=r"\(\d{3}\) \d{3}-\d{4}"), lambda t: re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", t) or 1 / 0),
+    (chat("Is the sky blue?"), dict(choice=["yes", "no", "maybe"]), lambda t: t in ("yes", "no", "maybe") or 1 / 0),
+    (chat("Count to three."), dict(grammar='root ::= "one" ", " "two" ", " ("three" | "3")'),
+     lambda t: t in ("one, two, three", "one, two, 3") or 1 / 0),
+    (chat("Pick a colour."), dict(grammar='start: COLOUR "!"\nCOLOUR: "red" | "green" | "blue"'),
+     lambda t: re.fullmatch(r"(red|green|blue)!", t) or 1 / 0),
+]
+
+
+def test_each_kind_of_constraint_ends_with_stop_in_a_mixed_batch(llm):
+    free = SamplingParams(temperature=0, max_tokens=12)
+    prompts = [p for p, _, _ in CASES] + ["The capital of France is"]
+    outs = llm.generate(prompts, [constrained(**c) for _, c, _ in CASES] + [free], use_tqdm=False)
+    for (_, constraint, check), out in zip(CASES, outs):
+        o = out.outputs[0]
+        assert o.finish_reason == "stop", (constraint, o.text)
+        check(o.text)
+    # (the free row's own tokens depend on the batch here: the GGUF model's CPU kernels are not batch-invariant;
+    # that masks leave unmasked rows alone is the sampler test's at the end)
+    assert outs[-1].outputs[0].finish_reason == "length" and outs[-1].outputs[0].text.startswith(" Paris")
+    assert_idle(llm)
+
+
+def test_overlapped_steps_give_the_tokens_of_plain_steps(llm, overlapped):
+    prompts = [p for p, _, _ in CASES[:4]] + ["Once upon a time"]
+    params = [constrained(**c) for _, c, _ in CASES[:4]] + [SamplingParams(temperature=0, max_tokens=16)]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in overlapped.generate(prompts, params, use_tqdm=False)] == want
+    assert_idle(overlapped)
+
+
+@pytest.mark.parametrize("bad, named", [(dict(regex="(unclosed"), "regex"),
+                                        (dict(grammar='root ::= "a" | undefined_rule'), "grammar"),
+                                        (dict(json={"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}),
+                                         "json")])
+def test_a_bad_constraint_is_a_request_error_before_anything_is_queued(llm, bad, named):
+    with pytest.raises(RequestError, match=f"prompt 1: xgrammar cannot compile this {named}") as info:
+        llm.generate(["Hi", "Hello"], [SamplingParams(max_tokens=4), constrained(**bad)], use_tqdm=False)
+    assert str(info.value).count("\n") == 0
+    assert not llm.engine.has_unfinished()
+
+
+def test_a_constraint_in_sampling_params_is_checked_when_built():
+    with pytest.raises(ValueError, match="exactly one of json, json_object, regex, choice, grammar; found regex, choice"):
+        SamplingParams(structured_outputs={"regex": "a", "choice": ["b"]})
+    with pytest.raises(ValueError, match="json is not a JSON schema"):
+        SamplingParams(structured_outputs={"json": "{not json"})
+
+
+def test_n_samples_with_seeds_each_follow_the_grammar_and_repeat(overlapped):
+    params = constrained(max_tokens=60, temperature=1.0, json=PERSON).model_copy(update={"n": 3, "seed": 5})
+    first = overlapped.generate([chat("Describe a person as JSON.")], params, use_tqdm=False)[0]
+    again = overlapped.generate([chat("Describe a person as JSON.")], params, use_tqdm=False)[0]
+    assert [o.token_ids for o in first.outputs] == [o.token_ids for o in again.outputs]
+    for o in first.outputs:
+        if o.finish_reason == "stop":
+            jsonschema.validate(json.loads(o.text), PERSON)
+        else:  # a sampled name may run to max_tokens; what there is is a prefix the grammar allows
+            assert o.finish_reason == "length" and o.text.startswith('{"name": "')
+    assert len({tuple(o.token_ids) for o in first.outputs}) > 1
+
+
+def test_stop_strings_and_logprobs_work_under_a_grammar(llm):
+    params = constrained(json=PERSON).model_copy(update={"stop": ['"age"'], "logprobs": 2})
+    o = llm.generate([chat("Describe a person as JSON.")], params, use_tqdm=False)[0].outputs[0]
+    assert o.finish_reason == "stop" and o.text.startswith('{"name": "') and '"age"' not in o.text
+    assert len(o.logprobs) == len(o.token_ids) and all(len(lp.top) == 2 for lp in o.logprobs)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_preemption_and_chunked_prefill_keep_the_grammar(model_dir, overlap):
+    """A cache too small for all four and prefill chunks of 16 tokens: preempted sequences are recomputed with
+    their grammar state kept, and every output still validates."""
+    prompts = [chat(f"Describe person number {i} as JSON, with a long name.") for i in range(4)]
+    params = constrained(max_tokens=40, json=PERSON)
+    with LLM(model_dir, **dict(OPTIONS, num_kv_blocks=4, kv_block_size=32, max_model_len=96, max_num_seqs=4,
+                               max_num_batched_tokens=16, overlap_steps=overlap)) as tight:
+        outs = tight.generate(prompts, params, use_tqdm=False)
+        assert tight.engine.scheduler.num_preemptions > 0
+        assert_idle(tight)
+    for out in outs:
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
+
+
+def test_stream_and_chat_take_a_constraint(llm):
+    params = constrained(max_tokens=30, choice=["yes", "no"])
+    text = "".join(d.text for d in llm.stream(chat("Is water wet?"), params))
+    assert text in ("yes", "no")
+    out = llm.chat([{"role": "user", "content": "Describe a person as JSON."}], constrained(json=PERSON))[0]
+    jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
+
+
+def test_both_backends_give_the_same_output_at_temperature_0(model_dir, llm):
+    """The same text from both; the same tokens except where llguidance keeps to the canonical tokenization
+    (it allows '{"' but not '{' then '"', where xgrammar allows both and the model prefers '{')."""
+    prompts = [p for p, _, _ in CASES]
+    params = [constrained(**c) for _, c, _ in CASES]
+    assert llm.engine.structured.name == "xgrammar"
+    want = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(model_dir, **OPTIONS, structured_output="llguidance") as other:
+        assert other.engine.structured.name == "llguidance"
+        got = [o.outputs[0] for o in other.generate(prompts, params, use_tqdm=False)]
+    assert [(o.text, o.finish_reason) for o in got] == [(o.text, o.finish_reason) for o in want]
+    assert [o.token_ids for o in got[2:]] == [o.token_ids for o in want[2:]]  # no '{"' in these
+
+
+def test_the_samplers_mask_is_masked_fill_of_the_unpacked_bits():
+    torch.manual_seed(0)
+    vocab, rows = 100, 4
+    logits = torch.randn(rows, vocab)
+    allowed = torch.rand(2, vocab) < 0.3
+    bits = np.packbits(allowed.numpy(), axis=1, bitorder="little")
+    bitmask = np.zeros((2, bitmask_words(vocab) * 4), dtype=np.uint8)
+    bitmask[:, :bits.shape[1]] = bits
+    bitmask = bitmask.view(np.int32)
+    assert torch.equal(unpack_bitmask(torch.from_numpy(bitmask), vocab), allowed)
+    batch = SamplingBatch.greedy(rows)
+    batch.mask_rows, batch.bitmask = [1, 3], bitmask
+    want = logits.clone()
+    want[1] = want[1].masked_fill(~allowed[0], float("-inf"))
+    want[3] = want[3].masked_fill(~allowed[1], float("-inf"))
+    before = logits.clone()
+    assert torch.equal(Sampler.masked(logits, batch), want)
+    assert torch.equal(logits, before)
+    tokens = Sampler(torch.device("cpu"))(logits, batch)
+    assert tokens.tolist() == want.argmax(dim=-1).tolist() and allowed[0, tokens[1]] and allowed[1, tokens[3]]
