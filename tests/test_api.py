@@ -11,27 +11,26 @@ import nanoplug
 import nanoplug.api as api
 
 PINNED = [
-    "PLUGIN_API_VERSION", "hookimpl", "hookspec", "KIND_HOOKS",
-    "Plugin", "AttentionBackend", "KVCacheStore", "ProcessGroup", "ParallelStrategy", "WeightAdapter", "WeightFormat",
-    "AdapterOptions", "RequestAdapters", "ModelArchitecture", "Platform", "StepGraphs", "PrefillGraphs", "Target", "ModelFacts",
-    "StepBatch", "SamplingBatch", "StepResult", "StepInputs", "StepLimits", "AttentionMetadata", "AttentionSpec",
-    "KVCacheSpec", "KVLayer", "to_device", "LogitsProcessingBatch", "SlotInit", "LogprobsTensors",
-    "StructuredOutputBackend", "GrammarMatcher", "Constraint", "ConstraintError", "CONSTRAINT_KINDS", "ToolCallFormat",
-    "HERMES_TOOL_CALLS", "bitmask_words", "unpack_bitmask",
-    "Worker", "WorkerMethod", "WorkerReport", "StartupTimes", "StepStats",
-    "LinearMethod", "DenseLinearMethod", "check_shape", "copy_weight", "Layers", "LinearBase", "VocabParallelEmbedding",
-    "ParallelLMHead", "RMSNorm", "rms_norm", "add_rms_norm", "RotaryEmbedding", "apply_rope", "rope_inv_freq",
-    "SiluAndMul", "silu_and_mul", "FusedOps", "install_fused_ops", "PagedAttention", "StepContext",
-    "import_triton", "interpreting", "triton_reasons",
-    "NanoplugError", "AdapterError", "ModelLoadError", "PluginLoadError", "PluginUnavailableError",
-    "RequestError", "UnknownPluginError", "WeightShapeError", "GraphCaptureError",
+    "PLUGIN_API_VERSION", "hookimpl", "hookspec", "KIND_HOOKS", "Plugin", "AttentionBackend", "KVCacheStore",
+    "ProcessGroup", "ParallelStrategy", "WeightAdapter", "WeightFormat", "AdapterOptions", "RequestAdapters",
+    "ModelArchitecture", "Platform", "StepGraphs", "PrefillGraphs", "Target", "ModelFacts", "StepBatch",
+    "SamplingBatch", "StepResult", "StepInputs", "StepLimits", "AttentionMetadata", "AttentionSpec", "KVCacheSpec",
+    "KVLayer", "to_device", "LogitsProcessingBatch", "PromptLogprobsBatch", "SlotInit", "LogprobsTensors",
+    "StructuredOutputBackend", "GrammarMatcher", "Constraint", "ConstraintError", "CONSTRAINT_KINDS",
+    "ToolCallFormat", "HERMES_TOOL_CALLS", "bitmask_words", "unpack_bitmask", "Worker", "WorkerMethod",
+    "WorkerReport", "StartupTimes", "StepStats", "LinearMethod", "DenseLinearMethod", "check_shape", "copy_weight",
+    "Layers", "LinearBase", "VocabParallelEmbedding", "ParallelLMHead", "RMSNorm", "rms_norm", "add_rms_norm",
+    "RotaryEmbedding", "apply_rope", "rope_inv_freq", "SiluAndMul", "silu_and_mul", "FusedOps", "install_fused_ops",
+    "PagedAttention", "StepContext", "import_triton", "interpreting", "triton_reasons", "NanoplugError",
+    "AdapterError", "ModelLoadError", "PluginLoadError", "PluginUnavailableError", "RequestError",
+    "UnknownPluginError", "WeightShapeError", "GraphCaptureError",
 ]
 
 
 def test_the_public_names_are_pinned():
     assert api.__all__ == PINNED
     assert all(hasattr(api, name) for name in PINNED)
-    assert api.PLUGIN_API_VERSION == 2
+    assert api.PLUGIN_API_VERSION == 3
 
 
 def test_the_sdk_loads_neither_the_engine_nor_a_plugin():
