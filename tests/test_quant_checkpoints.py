@@ -172,7 +172,7 @@ def _dense_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _edited(scheme: str, name: str, edit) -> Path:
-    src = quantized(scheme)
+    src = quantized(scheme, 128)
     dst = scratch_dir(name)
     shutil.rmtree(dst)
     shutil.copytree(src, dst)
