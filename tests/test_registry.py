@@ -382,8 +382,11 @@ def test_auto_weight_format_keeps_a_checkpoint_format_where_it_can_serve_and_say
     assert "weight_format: asked 'auto', chose 'dense'" in res.describe() and "skipped gguf:" in res.describe()
     merged = auto_weight_format(reg, "gguf", cpu_target, merged=True)
     assert merged.name == "dense" and "a merged adapter changes the weights" in merged.skipped["gguf"][-1]
-    unknown = auto_weight_format(reg, "awq", cpu_target)
-    assert unknown.name == "dense" and unknown.skipped["awq"] == ["no weight_format plugin keeps 'awq' weights"]
+    assert auto_weight_format(reg, "awq", cpu_target).name == "awq"
+    # a format nothing keeps cannot be dequantized by the loader either (only GGUF is): refused, saying what serves
+    with pytest.raises(PluginUnavailableError, match="stored as 'bitsandbytes'.*no weight_format plugin keeps "
+                                                     "'bitsandbytes' weights.*nanoplug keeps awq, compressed-tensors"):
+        auto_weight_format(reg, "bitsandbytes", cpu_target)
 
 
 def test_a_weight_format_asked_by_name_that_cannot_serve_says_why(qwen3_dir):
@@ -391,7 +394,7 @@ def test_a_weight_format_asked_by_name_that_cannot_serve_says_why(qwen3_dir):
 
     reg = Registry(load_entry_points=False)
     options = dict(registry=reg, device="cpu", dtype="float32", max_model_len=64, cpu={"kv_cache_gb": 0.01})
-    with pytest.raises(UnknownPluginError, match="unknown weight_format plugin 'int4'; valid names: dense, fp8, gguf"):
+    with pytest.raises(UnknownPluginError, match="unknown weight_format plugin 'int4'; valid names: awq, compressed_tensors, dense, fp8, fp8_checkpoint, gguf"):
         LLM(str(qwen3_dir), quantization="int4", **options)
     with pytest.raises(PluginUnavailableError, match="keeps 'gguf' checkpoints' weights, but .* holds plain weights"):
         LLM(str(qwen3_dir), quantization="gguf", **options)

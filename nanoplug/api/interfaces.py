@@ -6,7 +6,7 @@ target (empty when it can), and its instance does the work. The core imports no 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ClassVar, Protocol
+from typing import Any, Callable, ClassVar, Iterator, Protocol
 
 import torch
 from pydantic import BaseModel
@@ -209,6 +209,11 @@ class WeightFormat(Plugin):
     def linear_method(self) -> LinearMethod | None:
         """The method every linear layer uses; None: the platform's dense one."""
         return None
+
+    def regroup(self, tensors: Iterator[tuple[Any, str, Any]]) -> Iterator[tuple[Any, str, Any]]:
+        """The checkpoint's (file, name, tensor) stream as the layers take it (default: as it is). A format whose
+        layer weights are several tensors (qweight, scales, zeros) joins each layer's into one `<layer>.weight`."""
+        return tensors
 
     def transform(self, name: str, tensor: Any) -> Any:
         """The tensor to load under checkpoint name `name`, after the adapters' merges (default: as it is)."""

@@ -235,7 +235,8 @@ def load_weights(model: torch.nn.Module, folder: str | Path, adapters: Iterable[
     unused: list[str] = []  # tensors of modules the model does not have at all
     transforms = [a.transform for a in adapters] + ([weight_format.transform] if weight_format is not None else [])
     kept = weight_format.kept_types if weight_format is not None else frozenset()
-    for file, name, tensor in iter_checkpoint(folder, kept):
+    stream = iter_checkpoint(folder, kept)
+    for file, name, tensor in (weight_format.regroup(stream) if weight_format is not None else stream):
         for transform in transforms:
             tensor = transform(name, tensor)
         target, shard = name, None

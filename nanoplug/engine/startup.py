@@ -146,6 +146,16 @@ def auto_weight_format(registry: Registry, method: str | None, target: Target,
             skipped[name] = reasons
         if not keeping:
             skipped[method] = [f"no weight_format plugin keeps {method!r} weights"]
+        from nanoplug.checkpoint.gguf_file import QUANT_METHOD as GGUF
+
+        if method != GGUF:  # the loader dequantizes GGUF tensors only: nothing else serves these weights
+            served = sorted({registry.get(WEIGHT_FORMAT, n).quant_method
+                             for n in _formats(registry, lambda c: c.quant_method is not None)})
+            why = "; ".join(f"{n}: {', '.join(r)}" for n, r in skipped.items())
+            raise PluginUnavailableError(
+                f"the checkpoint's weights are stored as {method!r} (quantization_config.quant_method), which no "
+                f"weight_format plugin here can serve ({why}); nanoplug keeps {', '.join(served)} checkpoints: "
+                "use one of those, or the unquantized checkpoint")
     res = registry.resolve(WEIGHT_FORMAT, "auto", target,
                            among=_formats(registry, lambda c: c.quant_method is None and not c.quantizes))
     res.skipped = {**skipped, **res.skipped}

@@ -1,0 +1,111 @@
+"""Triton W4A16: activations in bfloat16/float16/float32 times int4 weights in `int4.py`'s layout (qweight
+[N, K/8], scales and zeros [N, K/group]), dequantized per group in registers, float32 accumulation.
+
+Two kernels: a GEMM on tensor cores (tl.dot) for prefill batches, and a GEMV for a few rows (decode), which
+splits K over programs (float32 atomics) so a batch-1 step keeps the GPU's memory busy. Each equals
+`dequantize_int4` then a matmul within float32 rounding (tests/test_quant_kernels.py under TRITON_INTERPRET=1).
+"""
+from __future__ import annotations
+
+import torch
+
+from nanoplug.api import import_triton
+
+triton, tl, TRITON_ERROR = import_triton()  # where it fails, the plugin says why (TRITON_ERROR)
+GEMV_ROWS = 4  # up to this many rows take the GEMV
+
+
+if triton is not None:
+    @triton.jit
+    def _w4a16_gemm(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, group_size, sxm, sqn, ssn, szn, som,
+                    HAS_ZERO: tl.constexpr, IEEE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok, n_ok = rm < M, rn < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):  # BLOCK_K divides group_size and K: one group per step
+            kk = k0 + rk
+            x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=m_ok[:, None], other=0.0)
+            words = tl.load(qw_ptr + rn[:, None] * sqn + (kk // 8)[None, :], mask=n_ok[:, None], other=0)
+            q = ((words >> ((kk % 8) * 4)[None, :]) & 0xF).to(tl.float32)
+            g = k0 // group_size
+            s = tl.load(s_ptr + rn * ssn + g, mask=n_ok, other=0.0).to(tl.float32)
+            if HAS_ZERO:
+                z = tl.load(z_ptr + rn * szn + g, mask=n_ok, other=0).to(tl.float32)
+            else:
+                z = tl.full((BLOCK_N,), 8.0, tl.float32)
+            w = ((q - z[:, None]) * s[:, None]).to(x.dtype)  # [BLOCK_N, BLOCK_K], as dequantize_int4 rounds it
+            if IEEE:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w))
+        tl.store(out_ptr + rm[:, None] * som + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
+    @triton.jit
+    def _w4a16_gemv(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, sxm, sqn, ssn, szn, som,
+                    K_PER_SPLIT, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        row, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        n_ok = rn < N
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        k_start = pid_k * K_PER_SPLIT
+        for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
+            kk = k0 + rk
+            x = tl.load(x_ptr + row * sxm + kk)
+            words = tl.load(qw_ptr + rn[:, None] * sqn + (kk // 8)[None, :], mask=n_ok[:, None], other=0)
+            q = ((words >> ((kk % 8) * 4)[None, :]) & 0xF).to(tl.float32)
+            g = k0 // group_size
+            s = tl.load(s_ptr + rn * ssn + g, mask=n_ok, other=0.0).to(tl.float32)
+            if HAS_ZERO:
+                z = tl.load(z_ptr + rn * szn + g, mask=n_ok, other=0).to(tl.float32)
+            else:
+                z = tl.full((BLOCK_N,), 8.0, tl.float32)
+            w = ((q - z[:, None]) * s[:, None]).to(x.dtype).to(tl.float32)
+            acc += tl.sum(w * x.to(tl.float32)[None, :], axis=1)
+        tl.atomic_add(out_ptr + row * som + rn, acc, mask=n_ok)
+
+
+def block_k(k: int, group_size: int) -> int | None:
+    """The K step both kernels take: it divides the group and K (None: no step of 16 to 128 does)."""
+    for bk in (128, 64, 32, 16):
+        if group_size % bk == 0 and k % bk == 0:
+            return bk
+    return None
+
+
+def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                 split_k: int | None = None) -> torch.Tensor:
+    """x [..., K] @ dequantize_int4(qweight, scales, zeros).T -> [..., N] in x's dtype."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).contiguous()
+    m, k = x2.shape
+    n = qweight.shape[0]
+    group_size = k // scales.shape[1]
+    bk = block_k(k, group_size)
+    zero_arg = zeros if zeros is not None else scales
+    szn = zeros.stride(0) if zeros is not None else 0
+    if m <= GEMV_ROWS:
+        block_n = 32
+        if split_k is None:  # enough programs to fill the GPU; each a whole number of K steps
+            split_k = max(1, min(k // bk, 256 // max(1, triton.cdiv(n, block_n))))
+            while (k // bk) % split_k:
+                split_k -= 1
+        out = torch.zeros(m, n, device=x.device, dtype=torch.float32)
+        _w4a16_gemv[(m, triton.cdiv(n, block_n), split_k)](
+            x2, qweight, scales, zero_arg, out, n, k, group_size, x2.stride(0), qweight.stride(0), scales.stride(0),
+            szn, out.stride(0), k // split_k, HAS_ZERO=zeros is not None, BLOCK_N=block_n, BLOCK_K=bk)
+        out = out.to(x.dtype)
+    else:
+        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+        block_m = 16 if m <= 16 else 64
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
+        _w4a16_gemm[grid](x2, qweight, scales, zero_arg, out, m, n, k, group_size, x2.stride(0), qweight.stride(0),
+                          scales.stride(0), szn, out.stride(0), HAS_ZERO=zeros is not None,
+                          IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=bk)
+    return out.view(*shape[:-1], n)
