@@ -107,8 +107,9 @@ class EngineConfig(BaseModel):
 
     @property
     def platform_options(self) -> dict[str, dict[str, Any]]:
-        """The options given for each platform, by name, as given (validated at engine start-up)."""
-        return dict(self.model_extra or {})
+        """The options given for each platform, by name, as given (validated at engine start-up). pydantic's
+        validate_assignment files the extras' own slot among them on every assignment: it is no platform."""
+        return {k: v for k, v in (self.model_extra or {}).items() if k != "__pydantic_extra__"}
 
     @field_validator("model", mode="before")
     @classmethod
