@@ -70,10 +70,6 @@ class CaptureFailsOnRank1(CpuPlatform):
     """The cpu platform, whose decode recordings fail on rank 1 only, after every step of the recording ran
     (the way a replay check or a graph instantiation fails on one GPU): rank 0's succeed."""
 
-    def __init__(self, options, target):
-        super().__init__(options, target)
-        self.require_graphs = bool(options.get("require_graphs", False))  # (platform_options: a dict)
-
     def worker_device(self, device, group):
         self.rank = group.rank
         return super().worker_device(device, group)

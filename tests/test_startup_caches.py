@@ -45,7 +45,7 @@ def test_fa4_prefills_share_one_kernel_per_kind_whatever_their_query_length(monk
     over cached context, use the same kernel, and a fresh machine compiles half as many."""
     import torch
 
-    from nanoplug.api import AttentionMetadata, AttentionSpec
+    from nanoplug.api import AttentionMetadata, AttentionSpec, KVLayer
 
     calls = []
 
@@ -66,6 +66,6 @@ def test_fa4_prefills_share_one_kernel_per_kind_whatever_their_query_length(monk
             max_seqlen_k=context, query_lens_host=[query], seq_lens_host=[context])
         backend.prepare(meta)
         q = torch.zeros(query, 4, 8, dtype=torch.bfloat16)
-        backend.forward(q, q[:, :2], q[:, :2], torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8), None)
+        backend.forward(q, q[:, :2], q[:, :2], torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8), KVLayer(0))
     assert [c["max_seqlen_q"] for c in calls] == [flash.FA4_MIN_SEQLEN_Q, 300, flash.FA4_MIN_SEQLEN_Q, 400]
     assert [("page_table" in c) for c in calls] == [False, False, True, True]

@@ -68,7 +68,7 @@ def test_a_capture_failing_on_rank_1_leaves_both_ranks_eager(ckpt, tp1):
 def test_require_graphs_stops_every_rank_naming_the_failing_one(ckpt):
     registry = registry_with_platform(FAILING, helpers.CaptureFailsOnRank1)
     with pytest.raises(WorkerError) as info:
-        LLM(ckpt, registry=registry, platform=FAILING, platform_options={FAILING: {"require_graphs": True}},
+        LLM(ckpt, registry=registry, platform=FAILING, **{FAILING: {"require_graphs": True}},
             parallel="tensor", tensor_parallel_size=2, **OPTIONS)
     message = str(info.value)
     assert "failed on rank 1 of 2" in message and "require_graphs stops start-up" in message
