@@ -153,3 +153,48 @@ def test_a_stream_and_a_generate_in_two_threads(llm):
     t.join(120)
     assert not errors and streamed == want[PROMPTS[0]] and out[0].token_ids == want[PROMPTS[1]]
     assert_idle(llm)
+
+
+def test_a_lone_caller_steps_on_its_own_thread():
+    """No thread hand-off for a lone generate (a GIL switch per delivery): every step runs on the caller's
+    thread, the driver's thread never starts, and a step that raises still reaches the caller."""
+    llm = LLM(checkpoint(), **OPTIONS)
+    stepping_threads = set()
+    step = llm.engine.step
+
+    def recording_step():
+        stepping_threads.add(threading.current_thread().name)
+        return step()
+
+    llm.engine.step = recording_step
+    out = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=5, **GREEDY), use_tqdm=False)
+    assert all(len(o.token_ids) == 5 for o in out)
+    assert stepping_threads == {threading.current_thread().name} and llm.driver._thread is None
+    assert_idle(llm)
+
+    def failing_step():
+        raise RuntimeError("a kernel fell over")
+
+    llm.engine.step = failing_step
+    with pytest.raises(RuntimeError, match="fell over"):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=5, **GREEDY), use_tqdm=False)
+    llm.close()
+
+
+def test_a_paused_stream_does_not_hold_up_a_caller_that_arrives_later(llm):
+    """A stream stepping on its reader's thread, left unread, must not starve a second caller: its
+    arrival hands the stepping to the driver's thread."""
+    params = SamplingParams(max_tokens=40, **GREEDY)
+    want = alone(llm, PROMPTS[1], 8)
+    stream = llm.stream(PROMPTS[0], params)
+    first = next(stream)  # the stream's reader now pauses
+    assert first.token_ids
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(
+        llm.generate([PROMPTS[1]], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)))
+    t.start()
+    t.join(120)
+    assert not t.is_alive() and got[0][0].token_ids == want
+    rest = [tok for d in stream for tok in d.token_ids]
+    assert len(first.token_ids) + len(rest) == 40
+    assert_idle(llm)

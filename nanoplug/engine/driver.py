@@ -5,6 +5,11 @@ submitted their request: one `deliver(updates)` call per sink per step, so a ser
 its requests through one sink pays one hand-off per step, whatever the batch. Everyone else only
 uses the core's thread-safe `make_request`, `add_request` and `abort`, then wakes the driver.
 
+A caller that would only block until its own requests finish (a lone `LLM.generate`) may instead run
+the steps on its own thread through `step_here()` while the driver's thread has no work in hand: a
+hand-off between threads costs a GIL switch (up to `sys.getswitchinterval()`, 5 ms) per delivery. The
+wheel lock keeps it one stepper at a time whichever thread that is.
+
 A step that raises leaves the engine in a state only its owner can judge: every sink with a request
 in flight is failed with the exception (`fail(exc)`), `failure` records it, and the driver waits for
 the next wake (`LLM` raises it in each caller and lets them abort; the server stops serving).
@@ -42,11 +47,13 @@ class Driver:
         self._idle = True
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._wheel = threading.Lock()  # held by whichever thread runs a step
 
     # --------------------------------------------------------------------------- any thread
-    def submit(self, requests: Iterable[Any], sink: Sink) -> None:
+    def submit(self, requests: Iterable[Any], sink: Sink, wake: bool = True) -> None:
         """Queue `requests` (EngineRequests, already checked) whose updates go to `sink`. All or none:
-        if the core refuses one, those already queued are aborted and the error is raised."""
+        if the core refuses one, those already queued are aborted and the error is raised. `wake=False`:
+        the caller steps them itself (`step_here`)."""
         requests = list(requests)
         with self._cond:
             if self._stopping:
@@ -67,7 +74,8 @@ class Driver:
                 self.core.abort(request_id)
             self.wake()
             raise
-        self.wake()
+        if wake:
+            self.wake()
 
     def abort(self, request_id: str) -> None:
         """The core drops the request at its next step; its last update ("abort") goes to its sink."""
@@ -81,6 +89,36 @@ class Driver:
                 self._thread = threading.Thread(target=self._run, name="nanoplug-engine", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
+
+    def step_here(self) -> bool:
+        """Run one step on the calling thread, if the core has work and the driver's thread has none in
+        hand (it is idle and not woken) and no one else is stepping; its updates go to their sinks as
+        the thread's would, and a step that raises fails them the same way. Returns whether it stepped."""
+        with self._cond:
+            if self._stopping or self._woken or not self._idle:
+                return False
+        if not self._wheel.acquire(blocking=False):
+            return False
+        try:
+            core = self.core
+            if not core.has_unfinished():
+                return False
+            try:
+                updates = core.step()
+                self.stats = core.stats()
+                if updates:
+                    self._deliver(updates)
+                if self.on_idle is not None and not core.has_unfinished():
+                    self.on_idle(self.stats)
+            except BaseException as exc:  # noqa: BLE001 (handed to the sinks)
+                self._failed(exc)
+                if self.stop_on_failure:
+                    with self._cond:
+                        self._stopping = True
+                        self._cond.notify_all()
+            return True
+        finally:
+            self._wheel.release()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until the driver has no work in hand (its last step ran out of work or raised)."""
@@ -125,12 +163,16 @@ class Driver:
     def _steps(self) -> None:
         core = self.core
         stepped = False
+        wheel = self._wheel
         while not self._stopping and core.has_unfinished():
-            updates = core.step()
-            self.stats = core.stats()
-            stepped = True
-            if updates:
-                self._deliver(updates)
+            with wheel:  # a caller's step_here may still be finishing its step
+                if not core.has_unfinished():
+                    break
+                updates = core.step()
+                self.stats = core.stats()
+                stepped = True
+                if updates:
+                    self._deliver(updates)
         if stepped:
             if self.on_idle is not None:
                 self.on_idle(self.stats)

@@ -3,7 +3,8 @@
 Several threads may call `generate` and `stream` at once, and their requests join the same steps:
 the engine's `Driver` (engine/driver.py, the server's stepper too) runs `EngineCore.step()` in its own
 thread and hands each update to the mailbox of the caller that owns its request, so no caller waits
-for another's requests to finish.
+for another's requests to finish. A lone caller runs the driver's steps on its own thread instead
+(`Driver.step_here`), saving a thread hand-off per step; a second caller wakes the driver's thread.
 """
 from __future__ import annotations
 
@@ -132,11 +133,17 @@ class LLM:
         pending = {r.request_id for r in requests}
         with self._callers_lock:
             self._callers += 1
+            alone = self._callers == 1
+        driver = self.driver
         last: list[RequestUpdate] | None = None
         try:
-            self.driver.submit(requests, box)
+            driver.submit(requests, box, wake=not alone)
             while pending:
-                updates = box.take()
+                updates = box.take(block=False)
+                if not updates:
+                    if self._callers == 1 and driver.step_here():
+                        continue  # a step on this thread: no hand-off while no one else is waiting
+                    updates = box.take()
                 pending.difference_update(u.request_id for u in updates if u.finished)
                 if not pending:  # the caller is out before it hears the end: a stream whose reader stops
                     last = updates  # at its last delta must not keep others' aborted requests from settling
@@ -160,8 +167,11 @@ class LLM:
             last_out = self._callers == 0
         if not last_out:
             return
-        before = self.driver.failure
-        self.driver.wait_idle()
+        driver = self.driver
+        before = driver.failure
+        while self._callers == 0 and driver.step_here():
+            pass  # settle on this thread while no new caller came (it steps its own then)
+        driver.wait_idle()
         failure = self.driver.failure
         if not quiet and failure is not None and failure is not before:
             raise failure
@@ -207,10 +217,13 @@ class _Mailbox:
             self._error = error
             self._cond.notify()
 
-    def take(self) -> list[RequestUpdate]:
-        """What arrived since the last take, waiting for something; the step's error once drained."""
+    def take(self, block: bool = True) -> list[RequestUpdate]:
+        """What arrived since the last take, waiting for something (or [] at once if not `block`); the
+        step's error once drained."""
         with self._cond:
             while not self._updates and self._error is None:
+                if not block:
+                    return []
                 self._cond.wait()
             if self._updates:
                 updates, self._updates = self._updates, []
