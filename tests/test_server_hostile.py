@@ -182,6 +182,87 @@ def test_fuzzed_bodies_never_500_and_leave_nothing_open(client):
     assert_serves(client)
 
 
+_METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
+_AUTH = st.sampled_from([AUTH["Authorization"], "Bearer wrong", "Basic azoxMjM=", "bearer " + KEY, None])
+_raw = (st.binary(max_size=48) | _body.map(lambda b: json.dumps(b).encode())
+        | _json.map(lambda v: json.dumps(v).encode()))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(data=st.data())
+def _fuzz_routes(client, paths, data):
+    path = data.draw(st.sampled_from(paths))
+    path += data.draw(st.sampled_from(["", "/", "/x", "?a=1", "%2e%2e/etc", "//"]))
+    method = data.draw(st.sampled_from(_METHODS))
+    headers = {"content-type": data.draw(st.sampled_from(["application/json", "text/plain", "multipart/form-data",
+                                                          "application/x-www-form-urlencoded"]))}
+    auth = data.draw(_AUTH)
+    if auth is not None:
+        headers["Authorization"] = auth
+    body = data.draw(_raw) if method not in ("GET", "HEAD") else b""
+    if path.startswith("/v1/") and method == "POST" and body.startswith(b"{"):
+        try:  # keep generations short: the statuses are what is checked
+            parsed = json.loads(body)
+            if isinstance(parsed, dict):
+                parsed.update(max_tokens=2, stream=False)
+                body = json.dumps(parsed).encode()
+        except ValueError:
+            pass
+    r = client.request(method, path, content=body, headers=headers)
+    assert r.status_code < 500 or (r.status_code == 503 and r.json()["error"]["code"] == "queue_full"), \
+        (method, path, body[:200], r.status_code, r.text[:300])
+    assert "location" not in r.headers, (method, path, r.headers)  # no redirect (it would echo the Host header)
+
+
+def test_every_route_fuzzed_never_500s_and_leaves_nothing_open(client):
+    """Each route the app serves (discovered, so a new route is fuzzed too) under odd methods, paths, keys,
+    content types and bodies."""
+    paths = sorted({route.path for route in client.app.routes if hasattr(route, "methods")})
+    assert {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"} <= set(paths)
+    _fuzz_routes(client, paths)
+    assert_serves(client)
+
+
+def test_health_answers_within_100ms_while_a_large_request_is_admitted():
+    """A request at the default body limit (4 MB of token ids, 1,024 prompts) is parsed, checked and
+    split into choices off the event loop: /health, polled meanwhile, keeps answering within 100 ms."""
+    import threading
+
+    engine = dict(kv_block_size=16, num_kv_blocks=256, max_model_len=1024, max_num_seqs=64, attention="sdpa",
+                  kv_cache="torch", device="cpu")
+    server = ServerProcess(engine=engine).wait_ready()
+    headers = {"Authorization": f"Bearer {server.api_key}", "content-type": "application/json"}
+    try:
+        for body in ({"prompt": [[12345] * 540] * 1024, "max_tokens": 1},  # 3.9 MB, admitted
+                     {"prompt": [[11] * 2000] * 280, "max_tokens": 1}):  # 2.2 MB, refused after its checks
+            data = json.dumps(body).encode()
+            assert len(data) < 4 << 20
+            latencies, stop = [], threading.Event()
+
+            def poll():
+                with httpx.Client(timeout=10) as c:
+                    while not stop.is_set():
+                        t = time.perf_counter()
+                        assert c.get(f"{server.url}/health").status_code == 200
+                        latencies.append(time.perf_counter() - t)
+                        time.sleep(0.005)
+
+            poller = threading.Thread(target=poll)
+            poller.start()
+            time.sleep(0.2)
+            try:  # admission is what is measured; the 1,024 prefills are left to the disconnect to abort
+                r = httpx.post(f"{server.url}/v1/completions", content=data, headers=headers, timeout=3)
+                assert r.status_code in (200, 400), r.text[:300]
+            except httpx.TimeoutException:
+                pass
+            time.sleep(0.3)
+            stop.set()
+            poller.join(30)
+            assert len(latencies) > 20 and max(latencies) < 0.1, sorted(latencies)[-5:]
+    finally:
+        server.stop()
+
+
 # ------------------------------------------------------------------------------ engine death (real servers)
 def _engine_child(server: ServerProcess) -> int:
     import psutil

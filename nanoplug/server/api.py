@@ -8,16 +8,18 @@ aborted at once, which frees their KV blocks at the engine's next step.
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
 
 from nanoplug.server.checks import check_request, check_token_prompts
-from nanoplug.server.errors import APIError, bad_request
+from nanoplug.server.errors import APIError, bad_request, validation_error
 from nanoplug.server.protocol import ChatRequest, CompletionRequest
 from nanoplug.server.render import (Responder, completion_logprobs, encode, prompt_entries, usage,
                                     vllm_prompt_logprobs)
@@ -37,61 +39,96 @@ def check_model(state: Any, model: str | None) -> None:
 
 
 def add_routes(app: FastAPI, state: Any) -> None:
+    """Parsing, the checks and the per-choice work run in a worker thread (`_off_loop`): a large body
+    never holds up the event loop (/health, other streams) while it is admitted."""
+
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_model(state, body.model)
-        check_completion(body)
-        prompts = body.prompts()
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise bad_request("the prompt is empty; give at least one token of text", param="prompt")
-        engine = state.engine
-        check_request(body, engine, state.capacity, len(prompts), state.settings.max_prompts, body.max_tokens)
-        check_token_prompts(prompts, engine.vocab_size)
-        n = body.n or 1
-        # max_tokens 0 (lm-eval's scoring with echo): one token is drawn and left out of the answer
-        max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        echo_logprobs = bool(body.echo) and body.logprobs is not None
-        if body.stream and (echo_logprobs or body.prompt_logprobs is not None):
-            raise bad_request("the prompt's logprobs (echo with logprobs, prompt_logprobs) come in a whole response; "
-                              "send stream=false", param="stream")
-        constraint = constraint_of(body)
-        responder = Responder(chat=False, model=state.settings.model_name, token_text=engine.token_text)
-        params = sampling_params(body, max(max_tokens, 1), 0, body.logprobs, constraint)
-        plp = body.prompt_logprobs if body.prompt_logprobs is not None else body.logprobs if echo_logprobs else None
-        if plp is not None:
-            params = params.model_copy(update={"prompt_logprobs": plp})
-        choice = [params if body.seed is None else params.model_copy(update={"seed": body.seed + j}) for j in range(n)]
-        items = [(prompt, [(f"{responder.id}-{i * n + j}", choice[j]) for j in range(n)])
-                 for i, prompt in enumerate(prompts)]
-        echo = [p for p in prompts for _ in range(n)] if body.echo else None
-        shape = Shape(echo=echo, drop_output=max_tokens == 0, echo_logprobs=echo_logprobs,
-                      prompt_logprobs=body.prompt_logprobs is not None)
-        return await respond(state, request, responder, items, n, bool(body.stream), body.include_usage,
-                             fill_context=False, shape=shape)
+    async def completions(request: Request) -> Response:
+        return await respond(state, request, *await _off_loop(_plan_completion, state, await request.body()))
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request) -> Response:
-        check_model(state, body.model)
-        check_chat(body)
-        n = body.n or 1
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        check_request(body, state.engine, state.capacity, 1, 1, max_tokens)
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        messages = chat_messages(body.messages, CHAT_ROLES)
-        plan = ToolPlan.of(body, getattr(state.engine, "tool_call_format", None))
-        constraint = constraint_of(body)
-        if plan is not None and plan.constraint() is not None:
-            if constraint is not None:
-                raise bad_request(f"tool_choice={body.tool_choice!r} generates the call under its own grammar; "
-                                  "leave out response_format (or the other constraint)", param="tool_choice")
-            constraint = plan.constraint()
-        prompt = {"messages": messages, "tools": plan.tools} if plan is not None else messages
-        responder = Responder(chat=True, model=state.settings.model_name, token_text=state.engine.token_text)
-        params = sampling_params(body, max_tokens or 1, 0, logprobs, constraint)
-        items = [(prompt, [(f"{responder.id}-{j}", params if body.seed is None else
-                            params.model_copy(update={"seed": body.seed + j})) for j in range(n)])]
-        return await respond(state, request, responder, items, n, bool(body.stream), body.include_usage,
-                             fill_context=max_tokens is None, plan=plan)
+    async def chat(request: Request) -> Response:
+        return await respond(state, request, *await _off_loop(_plan_chat, state, await request.body()))
+
+
+async def _off_loop(plan: Any, state: Any, raw: bytes) -> Any:
+    return await anyio.to_thread.run_sync(plan, state, raw)
+
+
+def _parse(model: type[BaseModel], raw: bytes) -> Any:
+    if not raw.strip():
+        raise bad_request("the request body is empty; send a JSON object, e.g. {\"prompt\": \"Hello\"}",
+                          code="invalid_json")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+    if errors[0].get("type") == "json_invalid":  # Python's parser takes what pydantic's refuses (a lone
+        try:  # surrogate, "\ud800"): the checks then name the field that carries it
+            return model.model_validate(json.loads(raw))
+        except json.JSONDecodeError:
+            pass
+        except ValidationError as exc:
+            errors = exc.errors(include_url=False)
+    raise validation_error(errors)
+
+
+def _plan_completion(state: Any, raw: bytes) -> tuple:
+    """`respond`'s arguments for a completions body; raises APIError."""
+    body = _parse(CompletionRequest, raw)
+    check_model(state, body.model)
+    check_completion(body)
+    prompts = body.prompts()
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise bad_request("the prompt is empty; give at least one token of text", param="prompt")
+    engine = state.engine
+    check_request(body, engine, state.capacity, len(prompts), state.settings.max_prompts, body.max_tokens)
+    check_token_prompts(prompts, engine.vocab_size)
+    n = body.n or 1
+    # max_tokens 0 (lm-eval's scoring with echo): one token is drawn and left out of the answer
+    max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    echo_logprobs = bool(body.echo) and body.logprobs is not None
+    if body.stream and (echo_logprobs or body.prompt_logprobs is not None):
+        raise bad_request("the prompt's logprobs (echo with logprobs, prompt_logprobs) come in a whole response; "
+                          "send stream=false", param="stream")
+    constraint = constraint_of(body)
+    responder = Responder(chat=False, model=state.settings.model_name, token_text=engine.token_text)
+    params = sampling_params(body, max(max_tokens, 1), 0, body.logprobs, constraint)
+    plp = body.prompt_logprobs if body.prompt_logprobs is not None else body.logprobs if echo_logprobs else None
+    if plp is not None:
+        params = params.model_copy(update={"prompt_logprobs": plp})
+    choice = [params if body.seed is None else params.model_copy(update={"seed": body.seed + j}) for j in range(n)]
+    items = [(prompt, [(f"{responder.id}-{i * n + j}", choice[j]) for j in range(n)])
+             for i, prompt in enumerate(prompts)]
+    echo = [p for p in prompts for _ in range(n)] if body.echo else None
+    shape = Shape(echo=echo, drop_output=max_tokens == 0, echo_logprobs=echo_logprobs,
+                  prompt_logprobs=body.prompt_logprobs is not None)
+    return responder, items, n, bool(body.stream), body.include_usage, False, shape
+
+
+def _plan_chat(state: Any, raw: bytes) -> tuple:
+    """`respond`'s arguments for a chat body; raises APIError."""
+    body = _parse(ChatRequest, raw)
+    check_model(state, body.model)
+    check_chat(body)
+    n = body.n or 1
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    check_request(body, state.engine, state.capacity, 1, 1, max_tokens)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    messages = chat_messages(body.messages, CHAT_ROLES)
+    plan = ToolPlan.of(body, getattr(state.engine, "tool_call_format", None))
+    constraint = constraint_of(body)
+    if plan is not None and plan.constraint() is not None:
+        if constraint is not None:
+            raise bad_request(f"tool_choice={body.tool_choice!r} generates the call under its own grammar; "
+                              "leave out response_format (or the other constraint)", param="tool_choice")
+        constraint = plan.constraint()
+    prompt = {"messages": messages, "tools": plan.tools} if plan is not None else messages
+    responder = Responder(chat=True, model=state.settings.model_name, token_text=state.engine.token_text)
+    params = sampling_params(body, max_tokens or 1, 0, logprobs, constraint)
+    items = [(prompt, [(f"{responder.id}-{j}", params if body.seed is None else
+                        params.model_copy(update={"seed": body.seed + j})) for j in range(n)])]
+    return responder, items, n, bool(body.stream), body.include_usage, max_tokens is None, None, plan
 
 
 @dataclass

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel
+
 from nanoplug.engine.requests import lone_surrogate
 from nanoplug.server.errors import bad_request
 
@@ -13,20 +15,29 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 def _strings(value: Any, path: str):
+    """Every string in a parsed body with its path; a list of ints (token ids, possibly a million of
+    them) is passed over at once: the body's types make such a list all ints."""
     if isinstance(value, str):
         yield path, value
+    elif isinstance(value, BaseModel):
+        fields = dict(value.__dict__, **(value.__pydantic_extra__ or {}))
+        for key, item in fields.items():
+            if key in value.model_fields_set or key in (value.__pydantic_extra__ or {}):
+                yield from _strings(item, f"{path}.{key}" if path else key)
     elif isinstance(value, dict):
         for key, item in value.items():
             yield from _strings(key, path)
             yield from _strings(item, f"{path}.{key}" if path else str(key))
     elif isinstance(value, (list, tuple)):
+        if value and type(value[0]) is int:
+            return
         for i, item in enumerate(value):
             yield from _strings(item, f"{path}.{i}" if path else str(i))
 
 
 def check_text(body: Any) -> None:
     """Every string is valid Unicode: JSON may carry a lone surrogate ("\\ud800") no tokenizer or UTF-8 takes."""
-    for path, text in _strings(body.model_dump(exclude_defaults=True), ""):
+    for path, text in _strings(body, ""):
         problem = lone_surrogate(text)
         if problem is not None:
             raise bad_request(f"{path} has {problem}; send valid Unicode text", param=path, code="invalid_value")
