@@ -104,18 +104,11 @@ class Driver:
             if not core.has_unfinished():
                 return False
             try:
-                updates = core.step()
-                self.stats = core.stats()
-                if updates:
-                    self._deliver(updates)
+                self._step()
                 if self.on_idle is not None and not core.has_unfinished():
                     self.on_idle(self.stats)
             except BaseException as exc:  # noqa: BLE001 (handed to the sinks)
                 self._failed(exc)
-                if self.stop_on_failure:
-                    with self._cond:
-                        self._stopping = True
-                        self._cond.notify_all()
             return True
         finally:
             self._wheel.release()
@@ -155,8 +148,6 @@ class Driver:
             except BaseException as exc:  # noqa: BLE001 (handed to the sinks)
                 self._failed(exc)
             with cond:
-                if self.failure is not None and self.stop_on_failure:
-                    self._stopping = True
                 self._idle = True
                 cond.notify_all()
 
@@ -168,14 +159,18 @@ class Driver:
             with wheel:  # a caller's step_here may still be finishing its step
                 if not core.has_unfinished():
                     break
-                updates = core.step()
-                self.stats = core.stats()
+                self._step()
                 stepped = True
-                if updates:
-                    self._deliver(updates)
         if stepped:
             if self.on_idle is not None:
                 self.on_idle(self.stats)
+
+    def _step(self) -> None:
+        """One step (the wheel held), its stats kept and its updates handed to their sinks."""
+        updates = self.core.step()
+        self.stats = self.core.stats()
+        if updates:
+            self._deliver(updates)
 
     def _deliver(self, updates: list[Any]) -> None:
         """Each sink's share of one step's updates, in one call per sink."""
@@ -194,6 +189,10 @@ class Driver:
 
     def _failed(self, exc: BaseException) -> None:
         self.failure = exc
+        if self.stop_on_failure:
+            with self._cond:
+                self._stopping = True
+                self._cond.notify_all()
         self._fail_sinks(exc)
         if self.on_failure is not None:
             self.on_failure(exc)

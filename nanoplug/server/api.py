@@ -39,20 +39,16 @@ def check_model(state: Any, model: str | None) -> None:
 
 
 def add_routes(app: FastAPI, state: Any) -> None:
-    """Parsing, the checks and the per-choice work run in a worker thread (`_off_loop`): a large body
-    never holds up the event loop (/health, other streams) while it is admitted."""
+    """Parsing, the checks and the per-choice work run in a worker thread: a large body never holds up
+    the event loop (/health, other streams) while it is admitted."""
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await respond(state, request, *await _off_loop(_plan_completion, state, await request.body()))
+        return await respond(state, request, *await anyio.to_thread.run_sync(_plan_completion, state, await request.body()))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await respond(state, request, *await _off_loop(_plan_chat, state, await request.body()))
-
-
-async def _off_loop(plan: Any, state: Any, raw: bytes) -> Any:
-    return await anyio.to_thread.run_sync(plan, state, raw)
+        return await respond(state, request, *await anyio.to_thread.run_sync(_plan_chat, state, await request.body()))
 
 
 def _parse(model: type[BaseModel], raw: bytes) -> Any:

@@ -20,10 +20,8 @@ def _strings(value: Any, path: str):
     if isinstance(value, str):
         yield path, value
     elif isinstance(value, BaseModel):
-        fields = dict(value.__dict__, **(value.__pydantic_extra__ or {}))
-        for key, item in fields.items():
-            if key in value.model_fields_set or key in (value.__pydantic_extra__ or {}):
-                yield from _strings(item, f"{path}.{key}" if path else key)
+        for key in value.model_fields_set:  # what the client sent (extra fields included)
+            yield from _strings(getattr(value, key), f"{path}.{key}" if path else key)
     elif isinstance(value, dict):
         for key, item in value.items():
             yield from _strings(key, path)
