@@ -20,16 +20,12 @@ import numpy as np
 import pytest
 import torch
 
+from _gguf_files import _RANDOM_D, random_blocks as _random_blocks
 from nanoplug.kernels.cpu import build
 from nanoplug.kernels.cpu.kquant_ops import BLOCKS, FORMATS, K_QUANTS, kquant_kernels
 
 EPS32 = np.finfo(np.float32).eps
 DATA = Path(__file__).parent / "data" / "llama_cpp_quants.gguf"
-# byte offsets of the float16 factors in each block (d, and dmin / m where the type has one)
-HALVES = {"Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,), "Q2_K": (80, 82), "Q3_K": (108,), "Q5_K": (0, 2),
-          "Q6_K": (208,), "IQ4_XS": (0,)}
-
-
 @pytest.fixture(scope="module")
 def kq():
     assert build.find_compiler() is not None, "these tests need a C++ compiler (g++ or clang++)"
@@ -37,14 +33,8 @@ def kq():
 
 
 def random_blocks(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """Random bytes as blocks of a [n, k] weight, with finite float16 factors of either sign."""
-    rng = np.random.default_rng(seed)
-    block, size = BLOCKS[FORMATS[fmt]]
-    raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
-    for at in HALVES[fmt]:
-        vals = (rng.uniform(1e-4, 2e-2, (n, k // block)) * rng.choice([-1, 1], (n, k // block))).astype(np.float16)
-        raw[..., at:at + 2] = vals.view(np.uint8).reshape(n, k // block, 2)
-    return raw.reshape(n, -1)
+    """Random bytes as blocks of a [n, k] weight, float16 factors of either sign up to 2e-2 (large scales)."""
+    return _random_blocks(fmt, n, k, seed, scale=2e-2 / _RANDOM_D[fmt])
 
 
 def llama_cpp_tensors() -> dict[str, np.ndarray]:
