@@ -56,6 +56,7 @@ def check_engine(quant: LLM, dense: LLM, fmt_name: str, segments) -> None:
     assert diff < 1e-3, diff
 
 
+@pytest.mark.slow
 def test_cpu_kernels_match_the_dequantized_engine(kquant_gguf, dense):
     quant = LLM(str(kquant_gguf), quantization="gguf", **OPTIONS)
     try:
