@@ -63,7 +63,11 @@ bool is_iq4(int f) { return f == IQ4_NL || f == IQ4_XS; }
 
 const int8_t KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-float half_to_float(uint16_t h) {
+// inlined everywhere: the SIMD passes must not call non-VEX code with wide registers live (an SSE/AVX
+// transition stall on each call: 5x the time of a Q5_K block)
+#define NP_INLINE inline __attribute__((always_inline))
+
+NP_INLINE float half_to_float(uint16_t h) {
   const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu;
   uint32_t bits;
   if (exp == 0) {
@@ -84,7 +88,7 @@ float half_to_float(uint16_t h) {
   std::memcpy(&f, &bits, 4);
   return f;
 }
-inline float f16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return half_to_float(v); }
+NP_INLINE float f16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return half_to_float(v); }
 
 // ---- a block's header: its float factors and per-16 integer scales and minimums ----
 
@@ -95,7 +99,7 @@ struct Header {
 };
 
 // Q4_K/Q5_K's 6-bit scale and minimum of sub-block j from the 12 packed bytes (gguf-py's get_scale_min)
-inline void k4_scale_min(int j, const uint8_t* q, int32_t* sc, int32_t* m) {
+NP_INLINE void k4_scale_min(int j, const uint8_t* q, int32_t* sc, int32_t* m) {
   if (j < 4) {
     *sc = q[j] & 63;
     *m = q[j + 4] & 63;
@@ -105,7 +109,7 @@ inline void k4_scale_min(int j, const uint8_t* q, int32_t* sc, int32_t* m) {
   }
 }
 
-void header(int f, const uint8_t* b, Header& h) {
+NP_INLINE void header(int f, const uint8_t* b, Header& h) {
   h.dmin = 0.f;
   for (int j = 0; j < 16; ++j) h.sc[j] = 1, h.mn[j] = 0;
   switch (f) {
@@ -547,17 +551,19 @@ KQ_T void dot_k(const uint8_t* row, int64_t K, const Act* a, const int64_t* ms, 
   float corr[R];
   for (int r = 0; r < R; ++r) accf[r] = _mm256_setzero_ps(), corr[r] = 0.f;
   Header h;
-  alignas(32) int32_t sc4[64];  // each per-16 scale 4 times: one chunk's 8 lanes
   for (int64_t i = 0; i < nb; ++i) {
     const uint8_t* b = row + i * ts;
     header(F, b, h);
-    for (int j = 0; j < 16; ++j)
-      for (int l = 0; l < 4; ++l) sc4[4 * j + l] = h.sc[j];
+    // chunk c's 8 lanes: scale 2c in lanes 0-3, 2c + 1 in lanes 4-7 (a permute of the 8 scales of its half)
+    const __m256i sc_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.sc));
+    const __m256i sc_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.sc + 8));
     __m256i acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {
       const __m256i w = chunk<F>(b, c);
-      const __m256i s = _mm256_load_si256(reinterpret_cast<const __m256i*>(sc4 + 8 * c));
+      const int e = 2 * (c % 4);
+      const __m256i idx = _mm256_setr_epi32(e, e, e, e, e + 1, e + 1, e + 1, e + 1);
+      const __m256i s = _mm256_permutevar8x32_epi32(c < 4 ? sc_lo : sc_hi, idx);
       for (int r = 0; r < R; ++r)
         acc[r] = _mm256_add_epi32(acc[r], _mm256_mullo_epi32(chunk_dot<F>(w, a->q + ms[r] * K + i * QK + 32 * c), s));
     }
@@ -585,7 +591,9 @@ KQ_T void dot_32(const uint8_t* row, int64_t K, const Act* a, const int64_t* ms,
   for (int64_t i = 0; i < nb; ++i) {
     const uint8_t* b = row + i * ts;
     const __m256i w = chunk<F>(b, 0);
-    const float d = f16(b);
+    uint16_t dh;
+    std::memcpy(&dh, b, 2);
+    const float d = _cvtsh_ss(dh);
     for (int r = 0; r < R; ++r) {
       const int64_t m = ms[r];
       const __m256i p = chunk_dot<F>(w, a->q + m * K + i * 32);
@@ -593,7 +601,11 @@ KQ_T void dot_32(const uint8_t* row, int64_t K, const Act* a, const int64_t* ms,
       accf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * dx), accf[r]);
       const float xs = dx * static_cast<float>(a->sum[m * nb + i]);
       if (F == Q5_0) corr[r] -= (16.f * d) * xs;
-      if (F == Q5_1) corr[r] += f16(b + 2) * xs;
+      if (F == Q5_1) {
+        uint16_t mh;
+        std::memcpy(&mh, b + 2, 2);
+        corr[r] += _cvtsh_ss(mh) * xs;
+      }
     }
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(accf[r]) + corr[r];
