@@ -100,6 +100,7 @@ def default_model_files(ftypes: list[str], threads: int) -> dict[str, Path]:
 
 def write_test_data(files: dict[str, Path], out: Path) -> Path:
     """The first TEST_ROWS rows of one tensor of each type in `files` (first file first), as one GGUF."""
+    out.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(out), arch="llama")
     seen = set()
     for ftype, path in files.items():
