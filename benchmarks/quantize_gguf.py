@@ -98,8 +98,29 @@ def default_model_files(ftypes: list[str], threads: int) -> dict[str, Path]:
     return {f: llama_cpp_quantize(f32, folder / f"SmolLM2-135M-Instruct.{f}.gguf", f, threads) for f in ftypes}
 
 
+def ggml_quantize(values: np.ndarray, fmt: str) -> np.ndarray:
+    """llama.cpp's own quantizer for one tensor (ggml_quantize_chunk, no importance matrix): float32 [n, k]
+    -> its blocks uint8 [n, row bytes]. For a type no preset writes on this model (Q2_K: its rows of 576 fall
+    back to other types)."""
+    import llama_cpp
+
+    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    fn = lib.ggml_quantize_chunk
+    fn.restype = ctypes.c_size_t
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_void_p]
+    qtype = gguf.GGMLQuantizationType[fmt]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    n, k = values.shape
+    out = np.zeros((n, k // block * size), dtype=np.uint8)
+    fn(int(qtype), values.ctypes.data, out.ctypes.data, 0, n, k, None)
+    return out
+
+
 def write_test_data(files: dict[str, Path], out: Path) -> Path:
-    """The first TEST_ROWS rows of one tensor of each type in `files` (first file first), as one GGUF."""
+    """The first TEST_ROWS rows of one tensor of each type in `files` (first file first), as one GGUF; and
+    Q2_K, which no preset writes on this model, by ggml_quantize from the float32 file's ffn_down."""
     out.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(out), arch="llama")
     seen = set()
@@ -112,6 +133,13 @@ def write_test_data(files: dict[str, Path], out: Path) -> Path:
             rows = np.asarray(t.data).reshape(int(t.shape[1]), -1)[:TEST_ROWS]
             writer.add_tensor(f"{ftype}.{t.name}", np.ascontiguousarray(rows), raw_dtype=t.tensor_type)
             print(f"{name:7s} from {ftype:7s} {t.name} [{TEST_ROWS}, {int(t.shape[0])}]")
+    f32 = next(t for t in gguf.GGUFReader(str(cache_dir() / "SmolLM2-135M-Instruct.F32.gguf")).tensors
+               if t.name == "blk.0.ffn_down.weight")
+    for fmt in ("Q2_K",):
+        if fmt not in seen:
+            rows = np.asarray(f32.data).reshape(int(f32.shape[1]), -1)[:TEST_ROWS]
+            writer.add_tensor(f"ggml_quantize.{f32.name}", ggml_quantize(rows, fmt), raw_dtype=gguf.GGMLQuantizationType[fmt])
+            print(f"{fmt:7s} from ggml_quantize_chunk {f32.name} [{TEST_ROWS}, {int(f32.shape[0])}]")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
