@@ -2,7 +2,7 @@
 Q5_0, Q5_1, IQ4_NL) against references no one here wrote:
 
 - dequantization equals gguf-py's `gguf.quants.dequantize` bit for bit, on tensors llama.cpp's quantizer
-  wrote (tests/data/llama_cpp_quants.gguf, see tests/data/make_llama_cpp_quants.py), on gguf-py's own
+  wrote (tests/data/llama_cpp_quants.gguf, written by `benchmarks/quantize_gguf.py --test-data`), on gguf-py's own
   quantization (Q5_0, Q5_1) and on random blocks (every bit pattern of the quants and scales);
 - the int8 activation blocks equal an independent numpy quantization (llama.cpp's Q8_K rule for the
   K-quants, amax/127 blocks of 32 for the others);
