@@ -72,8 +72,21 @@ def commit() -> str:
 class LlamaCpp:
     label = "llama.cpp"
 
-    def __init__(self, gguf: str, threads: int, logits_all: bool = False, n_ctx: int = 1024):
+    def __init__(self, gguf: str, threads: int, logits_all: bool = False, n_ctx: int = 1024,
+                 extra_bufts: bool = True):
+        import llama_cpp
         from llama_cpp import Llama
+
+        if not extra_bufts:  # llama.cpp's repacked (AMX / interleaved) weight buffers off: they crash on some hosts
+            default = llama_cpp.llama_model_default_params
+
+            def params():
+                p = default()
+                p.use_extra_bufts = False
+                return p
+
+            llama_cpp.llama_cpp.llama_model_default_params = params
+            llama_cpp.llama.llama_cpp.llama_model_default_params = params
 
         self.llm = Llama(gguf, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, n_batch=512,
                          logits_all=logits_all, verbose=False)
@@ -188,6 +201,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quality", action="store_true", help="also compare per-token log-probabilities")
     parser.add_argument("--no-llama", action="store_true", help="nanoplug only (llama-cpp-python not installed)")
+    parser.add_argument("--no-extra-bufts", action="store_true",
+                        help="llama.cpp without its repacked weight buffers (use_extra_bufts=False): where they crash")
     parser.add_argument("--kv-cache", default="auto",
                         help="the GGUF engine's KV-cache store (fp16: half the bytes decode attention reads, as "
                              "llama.cpp's default f16 cache; auto: float32)")
@@ -225,7 +240,7 @@ def main() -> None:
     engines = [quant]
     if not args.no_llama:
         rss1 = rss_mb()
-        engines.append(LlamaCpp(gguf, args.threads))
+        engines.append(LlamaCpp(gguf, args.threads, extra_bufts=not args.no_extra_bufts))
         rss_llama = rss_mb() - rss1
     for engine in engines:  # warm-up
         engine.run(ids, 4)
@@ -255,7 +270,8 @@ def main() -> None:
         text_ids = tokenizer.encode(DATA.read_text())
         engines = [e for e in engines if e.label != "llama.cpp"]
         gc.collect()
-        ref = LlamaCpp(gguf, args.threads, logits_all=True, n_ctx=4096).logprobs(text_ids)
+        ref = LlamaCpp(gguf, args.threads, logits_all=True, n_ctx=4096,
+                       extra_bufts=not args.no_extra_bufts).logprobs(text_ids)
         got = quant.logprobs(text_ids)
         r = compare_logprobs(ref, got, text_ids)
         print(f"\nquality on {DATA.name} ({len(text_ids)} tokens): mean KL(llama.cpp || nanoplug) {r['kl_mean']:.5f} "

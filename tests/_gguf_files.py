@@ -46,3 +46,49 @@ def requantize(source: Path, out: Path, formats: dict[str, str]) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+# the largest |w| of random blocks is about 0.2: the float16 factor d (and dmin) of each type scaled by
+# 0.2 / (its largest |scale| * its largest |quant|)
+_RANDOM_D = {"Q6_K": 5e-5, "Q5_K": 1e-4, "Q3_K": 1.5e-3, "Q2_K": 4e-3, "IQ4_XS": 5e-5, "Q5_0": 1e-2, "Q5_1": 6e-3,
+             "IQ4_NL": 1.5e-3}
+_HALVES = {"Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,), "Q2_K": (80, 82), "Q3_K": (108,), "Q5_K": (0, 2),
+           "Q6_K": (208,), "IQ4_XS": (0,)}
+
+
+def random_blocks(fmt: str, n: int, k: int, seed: int = 0, scale: float = 1.0) -> np.ndarray:
+    """Random bytes as the blocks of a [n, k] weight of `fmt` (every bit pattern of its quants and scales),
+    its float16 factors of either sign, `scale` times _RANDOM_D's magnitude: no quantizer involved."""
+    rng = np.random.default_rng(seed)
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[fmt]]
+    raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    for at in _HALVES[fmt]:
+        mag = rng.uniform(0.05, 1.0, (n, k // block)) * _RANDOM_D[fmt] * scale
+        vals = (mag * rng.choice([-1, 1], (n, k // block))).astype(np.float16)
+        raw[..., at:at + 2] = vals.view(np.uint8).reshape(n, k // block, 2)
+    return raw.reshape(n, -1)
+
+
+def with_random_blocks(source: Path, out: Path, formats: dict[str, str], seed: int = 0) -> Path:
+    """Copy `source` to `out` with each tensor whose GGUF name holds a key of `formats` replaced by random
+    blocks of that format (random_blocks), for a model of every block type whatever quantizer is at hand."""
+    reader = gguf.GGUFReader(str(source))
+    writer = gguf.GGUFWriter(str(out), arch=str(reader.fields["general.architecture"].contents()))
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+    for i, t in enumerate(reader.tensors):
+        fmt = next((f for key, f in formats.items() if f".{key}." in "." + t.name), None)
+        if fmt is None:
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+            continue
+        rows, cols = int(t.shape[1]), int(t.shape[0])
+        writer.add_tensor(t.name, random_blocks(fmt, rows, cols, seed + i), raw_dtype=gguf.GGMLQuantizationType[fmt])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -126,6 +126,28 @@ def quantize_q4_k(x: Any) -> Any:
     return blocks.reshape(n, -1)
 
 
+def quantize_q6_k(x: Any) -> Any:
+    """Valid Q6_K blocks for float32 rows x [n, k] (k a multiple of 256): per 16 weights an int8 scale of the
+    super-block's float16 d, 6-bit quants rounded to nearest. Like quantize_q4_k, a faithful encoding of
+    the format (for GPU timings and tests where llama.cpp's quantizer is absent), not its scale search."""
+    import numpy as np
+
+    n, k = x.shape
+    sub = x.reshape(-1, 16, 16).astype(np.float32)
+    scale = np.abs(sub).max(-1) / 31
+    d = (scale.max(-1) / 127).astype(np.float16)
+    df = d.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(df > 0, np.clip(np.rint(scale / df), 0, 127), 0).astype(np.int8)
+        eff = (df * sc)[..., None]
+        q = np.where(eff > 0, np.clip(np.rint(sub / eff), -32, 31), 0).astype(np.int16)
+    r = (q + 32).astype(np.uint8).reshape(-1, 2, 4, 32)  # per half: weights l, l + 32, l + 64, l + 96
+    ql = np.concatenate([(r[:, :, 0] & 0xF) | ((r[:, :, 2] & 0xF) << 4),
+                         (r[:, :, 1] & 0xF) | ((r[:, :, 3] & 0xF) << 4)], axis=2).reshape(-1, 128)
+    qh = ((r[:, :, 0] >> 4) | ((r[:, :, 1] >> 4) << 2) | ((r[:, :, 2] >> 4) << 4) | ((r[:, :, 3] >> 4) << 6))
+    blocks = np.concatenate([ql, qh.reshape(-1, 64), sc.view(np.uint8), d[:, None].view(np.uint8)], axis=1)
+    return blocks.reshape(n, -1)
+
 
 def _quantize_one(job: tuple[str, str, str, int, int]) -> tuple[str, Any, str]:
     """Rows [start, stop) of one tensor of a safetensors file, quantized by gguf-py (a worker of write_gguf's pool)."""
@@ -138,8 +160,8 @@ def _quantize_one(job: tuple[str, str, str, int, int]) -> tuple[str, Any, str]:
         values = f.get_slice(name)[start:stop].float().numpy()
     if fmt == "F32":
         return name, values.astype(np.float32), fmt
-    if fmt == "Q4_K":  # gguf-py has no Q4_K quantizer
-        return name, quantize_q4_k(values), fmt
+    if fmt in ("Q4_K", "Q6_K"):  # gguf-py has no K-quant quantizer
+        return name, (quantize_q4_k if fmt == "Q4_K" else quantize_q6_k)(values), fmt
     return name, gguf.quants.quantize(values, gguf.GGMLQuantizationType[fmt]), fmt
 
 

@@ -1,5 +1,6 @@
 """The linear method of GGUF blocks on the CPU: a layer's parts (q, k and v; gate and up; one for the
-others) kept as loaded, packed once into the panels the C++ kernels read (kernels/cpu/quant.cpp: AVX-512
+others) kept as loaded, packed once into the panels the C++ kernels read (kernels/cpu/quant.cpp for Q4_0,
+Q4_1, Q8_0 and Q4_K; kernels/cpu/kquants.cpp keeps the other types in the file's blocks; each AVX-512
 VNNI, AVX2 or portable, chosen at run time), multiplied with the activations quantized to int8 on the fly,
 as llama.cpp does (`int8_activations = False`: in float32, closer to the float32 engine and slower). The
 embedding and the tied LM head share one packed weight: rows are dequantized as they are gathered. Float
@@ -15,15 +16,41 @@ from torch import nn
 
 from nanoplug.api import LinearMethod, check_shape
 
-FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K"})
+PANEL_FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K"})  # quant.cpp
+BLOCK_FORMATS = frozenset({"Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_XS", "Q5_0", "Q5_1", "IQ4_NL"})  # kquants.cpp
+FORMATS = PANEL_FORMATS | BLOCK_FORMATS
 """The GGUF block types these kernels multiply."""
 
 
 def cpu_method() -> "GGUFLinearMethod":
     """The method over the C++ kernels, built (compiled on first use) for this machine."""
+    from nanoplug.kernels.cpu.kquant_ops import kquant_kernels
     from nanoplug.kernels.cpu.quant_ops import quant_kernels
 
-    return GGUFLinearMethod(quant_kernels())
+    return GGUFLinearMethod(_ByFormat(quant_kernels(), kquant_kernels()))
+
+
+class _ByFormat:
+    """The two kernel libraries behind one interface: each call goes to the one serving its format."""
+
+    def __init__(self, panels: Any, blocks: Any):
+        self.panels, self.blocks = panels, blocks
+
+    def _of(self, fmt: str) -> Any:
+        return self.panels if fmt in PANEL_FORMATS else self.blocks
+
+    def pack(self, fmt: str, raw: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        return self._of(fmt).pack(fmt, raw, n, k)
+
+    def matmul(self, fmt: str, packed: torch.Tensor, n: int, k: int) -> Callable:
+        return self._of(fmt).matmul(fmt, packed, n, k)
+
+    def linear(self, x: torch.Tensor, fmt: str, packed: torch.Tensor, n: int, k: int, bias: torch.Tensor | None,
+               int8: bool = True) -> torch.Tensor:
+        return self._of(fmt).linear(x, fmt, packed, n, k, bias, int8=int8)
+
+    def dequantize(self, fmt: str, packed: torch.Tensor, n: int, k: int, rows: torch.Tensor | None = None):
+        return self._of(fmt).dequantize(fmt, packed, n, k, rows)
 
 
 class Segment(NamedTuple):

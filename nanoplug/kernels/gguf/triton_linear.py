@@ -1,8 +1,10 @@
 """The linear method of GGUF blocks under Triton (triton_kernels.py): a layer's parts (q, k and v; gate and
 up) kept per run of one format, each run repacked once (blocks.py) and written by its own kernel into its
 columns of one output, so a fused layer whose parts differ in format still makes one tensor without a
-concatenation. Parts that arrive as floats (an F16 embedding) stay dense in the model's dtype. The
-embedding gathers dequantized rows; a tied LM head shares the embedding's blocks."""
+concatenation. Q8_0/Q4_0/Q4_1/Q4_K are split into quants and scales (blocks.py, triton_kernels.py); the
+other types stay the file's blocks (triton_kquants.py). Parts that arrive as floats (an F16 embedding) stay
+dense in the model's dtype. The embedding gathers dequantized rows; a tied LM head shares the embedding's
+blocks."""
 from __future__ import annotations
 
 import itertools
@@ -14,7 +16,16 @@ from torch import nn
 
 from nanoplug.api import LinearMethod, Target, check_shape
 from nanoplug.kernels.gguf import triton_kernels as kernels
+from nanoplug.kernels.gguf import triton_kquants
 from nanoplug.kernels.gguf.blocks import Packed, repack
+from nanoplug.kernels.gguf.triton_kquants import RawBlocks, raw_blocks
+
+QUANTIZED = (Packed, RawBlocks)
+
+
+def _module(weight: Packed | RawBlocks):
+    """The kernels of a weight's layout."""
+    return kernels if isinstance(weight, Packed) else triton_kquants
 
 
 def triton_reasons(target: Target) -> list[str]:
@@ -41,7 +52,7 @@ class Segment(NamedTuple):
 
     offset: int
     rows: int
-    weight: Packed | torch.Tensor
+    weight: Packed | RawBlocks | torch.Tensor
 
 
 class _Weight:
@@ -88,11 +99,12 @@ class TritonGGUFLinearMethod(LinearMethod):
                 data = torch.cat([t.to(device, w.dtype) for _, t in group]).contiguous()
             else:
                 blocks = torch.cat([t.blocks() for _, t in group])
-                data = repack(fmt, blocks.to(device), rows, w.cols)
+                blocks = blocks.to(device)
+                data = (raw_blocks if fmt in triton_kquants.FORMATS else repack)(fmt, blocks, rows, w.cols)
             w.segments.append(Segment(group[0][0], rows, data))
         w.parts = []
         first = w.segments[0].weight  # the parameter holds the largest bytes (what memory accounting sees)
-        param.data = first.quants if isinstance(first, Packed) else first
+        param.data = first.quants if isinstance(first, Packed) else first.data if isinstance(first, RawBlocks) else first
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         w: _Weight = layer.weight.gguf
@@ -102,8 +114,8 @@ class TritonGGUFLinearMethod(LinearMethod):
         out = torch.empty(x2.shape[0], w.rows, dtype=x.dtype, device=x.device)
         for offset, rows, weight in w.segments:
             dst = out if rows == w.rows else out[:, offset:offset + rows]
-            if isinstance(weight, Packed):
-                kernels.linear(x2, weight, dst)
+            if isinstance(weight, QUANTIZED):
+                _module(weight).linear(x2, weight, dst)
             else:
                 dst.copy_(F.linear(x2, weight))
         if bias is not None:
@@ -114,11 +126,11 @@ class TritonGGUFLinearMethod(LinearMethod):
         w: _Weight = layer.weight.gguf
         if len(w.segments) == 1:
             weight = w.segments[0].weight
-            if not isinstance(weight, Packed):
+            if not isinstance(weight, QUANTIZED):
                 return F.embedding(ids, weight)
             flat = ids.reshape(-1)
             out = torch.empty(flat.numel(), w.cols, dtype=w.dtype, device=ids.device)
-            return kernels.dequantize(weight, out, flat).view(*ids.shape, w.cols)
+            return _module(weight).dequantize(weight, out, flat).view(*ids.shape, w.cols)
         return F.embedding(ids, self.dequantized(layer))  # rows of several formats: rare
 
     def dequantized(self, layer: nn.Module, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -127,9 +139,9 @@ class TritonGGUFLinearMethod(LinearMethod):
         dtype = dtype or w.dtype
         outs = []
         for _, rows, weight in w.segments:
-            if isinstance(weight, Packed):
-                outs.append(kernels.dequantize(weight, torch.empty(rows, w.cols, dtype=dtype,
-                                                                   device=weight.quants.device)))
+            if isinstance(weight, QUANTIZED):
+                device = weight.quants.device if isinstance(weight, Packed) else weight.data.device
+                outs.append(_module(weight).dequantize(weight, torch.empty(rows, w.cols, dtype=dtype, device=device)))
             else:
                 outs.append(weight.to(dtype))
         return torch.cat(outs)

@@ -1,0 +1,638 @@
+// nanoplug's CPU kernels for the GGUF types quant.cpp does not serve: the K-quants Q2_K, Q3_K, Q5_K, Q6_K,
+// IQ4_XS (super-blocks of 256) and Q5_0, Q5_1, IQ4_NL (blocks of 32), kept in the file's own blocks.
+//
+// Layout. A weight [N, K] is the file's rows of blocks, unchanged: memory is the file's bytes per weight
+// (Q6_K 6.56 bits, Q5_0 5.5, ...). Each row is multiplied by dot products over its blocks, as llama.cpp's
+// vec_dot does; rows are split over threads, and up to 4 activation rows share each weight block once it
+// is unpacked.
+//
+// Activations are quantized to int8 on the fly, as llama.cpp does: for the K-quants and IQ4_XS into its
+// Q8_K blocks (256 values, float scale 1/iscale with iscale = -127/x of largest |x|, the 16 sums of 16
+// kept), for Q5_0/Q5_1/IQ4_NL into blocks of 32 like its Q8_0/Q8_1 (scale amax/127, kept in float32
+// where llama.cpp rounds it to float16; the block sum kept). Every block is then integer dot products:
+// each weight is read as an unsigned raw value (Q6_K's 6 bits, Q3_K's 3, ...) times the int8 activations,
+// the type's offset (32, 4, 16) taken back with the activation sums, the sub-block scales applied in
+// int32, the minimums (Q2_K, Q5_K, Q5_1) with the sums too; IQ4's non-linear values (a table of 16 int8)
+// are multiplied with the sign moved onto the activations. So the result is exactly sum_k w_k * x'_k
+// (x' the dequantized int8 activations), up to float32 rounding of the per-block sums.
+//
+// Dispatch. Built without -march flags (like quant.cpp): the AVX2 and AVX-512 VNNI paths (the same code,
+// the latter with vpdpbusd on 256-bit vectors where the former needs vpmaddubsw + vpmaddwd) are this file
+// compiled again inside itself, each pass under its target attribute, chosen at run time; the portable
+// C++ path serves everywhere (and in tests). Dequantization is exact: it equals gguf-py's, computed in
+// float32 in gguf-py's order (-ffp-contract=off keeps it so).
+#ifndef NP_KQ_SIMD_PASS
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define NP_X86 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+enum Format : int { Q5_0 = 6, Q5_1 = 7, Q2_K = 10, Q3_K = 11, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23 };
+enum Isa : int { PORTABLE = 0, AVX2 = 1, AVX512 = 2 };
+constexpr int64_t QK = 256;
+
+bool known(int f) {
+  return f == Q5_0 || f == Q5_1 || f == Q2_K || f == Q3_K || f == Q5_K || f == Q6_K || f == IQ4_NL || f == IQ4_XS;
+}
+bool is_k(int f) { return f == Q2_K || f == Q3_K || f == Q5_K || f == Q6_K || f == IQ4_XS; }
+int64_t block_size(int f) { return is_k(f) ? QK : 32; }
+int64_t type_size(int f) {
+  switch (f) {
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case IQ4_NL: return 18;
+    case Q2_K: return 84;
+    case Q3_K: return 110;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 136;  // IQ4_XS
+  }
+}
+// the offset taken from each raw (unsigned) value: w = scale * (raw - offset)
+int offset_of(int f) { return f == Q6_K ? 32 : f == Q3_K ? 4 : f == Q5_0 ? 16 : 0; }
+bool has_min(int f) { return f == Q2_K || f == Q5_K || f == Q5_1; }
+bool is_iq4(int f) { return f == IQ4_NL || f == IQ4_XS; }
+
+const int8_t KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// inlined everywhere: the SIMD passes must not call non-VEX code with wide registers live (an SSE/AVX
+// transition stall on each call: 5x the time of a Q5_K block)
+#define NP_INLINE inline __attribute__((always_inline))
+
+NP_INLINE float half_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {
+      int e = -1;
+      uint32_t m = man;
+      do { ++e; m <<= 1; } while (!(m & 0x400u));
+      bits = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (m & 0x3ffu) << 13;
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | man << 13;
+  } else {
+    bits = sign | (exp + 127 - 15) << 23 | man << 13;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+NP_INLINE float f16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return half_to_float(v); }
+
+// ---- a block's header: its float factors and per-16 integer scales and minimums ----
+
+struct Header {
+  float d, dmin;   // w = d * sc * (raw - offset) - dmin * mn   (32-weight blocks: sc = 1, dmin = -m)
+  int32_t sc[16];  // per 16 weights (per-32 scales repeated)
+  int32_t mn[16];
+};
+
+// Q4_K/Q5_K's 6-bit scale and minimum of sub-block j from the 12 packed bytes (gguf-py's get_scale_min)
+NP_INLINE void k4_scale_min(int j, const uint8_t* q, int32_t* sc, int32_t* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+NP_INLINE void header(int f, const uint8_t* b, Header& h) {
+  h.dmin = 0.f;
+  for (int j = 0; j < 16; ++j) h.sc[j] = 1, h.mn[j] = 0;
+  switch (f) {
+    case Q6_K:
+      h.d = f16(b + 208);
+      for (int j = 0; j < 16; ++j) h.sc[j] = static_cast<int8_t>(b[192 + j]);
+      return;
+    case Q5_K:
+      h.d = f16(b);
+      h.dmin = f16(b + 2);
+      for (int j = 0; j < 8; ++j) {
+        int32_t s, m;
+        k4_scale_min(j, b + 4, &s, &m);
+        h.sc[2 * j] = h.sc[2 * j + 1] = s;
+        h.mn[2 * j] = h.mn[2 * j + 1] = m;
+      }
+      return;
+    case Q3_K: {
+      h.d = f16(b + 108);
+      const uint8_t* s = b + 96;
+      for (int j = 0; j < 16; ++j) {
+        const int lo = j < 8 ? s[j] & 0xF : s[j - 8] >> 4;
+        const int hi = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+        h.sc[j] = (lo | hi << 4) - 32;
+      }
+      return;
+    }
+    case Q2_K:
+      h.d = f16(b + 80);
+      h.dmin = f16(b + 82);
+      for (int j = 0; j < 16; ++j) h.sc[j] = b[j] & 0xF, h.mn[j] = b[j] >> 4;
+      return;
+    case IQ4_XS: {
+      h.d = f16(b);
+      uint16_t sh;
+      std::memcpy(&sh, b + 2, 2);
+      for (int c = 0; c < 8; ++c) {
+        const int ls = ((b[4 + c / 2] >> (4 * (c % 2))) & 0xF) | (((sh >> (2 * c)) & 3) << 4);
+        h.sc[2 * c] = h.sc[2 * c + 1] = ls - 32;
+      }
+      return;
+    }
+    case Q5_1:
+      h.d = f16(b);
+      h.dmin = -f16(b + 2);  // w = d * raw + m
+      return;
+    default:  // Q5_0, IQ4_NL
+      h.d = f16(b);
+  }
+}
+
+// The raw value (unsigned; IQ4: the nibble) of weight k of a block, in gguf-py's order.
+inline int raw_at(int f, const uint8_t* b, int k) {
+  switch (f) {
+    case Q6_K: {
+      const int h = k / 128, c = (k % 128) / 32, l = k % 32;
+      const int ql = (b[64 * h + 32 * (c & 1) + l] >> (4 * (c >> 1))) & 0xF;
+      const int qh = (b[128 + 32 * h + l] >> (2 * c)) & 3;
+      return ql | qh << 4;
+    }
+    case Q5_K: {
+      const int c = k / 32, l = k % 32;
+      const int ql = (b[48 + 32 * (c / 2) + l] >> (4 * (c % 2))) & 0xF;
+      return ql | ((b[16 + l] >> c) & 1) << 4;
+    }
+    case Q3_K: {
+      const int c = k / 32, l = k % 32;
+      const int ql = (b[32 + 32 * (c / 4) + l] >> (2 * (c % 4))) & 3;
+      return ql | ((b[l] >> c) & 1) << 2;
+    }
+    case Q2_K: {
+      const int c = k / 32, l = k % 32;
+      return (b[16 + 32 * (c / 4) + l] >> (2 * (c % 4))) & 3;
+    }
+    case IQ4_XS: {
+      const int c = k / 32, l = k % 32;
+      return (b[8 + 16 * c + l % 16] >> (4 * (l / 16))) & 0xF;
+    }
+    default: {  // the 32-weight blocks: nibbles (weights j and j + 16 share byte j), Q5's fifth bit in qh
+      const int qs = f == IQ4_NL ? 2 : f == Q5_0 ? 6 : 8;
+      const int nib = (b[qs + k % 16] >> (4 * (k / 16))) & 0xF;
+      if (f == IQ4_NL) return nib;
+      uint32_t qh;
+      std::memcpy(&qh, b + qs - 4, 4);
+      return nib | ((qh >> k) & 1) << 4;
+    }
+  }
+}
+
+// The integer value of a raw value: raw - offset, or IQ4's table entry.
+inline int value_of(int f, int raw) { return is_iq4(f) ? KVALUES[raw] : raw - offset_of(f); }
+
+// Row of K weights, exactly as gguf-py computes them (float32, its order of operations).
+void dequant_row(int f, const uint8_t* row, int64_t K, float* out) {
+  const int64_t bs = block_size(f), ts = type_size(f);
+  Header h;
+  for (int64_t i = 0; i < K / bs; ++i) {
+    const uint8_t* b = row + i * ts;
+    header(f, b, h);
+    float* o = out + i * bs;
+    for (int k = 0; k < bs; ++k) {
+      const float q = static_cast<float>(value_of(f, raw_at(f, b, k)));
+      if (!is_k(f)) {  // Q5_0, IQ4_NL: d * q; Q5_1: d * q + m
+        o[k] = f == Q5_1 ? h.d * q + -h.dmin : h.d * q;
+      } else {  // (d * sc) * q, minus (dmin * mn) where the type has minimums
+        const float dl = h.d * static_cast<float>(h.sc[k / 16]);
+        o[k] = has_min(f) ? dl * q - h.dmin * static_cast<float>(h.mn[k / 16]) : dl * q;
+      }
+    }
+  }
+}
+
+// ---- activations quantized to int8 ----
+
+struct Act {
+  const int8_t* q;     // [M][K]
+  const float* d;      // [M][K / block] scale
+  const int32_t* sum;  // [M][K / 16] (K-quants: the Q8_K sums of 16) or [M][K / 32] (blocks of 32)
+  int64_t K;
+};
+
+// llama.cpp's quantize_row_q8_K_ref: iscale = -127 / (the x of largest |x|), q = round(iscale x), d = 1/iscale
+void quantize_q8k(const float* x, int64_t K, int8_t* q, float* d, int32_t* sums) {
+  for (int64_t i = 0; i < K / QK; ++i) {
+    const float* xb = x + i * QK;
+    float amax = 0.f, max = 0.f;
+    for (int j = 0; j < QK; ++j) {
+      const float ax = std::fabs(xb[j]);
+      if (ax > amax) amax = ax, max = xb[j];
+    }
+    int8_t* qb = q + i * QK;
+    if (amax == 0.f) {
+      d[i] = 0.f;
+      std::memset(qb, 0, QK);
+      for (int j = 0; j < 16; ++j) sums[i * 16 + j] = 0;
+      continue;
+    }
+    const float iscale = -127.f / max;
+    for (int j = 0; j < QK; ++j) qb[j] = static_cast<int8_t>(std::min(127, static_cast<int>(std::nearbyint(iscale * xb[j]))));
+    for (int j = 0; j < 16; ++j) {
+      int32_t s = 0;
+      for (int l = 0; l < 16; ++l) s += qb[16 * j + l];
+      sums[i * 16 + j] = s;
+    }
+    d[i] = 1.f / iscale;
+  }
+}
+
+// blocks of 32: d = amax / 127 (float32), q = round(x / d), the block's sum
+void quantize_q8_32(const float* x, int64_t K, int8_t* q, float* d, int32_t* sums) {
+  for (int64_t i = 0; i < K / 32; ++i) {
+    const float* xb = x + i * 32;
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float db = amax / 127.f, id = db != 0.f ? 1.f / db : 0.f;
+    int32_t s = 0;
+    for (int j = 0; j < 32; ++j) {
+      const int v = static_cast<int>(std::nearbyint(xb[j] * id));
+      q[i * 32 + j] = static_cast<int8_t>(v);
+      s += v;
+    }
+    d[i] = db;
+    sums[i] = s;
+  }
+}
+
+int64_t act_blocks(int f, int64_t K) { return K / block_size(f); }
+int64_t act_sums(int f, int64_t K) { return is_k(f) ? K / 16 : K / 32; }
+
+void quantize_act(int f, const float* x, int64_t K, int8_t* q, float* d, int32_t* sums) {
+  if (is_k(f))
+    quantize_q8k(x, K, q, d, sums);
+  else
+    quantize_q8_32(x, K, q, d, sums);
+}
+
+// ---- portable path ----
+
+// out[r] = row . activation row r (r < R), int8 activations
+void dot_rows_portable(int f, const uint8_t* row, int64_t K, const Act* a, const int64_t* ms, int R, float* out) {
+  const int64_t bs = block_size(f), ts = type_size(f), nb = K / bs;
+  int8_t v[QK];
+  Header h;
+  for (int r = 0; r < R; ++r) out[r] = 0.f;
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* b = row + i * ts;
+    header(f, b, h);
+    for (int k = 0; k < bs; ++k) v[k] = static_cast<int8_t>(value_of(f, raw_at(f, b, k)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = ms[r];
+      const int8_t* x = a->q + m * K + i * bs;
+      const float dx = a->d[m * nb + i];
+      if (is_k(f)) {
+        int32_t isum = 0, msum = 0;
+        for (int j = 0; j < 16; ++j) {
+          int32_t s = 0;
+          for (int l = 0; l < 16; ++l) s += v[16 * j + l] * x[16 * j + l];
+          isum += h.sc[j] * s;
+          msum += h.mn[j] * a->sum[m * (K / 16) + i * 16 + j];
+        }
+        out[r] += dx * (h.d * static_cast<float>(isum)) - dx * (h.dmin * static_cast<float>(msum));
+      } else {
+        int32_t s = 0;
+        for (int l = 0; l < 32; ++l) s += v[l] * x[l];
+        out[r] += (h.d * dx) * static_cast<float>(s) - h.dmin * (dx * static_cast<float>(a->sum[m * nb + i]));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+#ifdef NP_X86
+#define NP_KQ_SIMD_PASS 1
+#define KQ_T __attribute__((target("avx2,fma,f16c")))
+#define KQ_VNNI 0
+namespace kq_avx2 {
+#include "kquants.cpp"  // this file again, as the SIMD pass
+}
+#undef KQ_T
+#undef KQ_VNNI
+#define KQ_T __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+#define KQ_VNNI 1
+namespace kq_avx512 {
+#include "kquants.cpp"  // this file again, as the SIMD pass
+}
+#undef KQ_T
+#undef KQ_VNNI
+#undef NP_KQ_SIMD_PASS
+#endif
+
+namespace {
+
+bool isa_supported(int isa) {
+  if (isa == PORTABLE) return true;
+#ifdef NP_X86
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (isa == AVX2) return avx2;
+  if (isa == AVX512)
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vnni");
+#endif
+  return false;
+}
+
+// up to 4 activation rows against one weight row
+void dot_rows(int isa, int f, const uint8_t* row, int64_t K, const Act* a, const int64_t* ms, int R, float* out) {
+#ifdef NP_X86
+  if (isa == AVX512) return kq_avx512::dot_rows(f, row, K, a, ms, R, out);
+  if (isa == AVX2) return kq_avx2::dot_rows(f, row, K, a, ms, R, out);
+#endif
+  dot_rows_portable(f, row, K, a, ms, R, out);
+}
+
+constexpr int64_t ROW_TILE = 4;
+
+void linear(int isa, int int8_act, int f, const float* x, int64_t x_stride, int64_t M, const uint8_t* w, int64_t N,
+            int64_t K, const float* bias, float* y) {
+  const int64_t rb = K / block_size(f) * type_size(f);
+  if (!int8_act) {  // float32 activations: each weight row dequantized, then float32 dot products
+#pragma omp parallel
+    {
+      std::vector<float> wr(K);
+#pragma omp for schedule(static)
+      for (int64_t n = 0; n < N; ++n) {
+        dequant_row(f, w + n * rb, K, wr.data());
+        for (int64_t m = 0; m < M; ++m) {
+          const float* xr = x + m * x_stride;
+          float acc = 0.f;
+          for (int64_t k = 0; k < K; ++k) acc += wr[k] * xr[k];
+          y[m * N + n] = acc + (bias ? bias[n] : 0.f);
+        }
+      }
+    }
+    return;
+  }
+  // the calling thread's activation blocks, kept between calls (a decode step makes ~200 calls)
+  static thread_local std::vector<int8_t> q_buf;
+  static thread_local std::vector<float> d_buf;
+  static thread_local std::vector<int32_t> s_buf;
+  const int64_t nd = act_blocks(f, K), ns = act_sums(f, K);
+  if (static_cast<int64_t>(q_buf.size()) < M * K) q_buf.resize(M * K);
+  if (static_cast<int64_t>(d_buf.size()) < M * nd) d_buf.resize(M * nd);
+  if (static_cast<int64_t>(s_buf.size()) < M * ns) s_buf.resize(M * ns);
+  int8_t* q = q_buf.data();
+  float* d = d_buf.data();
+  int32_t* s = s_buf.data();
+#pragma omp parallel for schedule(static) if (M >= 16)
+  for (int64_t m = 0; m < M; ++m) quantize_act(f, x + m * x_stride, K, q + m * K, d + m * nd, s + m * ns);
+  const Act a{q, d, s, K};
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
+      const int R = static_cast<int>(std::min(ROW_TILE, M - m0));
+      int64_t ms[ROW_TILE];
+      float out[ROW_TILE];
+      for (int r = 0; r < R; ++r) ms[r] = m0 + r;
+      dot_rows(isa, f, w + n * rb, K, &a, ms, R, out);
+      for (int r = 0; r < R; ++r) y[(m0 + r) * N + n] = out[r] + (bias ? bias[n] : 0.f);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int np_kq_abi_version() { return 1; }
+
+// 1 when this CPU can run path `isa` (0 portable, 1 AVX2, 2 AVX-512 VNNI)
+int np_kq_isa_supported(int isa) { return isa_supported(isa) ? 1 : 0; }
+
+// Bytes of one row of K weights of format `fmt` (a GGML type id), or -1 (not served, or K not whole blocks).
+int64_t np_kq_row_bytes(int fmt, int64_t K) {
+  if (!known(fmt) || K <= 0 || K % block_size(fmt)) return -1;
+  return K / block_size(fmt) * type_size(fmt);
+}
+
+// out[i] = row rows[i] of the weight (the file's blocks, rows of np_kq_row_bytes), dequantized exactly
+// (rows == nullptr: all N rows). Returns 0, or -1 for an unknown format / shape / a row out of range.
+int np_kq_dequant_rows(int fmt, const uint8_t* w, int64_t N, int64_t K, const int64_t* rows, int64_t n, float* out) {
+  const int64_t rb = np_kq_row_bytes(fmt, K);
+  if (rb < 0 || N <= 0) return -1;
+  if (rows)
+    for (int64_t i = 0; i < n; ++i)
+      if (rows[i] < 0 || rows[i] >= N) return -1;
+#pragma omp parallel for schedule(static) if (n * K >= 65536)
+  for (int64_t i = 0; i < n; ++i) dequant_row(fmt, w + (rows ? rows[i] : i) * rb, K, out + i * K);
+  return 0;
+}
+
+// The int8 activation blocks the int8 path multiplies `fmt` with: q [M, K], d [M, K / block], sums
+// [M, K / 16] (K-quants: Q8_K) or [M, K / 32]. Returns 0, or -1 for an unknown format or shape.
+int np_kq_quantize_act(int fmt, const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* q, float* d,
+                       int32_t* sums) {
+  if (np_kq_row_bytes(fmt, K) < 0) return -1;
+  for (int64_t m = 0; m < M; ++m)
+    quantize_act(fmt, x + m * x_stride, K, q + m * K, d + m * act_blocks(fmt, K), sums + m * act_sums(fmt, K));
+  return 0;
+}
+
+// y [M, N] = x [M, K] (rows at x_stride floats) @ W^T (+ bias), W the file's blocks [N, row bytes].
+// int8_act: activations quantized to int8 blocks (Q8_K / blocks of 32), else float32.
+// Returns 0; -1 unknown format or shape; -2 path not supported by this CPU.
+int np_kq_linear(int isa, int int8_act, int fmt, const float* x, int64_t x_stride, int64_t M, const uint8_t* w,
+                 int64_t N, int64_t K, const float* bias, float* y) {
+  if (np_kq_row_bytes(fmt, K) < 0 || M < 0 || N <= 0) return -1;
+  if (!isa_supported(isa)) return -2;
+  if (M == 0) return 0;
+  linear(isa, int8_act, fmt, x, x_stride, M, w, N, K, bias, y);
+  return 0;
+}
+
+}  // extern "C"
+
+#else  // NP_KQ_SIMD_PASS: the SIMD dot products, compiled once per target (KQ_T, KQ_VNNI)
+
+// sums of 4 u8 x s8 products per int32 lane
+KQ_T static inline __m256i dot_us(__m256i u, __m256i s) {
+#if KQ_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+KQ_T static inline __m256i srl16(__m256i v, int n) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(n)); }
+KQ_T static inline __m256i ld(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// 16 bytes -> their low nibbles (lanes 0-15) and high nibbles (lanes 16-31): weights j and j + 16
+KQ_T static inline __m256i nibbles16(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i m = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+
+// bit j of the 32-bit mask -> 0xFF in byte j (llama.cpp's bytes_from_bits_32)
+KQ_T static inline __m256i bytes_from_bits(const uint8_t* p) {
+  uint32_t x32;
+  std::memcpy(&x32, p, 4);
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(x32)), shuf);
+  bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+
+// The 32 raw values of chunk c (weights 32c..32c+31) of a block (IQ4: the int8 table values).
+template <int F>
+KQ_T static inline __m256i chunk(const uint8_t* b, int c) {
+  const __m256i m3 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1), m15 = _mm256_set1_epi8(0x0F);
+  if (F == Q6_K) {
+    const int h = c / 4, t = c % 4;
+    const __m256i ql = _mm256_and_si256(srl16(ld(b + 64 * h + 32 * (t & 1)), 4 * (t >> 1)), m15);
+    const __m256i qh = _mm256_and_si256(srl16(ld(b + 128 + 32 * h), 2 * t), m3);
+    return _mm256_or_si256(ql, _mm256_slli_epi16(qh, 4));
+  } else if (F == Q5_K) {
+    const __m256i ql = _mm256_and_si256(srl16(ld(b + 48 + 32 * (c / 2)), 4 * (c % 2)), m15);
+    const __m256i qh = _mm256_and_si256(srl16(ld(b + 16), c), m1);
+    return _mm256_or_si256(ql, _mm256_slli_epi16(qh, 4));
+  } else if (F == Q3_K) {
+    const __m256i ql = _mm256_and_si256(srl16(ld(b + 32 + 32 * (c / 4)), 2 * (c % 4)), m3);
+    const __m256i qh = _mm256_and_si256(srl16(ld(b), c), m1);
+    return _mm256_or_si256(ql, _mm256_slli_epi16(qh, 2));
+  } else if (F == Q2_K) {
+    return _mm256_and_si256(srl16(ld(b + 16 + 32 * (c / 4)), 2 * (c % 4)), m3);
+  } else {
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(KVALUES)));
+    if (F == IQ4_XS) return _mm256_shuffle_epi8(table, nibbles16(b + 8 + 16 * c));
+    if (F == IQ4_NL) return _mm256_shuffle_epi8(table, nibbles16(b + 2));
+    const int qs = F == Q5_0 ? 6 : 8;
+    const __m256i hi = _mm256_and_si256(bytes_from_bits(b + qs - 4), _mm256_set1_epi8(0x10));
+    return _mm256_or_si256(nibbles16(b + qs), hi);
+  }
+}
+
+// chunk (raw u8, or IQ4's signed values) . 32 int8 activations, as 8 int32 sums of 4
+template <int F>
+KQ_T static inline __m256i chunk_dot(__m256i w, const int8_t* x) {
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  if (F == IQ4_NL || F == IQ4_XS) return dot_us(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w));
+  return dot_us(w, xv);
+}
+
+KQ_T static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int F, int R>
+KQ_T void dot_k(const uint8_t* row, int64_t K, const Act* a, const int64_t* ms, float* out) {
+  constexpr int OFF = F == Q6_K ? 32 : F == Q3_K ? 4 : 0;
+  constexpr bool MIN = F == Q2_K || F == Q5_K;
+  const int64_t nb = K / QK, ts = type_size(F);
+  __m256 accf[R];
+  float corr[R];
+  for (int r = 0; r < R; ++r) accf[r] = _mm256_setzero_ps(), corr[r] = 0.f;
+  Header h;
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* b = row + i * ts;
+    header(F, b, h);
+    // chunk c's 8 lanes: scale 2c in lanes 0-3, 2c + 1 in lanes 4-7 (a permute of the 8 scales of its half)
+    const __m256i sc_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.sc));
+    const __m256i sc_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.sc + 8));
+    __m256i acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      const __m256i w = chunk<F>(b, c);
+      const int e = 2 * (c % 4);
+      const __m256i idx = _mm256_setr_epi32(e, e, e, e, e + 1, e + 1, e + 1, e + 1);
+      const __m256i s = _mm256_permutevar8x32_epi32(c < 4 ? sc_lo : sc_hi, idx);
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_add_epi32(acc[r], _mm256_mullo_epi32(chunk_dot<F>(w, a->q + ms[r] * K + i * QK + 32 * c), s));
+    }
+    for (int r = 0; r < R; ++r) {
+      const int32_t* bs = a->sum + ms[r] * (K / 16) + i * 16;
+      int32_t off = 0, msum = 0;
+      for (int j = 0; j < 16; ++j) {
+        if (OFF) off += h.sc[j] * bs[j];
+        if (MIN) msum += h.mn[j] * bs[j];
+      }
+      const float dx = a->d[ms[r] * nb + i], dd = h.d * dx;
+      accf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_set1_ps(dd), accf[r]);
+      corr[r] -= dd * static_cast<float>(OFF * off) + dx * (h.dmin * static_cast<float>(msum));
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(accf[r]) + corr[r];
+}
+
+template <int F, int R>
+KQ_T void dot_32(const uint8_t* row, int64_t K, const Act* a, const int64_t* ms, float* out) {
+  const int64_t nb = K / 32, ts = type_size(F);
+  __m256 accf[R];
+  float corr[R];
+  for (int r = 0; r < R; ++r) accf[r] = _mm256_setzero_ps(), corr[r] = 0.f;
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* b = row + i * ts;
+    const __m256i w = chunk<F>(b, 0);
+    uint16_t dh;
+    std::memcpy(&dh, b, 2);
+    const float d = _cvtsh_ss(dh);
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = ms[r];
+      const __m256i p = chunk_dot<F>(w, a->q + m * K + i * 32);
+      const float dx = a->d[m * nb + i];
+      accf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * dx), accf[r]);
+      const float xs = dx * static_cast<float>(a->sum[m * nb + i]);
+      if (F == Q5_0) corr[r] -= (16.f * d) * xs;
+      if (F == Q5_1) {
+        uint16_t mh;
+        std::memcpy(&mh, b + 2, 2);
+        corr[r] += _cvtsh_ss(mh) * xs;
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(accf[r]) + corr[r];
+}
+
+template <int F>
+KQ_T void dot_fmt(const uint8_t* row, int64_t K, const Act* a, const int64_t* ms, int R, float* out) {
+  constexpr bool KQ = F == Q2_K || F == Q3_K || F == Q5_K || F == Q6_K || F == IQ4_XS;
+  switch (R) {
+    case 4: return KQ ? dot_k<F, 4>(row, K, a, ms, out) : dot_32<F, 4>(row, K, a, ms, out);
+    case 3: return KQ ? dot_k<F, 3>(row, K, a, ms, out) : dot_32<F, 3>(row, K, a, ms, out);
+    case 2: return KQ ? dot_k<F, 2>(row, K, a, ms, out) : dot_32<F, 2>(row, K, a, ms, out);
+    default: return KQ ? dot_k<F, 1>(row, K, a, ms, out) : dot_32<F, 1>(row, K, a, ms, out);
+  }
+}
+
+KQ_T void dot_rows(int f, const uint8_t* row, int64_t K, const Act* a, const int64_t* ms, int R, float* out) {
+  switch (f) {
+    case Q6_K: return dot_fmt<Q6_K>(row, K, a, ms, R, out);
+    case Q5_K: return dot_fmt<Q5_K>(row, K, a, ms, R, out);
+    case Q3_K: return dot_fmt<Q3_K>(row, K, a, ms, R, out);
+    case Q2_K: return dot_fmt<Q2_K>(row, K, a, ms, R, out);
+    case IQ4_XS: return dot_fmt<IQ4_XS>(row, K, a, ms, R, out);
+    case Q5_0: return dot_fmt<Q5_0>(row, K, a, ms, R, out);
+    case Q5_1: return dot_fmt<Q5_1>(row, K, a, ms, R, out);
+    default: return dot_fmt<IQ4_NL>(row, K, a, ms, R, out);
+  }
+}
+
+#endif  // NP_KQ_SIMD_PASS
