@@ -60,6 +60,7 @@ def test_kernels_equal_dequantize_then_matmul(asym, dtype):
 def test_linear_method_triton_path_with_activation_order():
     from torch import nn
 
+    from nanoplug.plugins.weight_formats import quant_kernels
     from nanoplug.plugins.weight_formats.prequantized import PrequantizedLinearMethod, QuantizedWeight
 
     n, k, group = 32, 128, 32
@@ -77,9 +78,10 @@ def test_linear_method_triton_path_with_activation_order():
     method.process_after_loading(layer)
     assert torch.equal(method.dequantized(layer, torch.float32), w_ref)
     x = torch.randn(2, k)
+    layer.kernel = None  # the dequantized path (the CPU's own kernel is tested in test_int_weight_kernels.py)
     dense = method.apply(layer, x, None)
     with interpreted(triton_w4a16):
-        layer.triton = True
+        layer.kernel = quant_kernels.int4_triton
         fast = method.apply(layer, x, None)
     assert torch.allclose(fast, dense, atol=1e-4, rtol=1e-5)
     assert torch.allclose(dense, x @ w_ref.t(), atol=1e-4, rtol=1e-5)
