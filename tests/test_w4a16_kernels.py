@@ -57,6 +57,21 @@ def test_kernels_equal_dequantize_then_matmul(asym, dtype):
             assert ((out.double() - ref).abs() <= bound).all(), (m, (out.double() - ref).abs().max())
 
 
+@pytest.mark.parametrize("asym", [False, True])
+def test_dequantize_kernel_and_the_big_batch_path(asym, monkeypatch):
+    """The one-pass dequantization equals dequantize_int4 exactly; past DEQUANT_ROWS rows the product is cuBLAS's
+    (here torch's) on it."""
+    n, k, group = 40, 256, 64
+    _, packed, scales, zeros = _weights(n, k, group, asym, seed=5)
+    scales = scales.to(torch.float16)
+    with interpreted(triton_w4a16) as kern:
+        w = kern.dequantize(packed, scales, zeros, torch.float16)
+        assert torch.equal(w, int4.dequantize_int4(packed, scales, zeros, torch.float16))
+        monkeypatch.setattr(kern, "DEQUANT_ROWS", 6)
+        x = torch.randn(6, k, generator=torch.Generator().manual_seed(6)).to(torch.float16)
+        assert torch.equal(kern.w4a16_matmul(x, packed, scales, zeros), torch.nn.functional.linear(x, w))
+
+
 def test_linear_method_triton_path_with_activation_order():
     from torch import nn
 

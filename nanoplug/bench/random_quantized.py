@@ -1,12 +1,15 @@
 """Random checkpoints written directly in a quantized format, tensor by tensor, without a bf16 model first: at the
 8B shape, quantizing 16 GB of bf16 through transformers takes minutes, drawing the packed tensors takes seconds.
 
-- `w4a16`: compressed-tensors pack-quantized int4, symmetric groups of 128 (llmcompressor's W4A16 preset):
-  `weight_packed` int32 [N, K/8], `weight_scale` [N, K/128] in the model's dtype, `weight_shape` int64 [2], and
-  the quantization_config compressed-tensors' own ModelCompressor writes (`update_config`);
+- compressed-tensors, as llmcompressor saves (scales in the model's dtype): `w4a16`, pack-quantized int4 in
+  symmetric groups of 128 (the W4A16 preset: `weight_packed` int32 [N, K/8], `weight_scale` [N, K/128],
+  `weight_shape` int64 [2]); `w8a8`, int-quantized int8 per channel with dynamic per-token int8 activations
+  (`weight` int8, `weight_scale` [N, 1]); `fp8_block_ct`, float-quantized e4m3 in [128, 128] blocks with dynamic
+  per-token-group activations (`weight`, `weight_scale` [N/128, K/128]); each with the quantization_config
+  compressed-tensors writes (so the files need no compressed-tensors to write: the GPU machine has none);
 - `fp8_block`: transformers' fine-grained FP8 (`quant_method: "fp8"`, e4m3 `weight` and float32
   `weight_scale_inv` per [128, 128] block), the layout of Qwen3-8B-FP8 and DeepSeek-V3;
-- `bf16`: the plain checkpoint (checkpoints.write_large_random_checkpoint's).
+- `bf16`: the plain checkpoint.
 
 The embedding, norms and LM head stay in the model's dtype (both libraries leave them). Weights are drawn so
 the dequantized values have about transformers' initializer spread (0.02). tests/test_random_quantized.py
@@ -24,9 +27,34 @@ import torch
 from nanoplug.bench.checkpoints import (SHARD_BYTES, TINY_SHAPE, _checkpoint_tensors, _hf_classes, _write_shard,
                                         qwen_tokenizer_dir)
 
-SCHEMES = ("bf16", "w4a16", "fp8_block")
+SCHEMES = ("bf16", "w4a16", "w8a8", "fp8_block", "fp8_block_ct")
 GROUP, BLOCK = 128, (128, 128)
 FP8_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(BLOCK)}
+CT_VERSION = "0.20.1"  # the compressed-tensors whose config these reproduce (its `version` field)
+
+
+def _ct_args(type_: str, strategy: str, num_bits: int = 8, group_size: int | None = None, dynamic: bool = False,
+             block_structure: list[int] | None = None) -> dict[str, Any]:
+    """One QuantizationArgs as compressed-tensors serializes it."""
+    args = {"dynamic": dynamic, "group_size": group_size, "num_bits": num_bits, "strategy": strategy,
+            "symmetric": True, "type": type_}
+    return {**args, "block_structure": block_structure} if block_structure else args
+
+
+def ct_quantization_config(scheme: str) -> dict[str, Any]:
+    """The quantization_config compressed-tensors' ModelCompressor writes for `scheme` (the presets of
+    nanoplug/bench/quantize.py; tests/test_random_quantized.py compares the two)."""
+    fmt, weights, acts = {
+        "w4a16": ("pack-quantized", _ct_args("int", "group", 4, GROUP), None),
+        "w8a8": ("int-quantized", _ct_args("int", "channel"), _ct_args("int", "token", dynamic=True)),
+        "fp8_block_ct": ("float-quantized", _ct_args("float", "block", block_structure=list(BLOCK)),
+                         _ct_args("float", "group", group_size=BLOCK[1], dynamic=True)),
+    }[scheme]
+    group = {"format": fmt, "input_activations": acts, "output_activations": None, "targets": ["Linear"],
+             "weights": weights}
+    return {"config_groups": {"group_0": group}, "format": fmt, "global_compression_ratio": None, "ignore": ["lm_head"],
+            "kv_cache_scheme": None, "moe_sparsity_config": None, "quant_method": "compressed-tensors",
+            "quantization_status": "compressed", "sparsity_config": {}, "transform_config": {}, "version": CT_VERSION}
 
 
 def _linear(name: str) -> bool:
@@ -43,23 +71,16 @@ def _quantized(name: str, dims: tuple[int, ...], scheme: str, dtype: torch.dtype
         scale = torch.empty(n, k // GROUP, device=device).uniform_(0.5, 1.5, generator=gen) * (std / 4.6)
         return {f"{module}.weight_packed": packed, f"{module}.weight_scale": scale.to(dtype),
                 f"{module}.weight_shape": torch.tensor([n, k], dtype=torch.int64)}
+    if scheme == "w8a8":  # int8 uniform in [-127, 127]: a spread of ~73
+        w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8, device=device)
+        scale = torch.empty(n, 1, device=device).uniform_(0.5, 1.5, generator=gen) * (std / 73)
+        return {f"{module}.weight": w, f"{module}.weight_scale": scale.to(dtype)}
     w = (torch.randn(n, k, generator=gen, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
     scale = torch.empty(-(-n // BLOCK[0]), -(-k // BLOCK[1]), device=device).uniform_(0.5, 1.5, generator=gen)
-    return {f"{module}.weight": w, f"{module}.weight_scale_inv": scale * (std / 64)}
-
-
-def _ct_quantization_config(folder: Path) -> None:
-    """compressed-tensors' own config for the W4A16 preset, written by its ModelCompressor (as llmcompressor saves)."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationStatus
-
-    from nanoplug.bench.quantize import _ct_config
-
-    config = _ct_config("w4a16", GROUP)
-    config.quantization_status = QuantizationStatus.COMPRESSED
-    for group in config.config_groups.values():  # what from_pretrained_model infers from the compressed modules
-        group.format = config.format
-    ModelCompressor(quantization_config=config).update_config(str(folder))
+    scale = scale * (std / 64)
+    if scheme == "fp8_block_ct":
+        return {f"{module}.weight": w, f"{module}.weight_scale": scale.to(dtype)}
+    return {f"{module}.weight": w, f"{module}.weight_scale_inv": scale}
 
 
 def write_random_quantized(folder: str | Path, scheme: str, seed: int = 0, dtype: Any = None, device: str = "cpu",
@@ -117,11 +138,9 @@ def write_random_quantized(folder: str | Path, scheme: str, seed: int = 0, dtype
     config.architectures = [architecture]
     config.dtype = dtype
     config.save_pretrained(str(folder))
-    if scheme == "w4a16":
-        _ct_quantization_config(folder)
-    elif scheme == "fp8_block":
+    if scheme != "bf16":
         cfg = json.loads((folder / "config.json").read_text())
-        cfg["quantization_config"] = dict(FP8_CONFIG)
+        cfg["quantization_config"] = dict(FP8_CONFIG) if scheme == "fp8_block" else ct_quantization_config(scheme)
         (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     tok.save_pretrained(str(folder))
     return folder

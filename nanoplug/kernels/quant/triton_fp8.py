@@ -20,6 +20,7 @@ triton, tl, TRITON_ERROR = import_triton()  # where it fails, the linear method 
 FP8_MAX = 448.0
 EPS = 1e-10  # vLLM's: a group of zeros keeps a positive scale
 GEMV_ROWS = 4  # up to this many rows take the GEMV
+GEMV_BLOCK_N, GEMV_PROGRAMS = 16, 512  # the GEMV's rows per program; K is split until this many programs run
 
 
 if triton is not None:
@@ -108,9 +109,9 @@ def _block_n(bn: int, cap: int) -> int:
 
 
 def fp8_block_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-                     split_k: int | None = None) -> torch.Tensor:
+                     split_k: int | None = None, block_n: int | None = None) -> torch.Tensor:
     """x [..., K] @ (weight [N, K] e4m3 * scale [ceil(N/bn), ceil(K/bk)] per block).T -> [..., N] in x's dtype,
-    x quantized to e4m3 per token and group of bk columns."""
+    x quantized to e4m3 per token and group of bk columns. `split_k`, `block_n`: the GEMV's (default: its own)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
@@ -119,11 +120,11 @@ def fp8_block_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     n = weight.shape[0]
     bn, bk = block
     if m <= GEMV_ROWS:
-        block_n = _block_n(bn, 16)
+        block_n = _block_n(bn, block_n or GEMV_BLOCK_N)
         groups = triton.cdiv(k, bk)
         if split_k is None:  # enough programs to fill the GPU (132 SMs, several programs each)
             split_k = 1
-            while m * triton.cdiv(n, block_n) * split_k < 512 and groups % (split_k * 2) == 0:
+            while m * triton.cdiv(n, block_n) * split_k < GEMV_PROGRAMS and groups % (split_k * 2) == 0:
                 split_k *= 2
         atomic = split_k > 1
         out = (torch.zeros if atomic else torch.empty)(m, n, device=x.device,

@@ -2,7 +2,9 @@
 [N, K/8], scales and zeros [N, K/group]), dequantized per group in registers, float32 accumulation.
 
 Two kernels: a GEMM on tensor cores (tl.dot) for prefill batches, and a GEMV for a few rows (decode), which
-splits K over programs (float32 atomics) so a batch-1 step keeps the GPU's memory busy. Each equals
+splits K over programs (float32 atomics) so a batch-1 step keeps the GPU's memory busy. From DEQUANT_ROWS rows
+on (long prefills) the weight is dequantized into a scratch in one pass and cuBLAS multiplies it: 2.5 bytes a
+weight more of traffic, spread over that many rows, against a GEMM at the tensor cores' full rate. Each equals
 `dequantize_int4` then a matmul within float32 rounding (tests/test_quant_kernels.py under TRITON_INTERPRET=1).
 """
 from __future__ import annotations
@@ -13,6 +15,7 @@ from nanoplug.api import import_triton
 
 triton, tl, TRITON_ERROR = import_triton()  # where it fails, the plugin says why (TRITON_ERROR)
 GEMV_ROWS = 4  # up to this many rows take the GEMV
+DEQUANT_ROWS = 1024  # from this many rows on, the weight is dequantized into a scratch and multiplied by cuBLAS
 
 
 if triton is not None:
@@ -24,13 +27,15 @@ if triton is not None:
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
+        rw = tl.arange(0, BLOCK_K // 8)  # each int32 word loaded once, opened into its eight values
+        shifts = tl.arange(0, 8) * 4
         m_ok, n_ok = rm < M, rn < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):  # BLOCK_K divides group_size and K: one group per step
             kk = k0 + rk
             x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=m_ok[:, None], other=0.0)
-            words = tl.load(qw_ptr + rn[:, None] * sqn + (kk // 8)[None, :], mask=n_ok[:, None], other=0)
-            q = ((words >> ((kk % 8) * 4)[None, :]) & 0xF).to(tl.float32)
+            words = tl.load(qw_ptr + rn[:, None] * sqn + (k0 // 8 + rw)[None, :], mask=n_ok[:, None], other=0)
+            q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K)).to(tl.float32)
             g = k0 // group_size
             s = tl.load(s_ptr + rn * ssn + g, mask=n_ok, other=0.0).to(tl.float32)
             if HAS_ZERO:
@@ -49,26 +54,63 @@ if triton is not None:
     @triton.jit
     def _w4a16_gemv(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, sxm, sqn, ssn, szn, som,
                     K_PER_SPLIT, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # each int32 word loaded once ([BLOCK_N, BLOCK_K / 8]) and opened into its eight values along a third axis
         row, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
+        rw = tl.arange(0, BLOCK_K // 8)
+        shifts = tl.arange(0, 8) * 4
         n_ok = rn < N
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         k_start = pid_k * K_PER_SPLIT
         for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
-            kk = k0 + rk
-            x = tl.load(x_ptr + row * sxm + kk)
-            words = tl.load(qw_ptr + rn[:, None] * sqn + (kk // 8)[None, :], mask=n_ok[:, None], other=0)
-            q = ((words >> ((kk % 8) * 4)[None, :]) & 0xF).to(tl.float32)
+            x = tl.load(x_ptr + row * sxm + k0 + rw[:, None] * 8 + tl.arange(0, 8)[None, :]).to(tl.float32)
+            words = tl.load(qw_ptr + rn[:, None] * sqn + (k0 // 8 + rw)[None, :], mask=n_ok[:, None], other=0)
+            q = ((words[:, :, None] >> shifts[None, None, :]) & 0xF).to(tl.float32)  # [BLOCK_N, BLOCK_K / 8, 8]
             g = k0 // group_size
             s = tl.load(s_ptr + rn * ssn + g, mask=n_ok, other=0.0).to(tl.float32)
             if HAS_ZERO:
                 z = tl.load(z_ptr + rn * szn + g, mask=n_ok, other=0).to(tl.float32)
             else:
                 z = tl.full((BLOCK_N,), 8.0, tl.float32)
-            w = ((q - z[:, None]) * s[:, None]).to(x.dtype).to(tl.float32)
-            acc += tl.sum(w * x.to(tl.float32)[None, :], axis=1)
+            w = ((q - z[:, None, None]) * s[:, None, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+            acc += tl.sum(tl.sum(w * x[None, :, :], axis=2), axis=1)
         tl.atomic_add(out_ptr + row * som + rn, acc, mask=n_ok)
+
+
+    @triton.jit
+    def _w4a16_dequant(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, sqn, ssn, szn, son,
+                       HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rw = tl.arange(0, BLOCK_K // 8)
+        n_ok = rn < N
+        k0 = pid_k * BLOCK_K
+        words = tl.load(qw_ptr + rn[:, None] * sqn + (k0 // 8 + rw)[None, :], mask=n_ok[:, None], other=0)
+        q = ((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF).to(tl.float32)
+        g = k0 // group_size
+        s = tl.load(s_ptr + rn * ssn + g, mask=n_ok, other=0.0).to(tl.float32)
+        if HAS_ZERO:
+            z = tl.load(z_ptr + rn * szn + g, mask=n_ok, other=0).to(tl.float32)
+        else:
+            z = tl.full((BLOCK_N,), 8.0, tl.float32)
+        w = (q - z[:, None, None]) * s[:, None, None]
+        cols = k0 + rw[:, None] * 8 + tl.arange(0, 8)[None, :]
+        tl.store(out_ptr + rn[:, None, None] * son + cols[None, :, :], w.to(out_ptr.dtype.element_ty),
+                 mask=n_ok[:, None, None])
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+               dtype: torch.dtype) -> torch.Tensor:
+    """dequantize_int4 on the GPU in one pass: the same values ((q - zero) * scale in float32, then `dtype`)."""
+    n, k = qweight.shape[0], qweight.shape[1] * 8
+    group_size = k // scales.shape[1]
+    bk = block_k(k, group_size)
+    out = torch.empty(n, k, device=qweight.device, dtype=dtype)
+    _w4a16_dequant[(triton.cdiv(n, 64), k // bk)](
+        qweight, scales, zeros if zeros is not None else scales, out, n, k, group_size, qweight.stride(0),
+        scales.stride(0), zeros.stride(0) if zeros is not None else 0, out.stride(0), HAS_ZERO=zeros is not None,
+        BLOCK_N=64, BLOCK_K=bk)
+    return out
 
 
 def block_k(k: int, group_size: int) -> int | None:
@@ -80,7 +122,7 @@ def block_k(k: int, group_size: int) -> int | None:
 
 
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                 split_k: int | None = None) -> torch.Tensor:
+                 split_k: int | None = None, block_n: int = 32) -> torch.Tensor:
     """x [..., K] @ dequantize_int4(qweight, scales, zeros).T -> [..., N] in x's dtype."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
@@ -91,7 +133,6 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     zero_arg = zeros if zeros is not None else scales
     szn = zeros.stride(0) if zeros is not None else 0
     if m <= GEMV_ROWS:
-        block_n = 32
         if split_k is None:  # enough programs to fill the GPU; each a whole number of K steps
             split_k = max(1, min(k // bk, 256 // max(1, triton.cdiv(n, block_n))))
             while (k // bk) % split_k:
@@ -101,6 +142,8 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
             x2, qweight, scales, zero_arg, out, n, k, group_size, x2.stride(0), qweight.stride(0), scales.stride(0),
             szn, out.stride(0), k // split_k, HAS_ZERO=zeros is not None, BLOCK_N=block_n, BLOCK_K=bk)
         out = out.to(x.dtype)
+    elif m >= DEQUANT_ROWS and x.dtype != torch.float32:  # a big batch: cuBLAS at full rate on the weight in bf16
+        out = torch.nn.functional.linear(x2, dequantize(qweight, scales, zeros, x.dtype))
     else:
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
         block_m = 16 if m <= 16 else 64
