@@ -20,71 +20,11 @@ DEQUANT_ROWS = 1024  # from this many rows on, the weight is dequantized into a 
 
 if triton is not None:
     @triton.jit
-    def _w4a16_gemm(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, group_size, sxm, sqn, ssn, szn, som,
-                    HAS_ZERO: tl.constexpr, IEEE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        rw = tl.arange(0, BLOCK_K // 8)  # each int32 word loaded once, opened into its eight values
-        shifts = tl.arange(0, 8) * 4
-        m_ok, n_ok = rm < M, rn < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):  # BLOCK_K divides group_size and K: one group per step
-            kk = k0 + rk
-            x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=m_ok[:, None], other=0.0)
-            words = tl.load(qw_ptr + rn[:, None] * sqn + (k0 // 8 + rw)[None, :], mask=n_ok[:, None], other=0)
-            q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K)).to(tl.float32)
-            g = k0 // group_size
-            s = tl.load(s_ptr + rn * ssn + g, mask=n_ok, other=0.0).to(tl.float32)
-            if HAS_ZERO:
-                z = tl.load(z_ptr + rn * szn + g, mask=n_ok, other=0).to(tl.float32)
-            else:
-                z = tl.full((BLOCK_N,), 8.0, tl.float32)
-            w = ((q - z[:, None]) * s[:, None]).to(x.dtype)  # [BLOCK_N, BLOCK_K], as dequantize_int4 rounds it
-            if IEEE:
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w))
-        tl.store(out_ptr + rm[:, None] * som + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
-
-
-    @triton.jit
-    def _w4a16_gemv(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, sxm, sqn, ssn, szn, som,
-                    K_PER_SPLIT, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # each int32 word loaded once ([BLOCK_N, BLOCK_K / 8]) and opened into its eight values along a third axis
-        row, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    def _tile(qw_ptr, s_ptr, z_ptr, rn, n_ok, k0, group_size, sqn, ssn, szn,
+              HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # rows rn, columns k0 .. k0 + BLOCK_K of the weight in float32, as [BLOCK_N, BLOCK_K / 8, 8]: each int32
+        # word loaded once and opened into its eight values along the last axis; (q - zero) * scale
         rw = tl.arange(0, BLOCK_K // 8)
-        shifts = tl.arange(0, 8) * 4
-        n_ok = rn < N
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        k_start = pid_k * K_PER_SPLIT
-        for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
-            x = tl.load(x_ptr + row * sxm + k0 + rw[:, None] * 8 + tl.arange(0, 8)[None, :]).to(tl.float32)
-            words = tl.load(qw_ptr + rn[:, None] * sqn + (k0 // 8 + rw)[None, :], mask=n_ok[:, None], other=0)
-            q = ((words[:, :, None] >> shifts[None, None, :]) & 0xF).to(tl.float32)  # [BLOCK_N, BLOCK_K / 8, 8]
-            g = k0 // group_size
-            s = tl.load(s_ptr + rn * ssn + g, mask=n_ok, other=0.0).to(tl.float32)
-            if HAS_ZERO:
-                z = tl.load(z_ptr + rn * szn + g, mask=n_ok, other=0).to(tl.float32)
-            else:
-                z = tl.full((BLOCK_N,), 8.0, tl.float32)
-            w = ((q - z[:, None, None]) * s[:, None, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
-            acc += tl.sum(tl.sum(w * x[None, :, :], axis=2), axis=1)
-        tl.atomic_add(out_ptr + row * som + rn, acc, mask=n_ok)
-
-
-    @triton.jit
-    def _w4a16_dequant(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, sqn, ssn, szn, son,
-                       HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rw = tl.arange(0, BLOCK_K // 8)
-        n_ok = rn < N
-        k0 = pid_k * BLOCK_K
         words = tl.load(qw_ptr + rn[:, None] * sqn + (k0 // 8 + rw)[None, :], mask=n_ok[:, None], other=0)
         q = ((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF).to(tl.float32)
         g = k0 // group_size
@@ -93,8 +33,53 @@ if triton is not None:
             z = tl.load(z_ptr + rn * szn + g, mask=n_ok, other=0).to(tl.float32)
         else:
             z = tl.full((BLOCK_N,), 8.0, tl.float32)
-        w = (q - z[:, None, None]) * s[:, None, None]
-        cols = k0 + rw[:, None] * 8 + tl.arange(0, 8)[None, :]
+        return (q - z[:, None, None]) * s[:, None, None]
+
+    @triton.jit
+    def _w4a16_gemm(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, group_size, sxm, sqn, ssn, szn, som,
+                    HAS_ZERO: tl.constexpr, IEEE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok, n_ok = rm < M, rn < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):  # BLOCK_K divides group_size and K: one group per step
+            x = tl.load(x_ptr + rm[:, None] * sxm + (k0 + rk)[None, :], mask=m_ok[:, None], other=0.0)
+            w = _tile(qw_ptr, s_ptr, z_ptr, rn, n_ok, k0, group_size, sqn, ssn, szn, HAS_ZERO, BLOCK_N, BLOCK_K)
+            w = tl.reshape(w, (BLOCK_N, BLOCK_K)).to(x.dtype)  # as dequantize_int4 rounds it
+            if IEEE:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w))
+        tl.store(out_ptr + rm[:, None] * som + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _w4a16_gemv(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, sxm, sqn, ssn, szn, som,
+                    K_PER_SPLIT, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        row, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rw = tl.arange(0, BLOCK_K // 8)
+        n_ok = rn < N
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        k_start = pid_k * K_PER_SPLIT
+        for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
+            x = tl.load(x_ptr + row * sxm + k0 + rw[:, None] * 8 + tl.arange(0, 8)[None, :]).to(tl.float32)
+            w = _tile(qw_ptr, s_ptr, z_ptr, rn, n_ok, k0, group_size, sqn, ssn, szn, HAS_ZERO, BLOCK_N, BLOCK_K)
+            w = w.to(x_ptr.dtype.element_ty).to(tl.float32)  # as dequantize_int4 rounds it
+            acc += tl.sum(tl.sum(w * x[None, :, :], axis=2), axis=1)
+        tl.atomic_add(out_ptr + row * som + rn, acc, mask=n_ok)
+
+    @triton.jit
+    def _w4a16_dequant(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, sqn, ssn, szn, son,
+                       HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_n, k0 = tl.program_id(0), tl.program_id(1) * BLOCK_K
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        w = _tile(qw_ptr, s_ptr, z_ptr, rn, n_ok, k0, group_size, sqn, ssn, szn, HAS_ZERO, BLOCK_N, BLOCK_K)
+        cols = k0 + tl.arange(0, BLOCK_K // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]
         tl.store(out_ptr + rn[:, None, None] * son + cols[None, :, :], w.to(out_ptr.dtype.element_ty),
                  mask=n_ok[:, None, None])
 
