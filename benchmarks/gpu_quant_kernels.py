@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _cuda_timing import graph_us  # noqa: E402
 
+GEMM_CONFIGS = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4), (128, 128, 4, 3), (128, 256, 8, 3)]
 LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 
 
@@ -30,6 +31,7 @@ def main() -> int:
     parser.add_argument("--rows", default="1,256,2048")
     parser.add_argument("--split", default="", help="split-K values to try for the GEMVs beside their own choice")
     parser.add_argument("--block-n", default="", help="GEMV rows per program to try beside the defaults")
+    parser.add_argument("--sweep-gemm", action="store_true", help="each GEMM in each of GEMM_CONFIGS too")
     args = parser.parse_args()
     dev = torch.device("cuda")
     rows = [int(r) for r in args.rows.split(",")]
@@ -47,23 +49,31 @@ def main() -> int:
         for m in rows:
             x = torch.randn(m, k, device=dev).to(torch.bfloat16)
             runs = {"bf16": lambda: F.linear(x, w)}
-            gemv = m <= triton_fp8.GEMV_ROWS
-            for s in splits if gemv else [None]:
-                for b in block_ns if gemv else [None]:
-                    tag = (f" s{s}" if s else "") + (f" n{b}" if b else "")
-                    runs["int4" + tag] = lambda s=s, b=b: triton_w4a16.w4a16_matmul(x, packed, scales, None, s, b or 32)
-                    runs["fp8" + tag] = lambda s=s, b=b: triton_fp8.fp8_block_matmul(x, w8, s8, (128, 128), s, b)
-            if not gemv:  # the Triton GEMM and dequantize + cuBLAS, whichever DEQUANT_ROWS picks for m
-                def forced(rows_at: int):
+            if m <= triton_fp8.GEMV_ROWS:
+                for s in splits:
+                    for b in block_ns:
+                        tag = (f" s{s}" if s else "") + (f" n{b}" if b else "")
+                        runs["int4" + tag] = lambda s=s, b=b: triton_w4a16.w4a16_matmul(x, packed, scales, None, s, b)
+                        runs["fp8" + tag] = lambda s=s, b=b: triton_fp8.fp8_block_matmul(x, w8, s8, (128, 128), s, b)
+            else:  # the Triton GEMMs in each config, and dequantize + cuBLAS for int4
+                for c in [None] + (GEMM_CONFIGS if args.sweep_gemm else []):
+                    tag = "" if c is None else " " + "x".join(map(str, c))
+                    runs["int4" + tag] = lambda c=c: forced(1 << 30, c)
+                    runs["fp8" + tag] = lambda c=c: triton_fp8.fp8_block_matmul(x, w8, s8, (128, 128), gemm=c)
+                runs["int4 dq+cublas"] = lambda: forced(1, None)
+
+                def forced(rows_at: int, c):
                     saved, triton_w4a16.DEQUANT_ROWS = triton_w4a16.DEQUANT_ROWS, rows_at
                     try:
-                        return triton_w4a16.w4a16_matmul(x, packed, scales, None)
+                        return triton_w4a16.w4a16_matmul(x, packed, scales, None, gemm=c)
                     finally:
                         triton_w4a16.DEQUANT_ROWS = saved
-                runs["int4 gemm"] = lambda: forced(1 << 30)
-                runs["int4 dq+cublas"] = lambda: forced(1)
             for kind, fn in runs.items():
-                us = graph_us(fn)
+                try:
+                    us = graph_us(fn)
+                except Exception as exc:  # noqa: BLE001  (a config that does not compile: say so, go on)
+                    print(f"{name:8s} rows {m:4d} {kind:12s} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                    continue
                 nbytes = (2 if kind == "bf16" else 0.5 + 2 / 128 if kind.startswith("int4") else 1) * n * k
                 results.append(dict(layer=name, n=n, k=k, rows=m, kind=kind, us=us, gb_s=nbytes / us / 1e3))
                 totals[(kind, m)] = totals.get((kind, m), 0.0) + us * 36 / 1000

@@ -20,7 +20,8 @@ triton, tl, TRITON_ERROR = import_triton()  # where it fails, the linear method 
 FP8_MAX = 448.0
 EPS = 1e-10  # vLLM's: a group of zeros keeps a positive scale
 GEMV_ROWS = 4  # up to this many rows take the GEMV
-GEMV_BLOCK_N, GEMV_PROGRAMS = 16, 512  # the GEMV's rows per program; K is split until this many programs run
+GEMV_BLOCK_N, GEMV_PROGRAMS = 64, 512  # the GEMV's rows per program; K is split until this many programs run
+GEMM_CONFIG = (64, 128, 4, 3)  # the GEMM's BLOCK_M, BLOCK_N (a divisor of the blocks' rows), warps, stages
 
 
 if triton is not None:
@@ -109,7 +110,8 @@ def _block_n(bn: int, cap: int) -> int:
 
 
 def fp8_block_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-                     split_k: int | None = None, block_n: int | None = None) -> torch.Tensor:
+                     split_k: int | None = None, block_n: int | None = None,
+                     gemm: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """x [..., K] @ (weight [N, K] e4m3 * scale [ceil(N/bn), ceil(K/bk)] per block).T -> [..., N] in x's dtype,
     x quantized to e4m3 per token and group of bk columns. `split_k`, `block_n`: the GEMV's (default: its own)."""
     shape = x.shape
@@ -136,9 +138,9 @@ def fp8_block_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     else:
         xq, xs = group_quant(x2, bk)
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-        block_n = _block_n(bn, 128)
+        block_m, block_n, warps, stages = gemm or ((16, 64, 4, 3) if m <= 16 else GEMM_CONFIG)
+        block_n = _block_n(bn, block_n)
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
         _block_gemm[grid](xq, weight, out, xs, scale, m, n, k, bn, scale.stride(0), out.stride(0),
-                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk)
+                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return out.view(*shape[:-1], n)

@@ -15,6 +15,8 @@ from nanoplug.api import import_triton
 
 triton, tl, TRITON_ERROR = import_triton()  # where it fails, the plugin says why (TRITON_ERROR)
 GEMV_ROWS = 4  # up to this many rows take the GEMV
+GEMV_BLOCK_N, GEMV_PROGRAMS = 32, 512  # the GEMV's rows per program; K is split until about this many programs run
+GEMM_CONFIG = (64, 64, 4, 3)  # the GEMM's BLOCK_M, BLOCK_N, warps and pipeline stages past 16 rows
 DEQUANT_ROWS = 1024  # from this many rows on, the weight is dequantized into a scratch and multiplied by cuBLAS
 
 
@@ -59,18 +61,27 @@ if triton is not None:
     @triton.jit
     def _w4a16_gemv(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, sxm, sqn, ssn, szn, som,
                     K_PER_SPLIT, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # 2-D tiles of whole words [BLOCK_N, BLOCK_K / 8], each word's eight values taken by shifting in turn
         row, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rw = tl.arange(0, BLOCK_K // 8)
         n_ok = rn < N
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
         k_start = pid_k * K_PER_SPLIT
         for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
-            x = tl.load(x_ptr + row * sxm + k0 + rw[:, None] * 8 + tl.arange(0, 8)[None, :]).to(tl.float32)
-            w = _tile(qw_ptr, s_ptr, z_ptr, rn, n_ok, k0, group_size, sqn, ssn, szn, HAS_ZERO, BLOCK_N, BLOCK_K)
-            w = w.to(x_ptr.dtype.element_ty).to(tl.float32)  # as dequantize_int4 rounds it
-            acc += tl.sum(tl.sum(w * x[None, :, :], axis=2), axis=1)
-        tl.atomic_add(out_ptr + row * som + rn, acc, mask=n_ok)
+            words = tl.load(qw_ptr + rn[:, None] * sqn + (k0 // 8 + rw)[None, :], mask=n_ok[:, None], other=0)
+            g = k0 // group_size
+            s = tl.load(s_ptr + rn * ssn + g, mask=n_ok, other=0.0).to(tl.float32)
+            if HAS_ZERO:
+                z = tl.load(z_ptr + rn * szn + g, mask=n_ok, other=0).to(tl.float32)
+            else:
+                z = tl.full((BLOCK_N,), 8.0, tl.float32)
+            for j in tl.static_range(8):
+                x = tl.load(x_ptr + row * sxm + k0 + rw * 8 + j).to(tl.float32)
+                q = ((words >> (4 * j)) & 0xF).to(tl.float32)
+                w = ((q - z[:, None]) * s[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+                acc += w * x[None, :]
+        tl.atomic_add(out_ptr + row * som + rn, tl.sum(acc, axis=1), mask=n_ok)
 
     @triton.jit
     def _w4a16_dequant(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, sqn, ssn, szn, son,
@@ -107,7 +118,8 @@ def block_k(k: int, group_size: int) -> int | None:
 
 
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                 split_k: int | None = None, block_n: int = 32) -> torch.Tensor:
+                 split_k: int | None = None, block_n: int | None = None,
+                 gemm: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """x [..., K] @ dequantize_int4(qweight, scales, zeros).T -> [..., N] in x's dtype."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
@@ -118,8 +130,9 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     zero_arg = zeros if zeros is not None else scales
     szn = zeros.stride(0) if zeros is not None else 0
     if m <= GEMV_ROWS:
+        block_n = block_n or GEMV_BLOCK_N
         if split_k is None:  # enough programs to fill the GPU; each a whole number of K steps
-            split_k = max(1, min(k // bk, 256 // max(1, triton.cdiv(n, block_n))))
+            split_k = max(1, min(k // bk, GEMV_PROGRAMS // max(1, m * triton.cdiv(n, block_n))))
             while (k // bk) % split_k:
                 split_k -= 1
         out = torch.zeros(m, n, device=x.device, dtype=torch.float32)
@@ -131,9 +144,10 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         out = torch.nn.functional.linear(x2, dequantize(qweight, scales, zeros, x.dtype))
     else:
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-        block_m = 16 if m <= 16 else 64
-        grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
+        block_m, block_n, warps, stages = gemm or ((16, 64, 4, 3) if m <= 16 else GEMM_CONFIG)
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
         _w4a16_gemm[grid](x2, qweight, scales, zero_arg, out, m, n, k, group_size, x2.stride(0), qweight.stride(0),
                           scales.stride(0), szn, out.stride(0), HAS_ZERO=zeros is not None,
-                          IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=bk)
+                          IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
+                          num_warps=warps, num_stages=stages)
     return out.view(*shape[:-1], n)
