@@ -21,7 +21,8 @@ FP8_MAX = 448.0
 EPS = 1e-10  # vLLM's: a group of zeros keeps a positive scale
 GEMV_ROWS = 4  # up to this many rows take the GEMV
 GEMV_BLOCK_N, GEMV_PROGRAMS = 64, 512  # the GEMV's rows per program; K is split until this many programs run
-GEMM_CONFIG = (64, 128, 4, 3)  # the GEMM's BLOCK_M, BLOCK_N (a divisor of the blocks' rows), warps, stages
+# the GEMM's BLOCK_M, BLOCK_N (a divisor of the blocks' rows), warps and stages, below and from 1024 rows
+GEMM_CONFIG, GEMM_CONFIG_LARGE = (64, 128, 4, 4), (128, 128, 8, 3)
 
 
 if triton is not None:
@@ -138,7 +139,8 @@ def fp8_block_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     else:
         xq, xs = group_quant(x2, bk)
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-        block_m, block_n, warps, stages = gemm or ((16, 64, 4, 3) if m <= 16 else GEMM_CONFIG)
+        block_m, block_n, warps, stages = gemm or (
+            (16, 64, 4, 3) if m <= 16 else GEMM_CONFIG if m < 1024 else GEMM_CONFIG_LARGE)
         block_n = _block_n(bn, block_n)
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
         _block_gemm[grid](xq, weight, out, xs, scale, m, n, k, bn, scale.stride(0), out.stride(0),

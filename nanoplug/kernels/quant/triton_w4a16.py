@@ -16,8 +16,8 @@ from nanoplug.api import import_triton
 triton, tl, TRITON_ERROR = import_triton()  # where it fails, the plugin says why (TRITON_ERROR)
 GEMV_ROWS = 4  # up to this many rows take the GEMV
 GEMV_BLOCK_N, GEMV_PROGRAMS = 32, 512  # the GEMV's rows per program; K is split until about this many programs run
-GEMM_CONFIG = (64, 64, 4, 3)  # the GEMM's BLOCK_M, BLOCK_N, warps and pipeline stages past 16 rows
-DEQUANT_ROWS = 1024  # from this many rows on, the weight is dequantized into a scratch and multiplied by cuBLAS
+GEMM_CONFIG = (64, 128, 4, 4)  # the GEMM's BLOCK_M, BLOCK_N, warps and pipeline stages past 16 rows
+DEQUANT_ROWS = 256  # from this many rows on, the weight is dequantized into a scratch and multiplied by cuBLAS
 
 
 if triton is not None:
@@ -76,10 +76,11 @@ if triton is not None:
                 z = tl.load(z_ptr + rn * szn + g, mask=n_ok, other=0).to(tl.float32)
             else:
                 z = tl.full((BLOCK_N,), 8.0, tl.float32)
+            zm = z + 8388608.0  # 2^23: a 4-bit value OR-ed into 2^23's bits is 2^23 + q, no int-to-float convert
             for j in tl.static_range(8):
                 x = tl.load(x_ptr + row * sxm + k0 + rw * 8 + j).to(tl.float32)
-                q = ((words >> (4 * j)) & 0xF).to(tl.float32)
-                w = ((q - z[:, None]) * s[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+                qm = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+                w = ((qm - zm[:, None]) * s[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)  # (q - zero) exactly
                 acc += w * x[None, :]
         tl.atomic_add(out_ptr + row * som + rn, tl.sum(acc, axis=1), mask=n_ok)
 
