@@ -12,26 +12,22 @@ import pytest
 import torch
 
 from _checkpoints import scratch_dir
-from nanoplug.bench.checkpoints import write_random_checkpoint
 from nanoplug.kernels.quant import int4
+from test_quant_checkpoints import SHAPE, quantized
 
 pytest.importorskip("compressed_tensors", reason="pip install compressed-tensors (the test extra)")
-SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-             tie_word_embeddings=False)
 MODULE = "model.layers.1.mlp.down_proj"
 
 
 @lru_cache(maxsize=None)
 def written(scheme: str):
-    """(the library's checkpoint, ours) of `scheme`."""
-    from nanoplug.bench.quantize import write_quantized_checkpoint
+    """(the library's checkpoint, ours) of `scheme`: the library's is test_quant_checkpoints' (written once per
+    session for both files), float32 scales, so ours is written with float32 too."""
     from nanoplug.bench.random_quantized import write_random_quantized
 
-    plain = write_random_checkpoint(scratch_dir(f"rq-plain-{scheme}"), "Qwen3ForCausalLM", seed=1,
-                                    dtype=torch.bfloat16, **SHAPE)
-    theirs = write_quantized_checkpoint(plain, scratch_dir(f"rq-lib-{scheme}"), scheme, 128, torch.bfloat16)
-    ours = write_random_quantized(scratch_dir(f"rq-ours-{scheme}"), scheme, seed=2, **SHAPE)
-    return theirs, ours
+    theirs = quantized(scheme)
+    return theirs, write_random_quantized(scratch_dir(f"rq-ours-{scheme}"), scheme, seed=2, dtype=torch.float32,
+                                          **SHAPE)
 
 
 def layout(folder):
@@ -86,7 +82,7 @@ def test_compressed_tensors_decompresses_ours(scheme):
         want = dequantize_rows(t["weight"], t["weight_scale"].view(-1), torch.float32)
     else:
         want = dequantize_blocks(t["weight"], t["weight_scale"], (128, 128), torch.float32)
-    assert torch.equal(got, want.to(torch.bfloat16).float())  # the library returns the scales' dtype
+    assert torch.equal(got, want)
     assert 0.005 < want.std() < 0.05  # about the initializer's spread
 
 
