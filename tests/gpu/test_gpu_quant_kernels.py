@@ -49,7 +49,7 @@ def test_fp8_block_kernels_equal_dequantize_then_matmul(n, k):
     scale = torch.rand(-(-n // 128), -(-k // 128), generator=g, device="cuda") * 3e-4 + 1e-4
     w_deq = fp8.dequantize_blocks(w, scale, BLOCK, torch.float64)
     eps32 = torch.finfo(torch.float32).eps
-    for m in (1, 4, 16, 300):
+    for m in (1, 4, 16, 300, 1100):  # GEMV, the GEMM in each of its configs
         x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
         out = triton_fp8.fp8_block_matmul(x, w, scale, BLOCK).double()
         xq, xs = group_quant_reference(x, 128)
