@@ -44,9 +44,10 @@ def test_kernels_equal_dequantize_then_matmul(asym, dtype):
     n, k, group = 40, 256, 128  # n not a multiple of a block
     _, packed, scales, zeros = _weights(n, k, group, asym)
     scales = scales.to(dtype)
-    w = int4.dequantize_int4(packed, scales, zeros, dtype)
     with interpreted(triton_w4a16) as kern:
         for m, split in ((1, None), (3, 2), (1, 1), (20, None)):  # GEMV (split-K, whole), then the GEMM
+            # the GEMV multiplies float32 weights, the GEMM weights rounded to x's dtype
+            w = int4.dequantize_int4(packed, scales, zeros, torch.float32 if m <= kern.GEMV_ROWS else dtype)
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
             out = kern.w4a16_matmul(x, packed, scales, zeros, split_k=split)
             ref = (x.double() @ w.double().t())

@@ -24,8 +24,9 @@ def test_bf16_kernels_equal_dequantize_then_matmul(n, k, asym):
     scales = (torch.rand(n, k // group, generator=g, device=dev) * 0.01).to(torch.bfloat16)
     zeros = torch.randint(0, 16, (n, k // group), generator=g, device=dev, dtype=torch.uint8) if asym else None
     packed = int4.pack_int4(q)
-    w = int4.dequantize_int4(packed, scales, zeros, torch.bfloat16)
     for m in (1, 4, 16, 40, 300):  # GEMV, the small GEMM, the GEMM, dequantize + cuBLAS
+        # the GEMV multiplies float32 weights, the GEMMs weights rounded to bfloat16
+        w = int4.dequantize_int4(packed, scales, zeros, torch.float32 if m <= 4 else torch.bfloat16)
         x = torch.randn(m, k, generator=g, device=dev).to(torch.bfloat16)
         ref = x.double() @ w.double().t()
         out = w4a16_matmul(x, packed, scales, zeros).double()

@@ -1,11 +1,15 @@
 """Triton W4A16: activations in bfloat16/float16/float32 times int4 weights in `int4.py`'s layout (qweight
 [N, K/8], scales and zeros [N, K/group]), dequantized per group in registers, float32 accumulation.
 
-Two kernels: a GEMM on tensor cores (tl.dot) for prefill batches, and a GEMV for a few rows (decode), which
-splits K over programs (float32 atomics) so a batch-1 step keeps the GPU's memory busy. From DEQUANT_ROWS rows
-on (long prefills) the weight is dequantized into a scratch in one pass and cuBLAS multiplies it: 2.5 bytes a
-weight more of traffic, spread over that many rows, against a GEMM at the tensor cores' full rate. Each equals
-`dequantize_int4` then a matmul within float32 rounding (tests/test_quant_kernels.py under TRITON_INTERPRET=1).
+Two kernels: a GEMM on tensor cores (tl.dot) for prefill batches, with the weights rounded to x's dtype as
+`dequantize_int4(..., x.dtype)` does, and a GEMV for a few rows (decode), which multiplies the float32 weights
+(`dequantize_int4(..., float32)`: rounding each to bfloat16 costs two conversions a weight at a quarter of the
+FMA rate, which the H200 sweep of RESULTS.md's kernel table suggests bounded the GEMV at ~0.9 TB/s) and splits K
+over programs (float32 atomics) so a batch-1 step keeps the GPU's memory busy. From DEQUANT_ROWS rows on (long
+prefills) the weight is dequantized into a scratch in one pass and cuBLAS multiplies it: 2.5 bytes a weight more
+of traffic, spread over that many rows, against a GEMM at the tensor cores' full rate. Each equals that
+dequantization then a matmul within float32 rounding (tests/test_w4a16_kernels.py under TRITON_INTERPRET=1,
+tests/gpu/test_gpu_w4a16.py in bfloat16).
 """
 from __future__ import annotations
 
@@ -80,7 +84,7 @@ if triton is not None:
             for j in tl.static_range(8):
                 x = tl.load(x_ptr + row * sxm + k0 + rw * 8 + j).to(tl.float32)
                 qm = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-                w = ((qm - zm[:, None]) * s[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)  # (q - zero) exactly
+                w = (qm - zm[:, None]) * s[:, None]  # float32 weights: no conversion per weight (quarter-rate)
                 acc += w * x[None, :]
         tl.atomic_add(out_ptr + row * som + rn, tl.sum(acc, axis=1), mask=n_ok)
 
