@@ -13,7 +13,7 @@ import torch
 
 from _checkpoints import scratch_dir
 from nanoplug.kernels.quant import int4
-from test_quant_checkpoints import SHAPE, quantized
+from _quant_checkpoints import SHAPE, quantized
 
 pytest.importorskip("compressed_tensors", reason="pip install compressed-tensors (the test extra)")
 MODULE = "model.layers.1.mlp.down_proj"
@@ -21,11 +21,11 @@ MODULE = "model.layers.1.mlp.down_proj"
 
 @lru_cache(maxsize=None)
 def written(scheme: str):
-    """(the library's checkpoint, ours) of `scheme`: the library's is test_quant_checkpoints' (written once per
-    session for both files), float32 scales, so ours is written with float32 too."""
+    """(the library's checkpoint, ours) of `scheme`: the library's is _quant_checkpoints' (written once per
+    session for both test files), float32 scales, so ours is written with float32 too."""
     from nanoplug.bench.random_quantized import write_random_quantized
 
-    theirs = quantized(scheme)
+    theirs = quantized(scheme, 128)  # the key test_quant_checkpoints caches it under
     return theirs, write_random_quantized(scratch_dir(f"rq-ours-{scheme}"), scheme, seed=2, dtype=torch.float32,
                                           **SHAPE)
 
