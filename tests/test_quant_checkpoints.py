@@ -12,36 +12,19 @@ from __future__ import annotations
 
 import json
 import shutil
-from functools import lru_cache
 from pathlib import Path
 
 import pytest
 import torch
 
 from _checkpoints import scratch_dir
+from _quant_checkpoints import plain, quantized
 from nanoplug import LLM, SamplingParams
-from nanoplug.bench.checkpoints import write_random_checkpoint
 
 ct = pytest.importorskip("compressed_tensors", reason="pip install compressed-tensors (the test extra)")
-SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-             tie_word_embeddings=False)  # every linear a whole number of 128-column groups and [128, 128] blocks
 ENGINE = dict(device="cpu", dtype="float32", kv_block_size=16, max_model_len=256, cpu={"kv_cache_gb": 0.05})
 PROMPT = "The capital of France is"
 STEPS = 12
-
-
-@lru_cache(maxsize=None)
-def plain() -> Path:
-    return write_random_checkpoint(scratch_dir("quant-plain"), "Qwen3ForCausalLM", seed=5, **SHAPE)
-
-
-@lru_cache(maxsize=None)
-def quantized(scheme: str, group_size: int = 128) -> Path:
-    from nanoplug.bench.quantize import write_quantized_checkpoint
-
-    # float32 scales: the engine computes in float32 as transformers does, so greedy tokens can be equal
-    dtype = torch.float32 if scheme not in ("awq", "gptq") else torch.float16
-    return write_quantized_checkpoint(plain(), scratch_dir(f"quant-{scheme}-{group_size}"), scheme, group_size, dtype)
 
 
 def tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -145,6 +128,8 @@ def test_checkpoint_served_as_the_library_defines_it(scheme, group, fmt, referen
         assert llm.choices["weight_format"].name == fmt
         layer = llm.engine.worker.model.model.layers[0].mlp.down_proj
         assert layer.kind != "dense" and layer.weight.numel() == 0  # kept quantized, no dense copy
+        # the C++ kernels multiply int4 and int8 on a CPU; fp8 (no fp8 GEMM here) is dequantized per call
+        assert (layer.kernel is not None) == (layer.kind in ("int4", "int8")), layer.kind
         refs = {}
         for module, engine_layer, rows in LAYERS:
             ref = reference(folder, module)

@@ -44,9 +44,10 @@ def test_kernels_equal_dequantize_then_matmul(asym, dtype):
     n, k, group = 40, 256, 128  # n not a multiple of a block
     _, packed, scales, zeros = _weights(n, k, group, asym)
     scales = scales.to(dtype)
-    w = int4.dequantize_int4(packed, scales, zeros, dtype)
     with interpreted(triton_w4a16) as kern:
         for m, split in ((1, None), (3, 2), (1, 1), (20, None)):  # GEMV (split-K, whole), then the GEMM
+            # the GEMV multiplies float32 weights, the GEMM weights rounded to x's dtype
+            w = int4.dequantize_int4(packed, scales, zeros, torch.float32 if m <= kern.GEMV_ROWS else dtype)
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
             out = kern.w4a16_matmul(x, packed, scales, zeros, split_k=split)
             ref = (x.double() @ w.double().t())
@@ -57,9 +58,25 @@ def test_kernels_equal_dequantize_then_matmul(asym, dtype):
             assert ((out.double() - ref).abs() <= bound).all(), (m, (out.double() - ref).abs().max())
 
 
+@pytest.mark.parametrize("asym", [False, True])
+def test_dequantize_kernel_and_the_big_batch_path(asym, monkeypatch):
+    """The one-pass dequantization equals dequantize_int4 exactly; past DEQUANT_ROWS rows the product is cuBLAS's
+    (here torch's) on it."""
+    n, k, group = 40, 256, 64
+    _, packed, scales, zeros = _weights(n, k, group, asym, seed=5)
+    scales = scales.to(torch.float16)
+    with interpreted(triton_w4a16) as kern:
+        w = kern.dequantize(packed, scales, zeros, torch.float16)
+        assert torch.equal(w, int4.dequantize_int4(packed, scales, zeros, torch.float16))
+        monkeypatch.setattr(kern, "DEQUANT_ROWS", 6)
+        x = torch.randn(6, k, generator=torch.Generator().manual_seed(6)).to(torch.float16)
+        assert torch.equal(kern.w4a16_matmul(x, packed, scales, zeros), torch.nn.functional.linear(x, w))
+
+
 def test_linear_method_triton_path_with_activation_order():
     from torch import nn
 
+    from nanoplug.plugins.weight_formats import quant_kernels
     from nanoplug.plugins.weight_formats.prequantized import PrequantizedLinearMethod, QuantizedWeight
 
     n, k, group = 32, 128, 32
@@ -77,9 +94,10 @@ def test_linear_method_triton_path_with_activation_order():
     method.process_after_loading(layer)
     assert torch.equal(method.dequantized(layer, torch.float32), w_ref)
     x = torch.randn(2, k)
+    layer.kernel = None  # the dequantized path (the CPU's own kernel is tested in test_int_weight_kernels.py)
     dense = method.apply(layer, x, None)
     with interpreted(triton_w4a16):
-        layer.triton = True
+        layer.kernel = quant_kernels.int4_triton
         fast = method.apply(layer, x, None)
     assert torch.allclose(fast, dense, atol=1e-4, rtol=1e-5)
     assert torch.allclose(dense, x @ w_ref.t(), atol=1e-4, rtol=1e-5)

@@ -1,9 +1,15 @@
 """Triton W4A16: activations in bfloat16/float16/float32 times int4 weights in `int4.py`'s layout (qweight
 [N, K/8], scales and zeros [N, K/group]), dequantized per group in registers, float32 accumulation.
 
-Two kernels: a GEMM on tensor cores (tl.dot) for prefill batches, and a GEMV for a few rows (decode), which
-splits K over programs (float32 atomics) so a batch-1 step keeps the GPU's memory busy. Each equals
-`dequantize_int4` then a matmul within float32 rounding (tests/test_quant_kernels.py under TRITON_INTERPRET=1).
+Two kernels: a GEMM on tensor cores (tl.dot) for prefill batches, with the weights rounded to x's dtype as
+`dequantize_int4(..., x.dtype)` does, and a GEMV for a few rows (decode), which multiplies the float32 weights
+(`dequantize_int4(..., float32)`: rounding each to bfloat16 costs two conversions a weight at a quarter of the
+FMA rate, which the H200 sweep of RESULTS.md's kernel table suggests bounded the GEMV at ~0.9 TB/s) and splits K
+over programs (float32 atomics) so a batch-1 step keeps the GPU's memory busy. From DEQUANT_ROWS rows on (long
+prefills) the weight is dequantized into a scratch in one pass and cuBLAS multiplies it: 2.5 bytes a weight more
+of traffic, spread over that many rows, against a GEMM at the tensor cores' full rate. Each equals that
+dequantization then a matmul within float32 rounding (tests/test_w4a16_kernels.py under TRITON_INTERPRET=1,
+tests/gpu/test_gpu_w4a16.py in bfloat16).
 """
 from __future__ import annotations
 
@@ -13,9 +19,28 @@ from nanoplug.api import import_triton
 
 triton, tl, TRITON_ERROR = import_triton()  # where it fails, the plugin says why (TRITON_ERROR)
 GEMV_ROWS = 4  # up to this many rows take the GEMV
+GEMV_BLOCK_N, GEMV_PROGRAMS = 32, 512  # the GEMV's rows per program; K is split until about this many programs run
+GEMM_CONFIG = (64, 128, 4, 4)  # the GEMM's BLOCK_M, BLOCK_N, warps and pipeline stages past 16 rows
+DEQUANT_ROWS = 256  # from this many rows on, the weight is dequantized into a scratch and multiplied by cuBLAS
 
 
 if triton is not None:
+    @triton.jit
+    def _tile(qw_ptr, s_ptr, z_ptr, rn, n_ok, k0, group_size, sqn, ssn, szn,
+              HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # rows rn, columns k0 .. k0 + BLOCK_K of the weight in float32, as [BLOCK_N, BLOCK_K / 8, 8]: each int32
+        # word loaded once and opened into its eight values along the last axis; (q - zero) * scale
+        rw = tl.arange(0, BLOCK_K // 8)
+        words = tl.load(qw_ptr + rn[:, None] * sqn + (k0 // 8 + rw)[None, :], mask=n_ok[:, None], other=0)
+        q = ((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF).to(tl.float32)
+        g = k0 // group_size
+        s = tl.load(s_ptr + rn * ssn + g, mask=n_ok, other=0.0).to(tl.float32)
+        if HAS_ZERO:
+            z = tl.load(z_ptr + rn * szn + g, mask=n_ok, other=0).to(tl.float32)
+        else:
+            z = tl.full((BLOCK_N,), 8.0, tl.float32)
+        return (q - z[:, None, None]) * s[:, None, None]
+
     @triton.jit
     def _w4a16_gemm(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, group_size, sxm, sqn, ssn, szn, som,
                     HAS_ZERO: tl.constexpr, IEEE: tl.constexpr,
@@ -27,17 +52,9 @@ if triton is not None:
         m_ok, n_ok = rm < M, rn < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):  # BLOCK_K divides group_size and K: one group per step
-            kk = k0 + rk
-            x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=m_ok[:, None], other=0.0)
-            words = tl.load(qw_ptr + rn[:, None] * sqn + (kk // 8)[None, :], mask=n_ok[:, None], other=0)
-            q = ((words >> ((kk % 8) * 4)[None, :]) & 0xF).to(tl.float32)
-            g = k0 // group_size
-            s = tl.load(s_ptr + rn * ssn + g, mask=n_ok, other=0.0).to(tl.float32)
-            if HAS_ZERO:
-                z = tl.load(z_ptr + rn * szn + g, mask=n_ok, other=0).to(tl.float32)
-            else:
-                z = tl.full((BLOCK_N,), 8.0, tl.float32)
-            w = ((q - z[:, None]) * s[:, None]).to(x.dtype)  # [BLOCK_N, BLOCK_K], as dequantize_int4 rounds it
+            x = tl.load(x_ptr + rm[:, None] * sxm + (k0 + rk)[None, :], mask=m_ok[:, None], other=0.0)
+            w = _tile(qw_ptr, s_ptr, z_ptr, rn, n_ok, k0, group_size, sqn, ssn, szn, HAS_ZERO, BLOCK_N, BLOCK_K)
+            w = tl.reshape(w, (BLOCK_N, BLOCK_K)).to(x.dtype)  # as dequantize_int4 rounds it
             if IEEE:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             else:
@@ -45,30 +62,56 @@ if triton is not None:
         tl.store(out_ptr + rm[:, None] * som + rn[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 
-
     @triton.jit
     def _w4a16_gemv(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, sxm, sqn, ssn, szn, som,
                     K_PER_SPLIT, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # 2-D tiles of whole words [BLOCK_N, BLOCK_K / 8], each word's eight values taken by shifting in turn
         row, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
+        rw = tl.arange(0, BLOCK_K // 8)
         n_ok = rn < N
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
         k_start = pid_k * K_PER_SPLIT
         for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
-            kk = k0 + rk
-            x = tl.load(x_ptr + row * sxm + kk)
-            words = tl.load(qw_ptr + rn[:, None] * sqn + (kk // 8)[None, :], mask=n_ok[:, None], other=0)
-            q = ((words >> ((kk % 8) * 4)[None, :]) & 0xF).to(tl.float32)
+            words = tl.load(qw_ptr + rn[:, None] * sqn + (k0 // 8 + rw)[None, :], mask=n_ok[:, None], other=0)
             g = k0 // group_size
             s = tl.load(s_ptr + rn * ssn + g, mask=n_ok, other=0.0).to(tl.float32)
             if HAS_ZERO:
                 z = tl.load(z_ptr + rn * szn + g, mask=n_ok, other=0).to(tl.float32)
             else:
                 z = tl.full((BLOCK_N,), 8.0, tl.float32)
-            w = ((q - z[:, None]) * s[:, None]).to(x.dtype).to(tl.float32)
-            acc += tl.sum(w * x.to(tl.float32)[None, :], axis=1)
-        tl.atomic_add(out_ptr + row * som + rn, acc, mask=n_ok)
+            zm = z + 8388608.0  # 2^23: a 4-bit value OR-ed into 2^23's bits is 2^23 + q, no int-to-float convert
+            for j in tl.static_range(8):
+                x = tl.load(x_ptr + row * sxm + k0 + rw * 8 + j).to(tl.float32)
+                qm = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+                w = (qm - zm[:, None]) * s[:, None]  # float32 weights: no conversion per weight (quarter-rate)
+                acc += w * x[None, :]
+        tl.atomic_add(out_ptr + row * som + rn, tl.sum(acc, axis=1), mask=n_ok)
+
+    @triton.jit
+    def _w4a16_dequant(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, sqn, ssn, szn, son,
+                       HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_n, k0 = tl.program_id(0), tl.program_id(1) * BLOCK_K
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        w = _tile(qw_ptr, s_ptr, z_ptr, rn, n_ok, k0, group_size, sqn, ssn, szn, HAS_ZERO, BLOCK_N, BLOCK_K)
+        cols = k0 + tl.arange(0, BLOCK_K // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]
+        tl.store(out_ptr + rn[:, None, None] * son + cols[None, :, :], w.to(out_ptr.dtype.element_ty),
+                 mask=n_ok[:, None, None])
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+               dtype: torch.dtype) -> torch.Tensor:
+    """dequantize_int4 on the GPU in one pass: the same values ((q - zero) * scale in float32, then `dtype`)."""
+    n, k = qweight.shape[0], qweight.shape[1] * 8
+    group_size = k // scales.shape[1]
+    bk = block_k(k, group_size)
+    out = torch.empty(n, k, device=qweight.device, dtype=dtype)
+    _w4a16_dequant[(triton.cdiv(n, 64), k // bk)](
+        qweight, scales, zeros if zeros is not None else scales, out, n, k, group_size, qweight.stride(0),
+        scales.stride(0), zeros.stride(0) if zeros is not None else 0, out.stride(0), HAS_ZERO=zeros is not None,
+        BLOCK_N=64, BLOCK_K=bk)
+    return out
 
 
 def block_k(k: int, group_size: int) -> int | None:
@@ -80,7 +123,8 @@ def block_k(k: int, group_size: int) -> int | None:
 
 
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                 split_k: int | None = None) -> torch.Tensor:
+                 split_k: int | None = None, block_n: int | None = None,
+                 gemm: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """x [..., K] @ dequantize_int4(qweight, scales, zeros).T -> [..., N] in x's dtype."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
@@ -91,9 +135,9 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     zero_arg = zeros if zeros is not None else scales
     szn = zeros.stride(0) if zeros is not None else 0
     if m <= GEMV_ROWS:
-        block_n = 32
+        block_n = block_n or GEMV_BLOCK_N
         if split_k is None:  # enough programs to fill the GPU; each a whole number of K steps
-            split_k = max(1, min(k // bk, 256 // max(1, triton.cdiv(n, block_n))))
+            split_k = max(1, min(k // bk, GEMV_PROGRAMS // max(1, m * triton.cdiv(n, block_n))))
             while (k // bk) % split_k:
                 split_k -= 1
         out = torch.zeros(m, n, device=x.device, dtype=torch.float32)
@@ -101,11 +145,14 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
             x2, qweight, scales, zero_arg, out, n, k, group_size, x2.stride(0), qweight.stride(0), scales.stride(0),
             szn, out.stride(0), k // split_k, HAS_ZERO=zeros is not None, BLOCK_N=block_n, BLOCK_K=bk)
         out = out.to(x.dtype)
+    elif m >= DEQUANT_ROWS and x.dtype != torch.float32:  # a big batch: cuBLAS at full rate on the weight in bf16
+        out = torch.nn.functional.linear(x2, dequantize(qweight, scales, zeros, x.dtype))
     else:
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-        block_m = 16 if m <= 16 else 64
-        grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
+        block_m, block_n, warps, stages = gemm or ((16, 64, 4, 3) if m <= 16 else GEMM_CONFIG)
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
         _w4a16_gemm[grid](x2, qweight, scales, zero_arg, out, m, n, k, group_size, x2.stride(0), qweight.stride(0),
                           scales.stride(0), szn, out.stride(0), HAS_ZERO=zeros is not None,
-                          IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=bk)
+                          IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
+                          num_warps=warps, num_stages=stages)
     return out.view(*shape[:-1], n)

@@ -10,7 +10,8 @@ from nanoplug.plugins.weight_formats.prequantized import PrequantizedFormat, Qua
 
 
 class AWQFormat(PrequantizedFormat):
-    description = "AWQ 4-bit checkpoints (GEMM packing: qweight/qzeros/scales), kept quantized (Triton W4A16 on CUDA)"
+    description = ("AWQ 4-bit checkpoints (GEMM packing: qweight/qzeros/scales), kept quantized (Triton W4A16 on CUDA, "
+                   "C++ int4 on CPU)")
     quant_method = "awq"
     suffixes = ("qweight", "qzeros", "scales")
 

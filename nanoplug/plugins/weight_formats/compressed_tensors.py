@@ -23,8 +23,8 @@ SERVED = "pack-quantized int4 (W4A16), int-quantized int8 (W8A8), float-quantize
 
 
 class CompressedTensorsFormat(PrequantizedFormat):
-    description = ("compressed-tensors checkpoints (llmcompressor): int4 W4A16 groups (Triton W4A16 on CUDA), "
-                   "int8 W8A8, fp8 per channel or in blocks, kept quantized")
+    description = ("compressed-tensors checkpoints (llmcompressor), kept quantized: int4 W4A16 groups (Triton on CUDA, C++ "
+                   "on CPU), int8 W8A8 (torch._int_mm, C++), fp8 per channel or in blocks (sm89+)")
     quant_method = "compressed-tensors"
     suffixes = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
 

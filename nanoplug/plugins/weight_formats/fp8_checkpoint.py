@@ -10,7 +10,8 @@ from nanoplug.plugins.weight_formats.prequantized import FP8, PrequantizedFormat
 
 
 class FP8CheckpointFormat(PrequantizedFormat):
-    description = "fp8 checkpoints (block-scaled weight_scale_inv, or per-tensor weight_scale), kept in fp8"
+    description = ("fp8 checkpoints (block-scaled weight_scale_inv, or per-tensor weight_scale), kept in fp8 (Triton "
+                   "block-scaled fp8 GEMM on sm89+)")
     quant_method = "fp8"
     suffixes = ("weight_scale_inv", "weight_scale")
 

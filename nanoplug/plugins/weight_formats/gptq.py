@@ -10,7 +10,8 @@ from nanoplug.plugins.weight_formats.prequantized import PrequantizedFormat, Qua
 
 
 class GPTQFormat(PrequantizedFormat):
-    description = "GPTQ 4-bit checkpoints (qweight/qzeros/scales/g_idx), kept quantized (Triton W4A16 on CUDA)"
+    description = ("GPTQ 4-bit checkpoints (qweight/qzeros/scales/g_idx), kept quantized (Triton W4A16 on CUDA, C++ int4 "
+                   "on CPU)")
     quant_method = "gptq"
     suffixes = ("qweight", "qzeros", "scales", "g_idx")
 

@@ -2,12 +2,13 @@
 layer's tensors (qweight, scales, zeros...) joined into one `QuantizedWeight` on the way in (`regroup`), and
 one linear method that keeps it as stored and multiplies it:
 
-- int4 (W4A16): Triton W4A16 GEMM/GEMV on CUDA (kernels/quant/triton_w4a16.py); elsewhere the groups are
-  dequantized into each call's F.linear (kernels/quant/int4.py).
-- int8 (W8A8) and fp8 per channel: fp8 with per-token fp8 activations runs torch._scaled_mm on sm89+;
-  elsewhere (and int8 everywhere) the activations are quantized as the checkpoint says (per token, or per
-  group of 128 columns: kernels/quant/activations.py) and multiplied with the dequantized rows.
-- fp8 blocks: dequantized into F.linear (kernels/quant/fp8.py), activations as the checkpoint says.
+- a kernel per kind and device, chosen once after loading (quant_kernels.py): int4 W4A16 (Triton on CUDA,
+  C++ on CPU), int8 W8A8 (torch._int_mm on CUDA, C++ on CPU), fp8 per channel (torch._scaled_mm on sm89+),
+  fp8 blocks (a Triton block-scaled fp8 GEMM on sm89+);
+- where none serves (fp8 on a CPU or a pre-Ada GPU, odd shapes), the reference path, which the kernels are
+  tested against: the activations quantized as the checkpoint says (per token, or per group of 128
+  columns: kernels/quant/activations.py) and multiplied with the dequantized weight (kernels/quant/int4.py,
+  fp8.py) by F.linear.
 
 A layer the checkpoint left unquantized (compressed-tensors' `ignore`) arrives as a plain weight and is
 kept dense. The embedding and LM head stay dense.
@@ -25,9 +26,9 @@ from nanoplug.api import DenseLinearMethod, LinearMethod, ModelLoadError, Target
 from nanoplug.kernels.quant import fp8 as fp8_kernels
 from nanoplug.kernels.quant import int4
 from nanoplug.kernels.quant.activations import fake_quantize
+from nanoplug.plugins.weight_formats import quant_kernels
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
-FP8_MAX = 448.0
 
 
 @dataclass
@@ -201,13 +202,7 @@ class PrequantizedLinearMethod(LinearMethod):
     def process_after_loading(self, layer: nn.Module) -> None:
         if layer.role != "linear":
             return
-        layer.triton = False
-        if layer.kind == "int4" and layer.qweight.is_cuda:
-            from nanoplug.kernels.quant.triton_w4a16 import block_k
-
-            layer.triton = block_k(layer.input_size, layer.input_size // layer.scales.shape[1]) is not None
-        layer.fp8_gemm = layer.kind == "fp8" and layer.act == ("float", None) and layer.qweight.is_cuda and _scaled_mm_ok(layer.qweight.device) \
-            and layer.input_size % 16 == 0 and layer.output_size % 16 == 0
+        layer.kernel = None if layer.kind == "dense" else quant_kernels.choose(layer)
 
     # ------------------------------------------------------------------------------------- applying
     def dequantized(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
@@ -228,33 +223,13 @@ class PrequantizedLinearMethod(LinearMethod):
             return self.dense.apply(layer, x, bias)
         if layer.kind == "dense":
             return F.linear(x, layer.weight, bias)
-        if layer.triton:
-            from nanoplug.kernels.quant.triton_w4a16 import w4a16_matmul
-
-            xs = x if layer.perm is None else x.index_select(-1, layer.perm)
-            out = w4a16_matmul(xs, layer.qweight, layer.scales, layer.zeros)
+        if layer.kernel is not None:
+            out = layer.kernel(layer, x)
             return out if bias is None else out + bias
-        if layer.fp8_gemm:
-            return _fp8_scaled_mm(x, layer.qweight, layer.scales, bias)
         if layer.act is not None:  # the checkpoint's dynamic activation quantization, then its weights
             x = fake_quantize(x, *layer.act)
         return F.linear(x, self.dequantized(layer, x.dtype), bias)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return self.dense.embed(layer, ids)
-
-
-def _scaled_mm_ok(device: torch.device) -> bool:
-    return hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-def _fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x quantized per row (token) to e4m3, one row-wise scaled fp8 GEMM with the weight's row scales."""
-    x2 = x.reshape(-1, x.shape[-1])
-    x_scale = (x2.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
-    xq = (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1),
-                           bias=None if bias is None else bias.to(torch.bfloat16), out_dtype=torch.bfloat16)
-    return out.to(x.dtype).view(*x.shape[:-1], -1)
-
 
