@@ -46,6 +46,12 @@ CHECKPOINTS = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}},
         seed=23)),
+    # local and global layers in turn (window 8), attention scores capped at 0.5 (tiny random scores would never
+    # reach Gemma-2's 50), final logits at 30, q scale 1/sqrt(24)
+    "gemma2": ("Gemma2ForCausalLM", dict(
+        tie_word_embeddings=True, num_hidden_layers=4, sliding_window=8, query_pre_attn_scalar=24,
+        attn_logit_softcapping=0.5, final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "full_attention"] * 2, seed=25)),
 }
 
 PROMPTS = [

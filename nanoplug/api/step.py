@@ -266,6 +266,7 @@ class AttentionSpec:
     # the model's declaration, per layer (KVLayer.index): keys a query sees, itself included; None: all. Empty:
     # full attention on every layer
     sliding_windows: tuple[int | None, ...] = ()
+    softcap: float | None = None  # scores s (scale applied) become tanh(s / softcap) * softcap; None: off
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (a query at i sees keys j with i - window < j <= i), None: full."""

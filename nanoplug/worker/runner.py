@@ -98,7 +98,7 @@ class ModelRunner(Worker):
             k_scale, v_scale = (s.to(device, torch.float32) for s in scales)
             self.kv_spec = dataclasses.replace(self.kv_spec, k_scale=k_scale, v_scale=v_scale)
         spec_ = AttentionSpec(heads, kv_heads, facts.head_dim, facts.head_dim ** -0.5, self.block_size, dtype, device,
-                              self.kv_spec, self.limits, facts.sliding_windows)
+                              self.kv_spec, self.limits, facts.sliding_windows, facts.attn_softcap)
         decode = plugins.decode_attention(spec_)
         prefill = decode if plugins.prefill_attention is plugins.decode_attention else plugins.prefill_attention(spec_)
         self.ctx = StepContext(store=store, prefill=prefill, decode=decode)
