@@ -300,7 +300,8 @@ class ModelRunner(Worker):
             else:
                 self.stats.eager_decode_steps_by_design += 1
         prompt_lps = None
-        if self.kv_groups.hybrid and not step.group_block_tables:  # warm-up and profiling: one table for all groups
+        # warm-up and profiling (their outputs are dropped): one table for every group, whose layers then share pages
+        if self.kv_groups.hybrid and not step.group_block_tables:
             step.group_block_tables = [step.block_tables] * (len(self.kv_groups.windows) - 1)
         if self.request_adapters is not None:
             ids = np.asarray(step.adapter_ids or [0] * num_seqs, dtype=np.int64)
@@ -322,9 +323,8 @@ class ModelRunner(Worker):
                 rows = to_device(inputs.from_previous_rows, torch.int64, self.device)
                 input_ids.index_copy_(0, at, self.last_tokens.index_select(0, rows))
             self.ctx.set_step(meta)
-            for ctx, tables, slots in zip(self.group_ctxs[1:], inputs.group_block_tables, inputs.group_slot_mappings):
-                ctx.set_step(dataclasses.replace(meta, block_tables=to_device(tables, torch.int32, self.device),
-                                                 slot_mapping=to_device(slots, torch.int64, self.device)))
+            if inputs.group_block_tables:  # a hybrid model's KV groups 1..
+                self._set_group_steps(meta, inputs)
             hidden = self.model(input_ids, positions)
             if step.sample_rows:
                 last = inputs.cu_seqlens_q[1:][step.sample_rows].astype(np.int64) - 1
@@ -406,6 +406,12 @@ class ModelRunner(Worker):
             seq_lens_host=inputs.seq_lens_host,
         )
         return to_device(inputs.input_ids, torch.int64, dev), to_device(inputs.positions, torch.int64, dev), meta
+
+    def _set_group_steps(self, meta: AttentionMetadata, inputs: StepInputs) -> None:
+        """Each other KV group's backends get the step with that group's block tables and slots."""
+        for ctx, tables, slots in zip(self.group_ctxs[1:], inputs.group_block_tables, inputs.group_slot_mappings):
+            ctx.set_step(dataclasses.replace(meta, block_tables=to_device(tables, torch.int32, self.device),
+                                             slot_mapping=to_device(slots, torch.int64, self.device)))
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Every position's logits (the step context already set): what a graph captures."""
