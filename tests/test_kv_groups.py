@@ -82,6 +82,21 @@ def test_a_prefix_hit_needs_only_the_windows_blocks():
     assert blocks.num_free_blocks == 80 and not any(blocks.ref_counts)
 
 
+def test_a_fork_shares_each_groups_full_blocks_and_copies_its_partial_one():
+    blocks = hybrid(40)
+    parent = Sequence(list(range(10)), SamplingParams(temperature=0, max_tokens=4, n=2))
+    blocks.allocate(parent)
+    child = parent.fork(1)
+    assert blocks.fork(parent, child)
+    copies = blocks.take_copies()
+    assert len(copies) == 3  # the block holding token 9, in each group
+    for mine, theirs, (src, dst) in zip(blocks.tables(child), blocks.tables(parent), copies):
+        assert mine[:2] == theirs[:2] and mine[2] == dst and theirs[2] == src
+    blocks.free(parent)
+    blocks.free(child)
+    assert blocks.num_free_blocks == 40 and not any(blocks.ref_counts)
+
+
 @pytest.mark.slow
 def test_the_cpu_backend_serves_a_hybrid_model_and_equals_transformers():
     """Qwen2 with max_window_layers (layer 0 full, layer 1 windowed): two groups of one slot, each read through a
