@@ -121,3 +121,11 @@ def test_a_gemma3_shape_sequence_holds_at_most_a_quarter_of_full_attention():
 
     held, _, full = kv_windows.held_blocks(kv_windows.SHAPES["Gemma-3-27B (62 layers: 5 local of window 1024, then 1 global)"])
     assert held / full <= 0.25
+
+
+def test_compare_refuses_a_hybrid_model_naming_generate():
+    from _checkpoints import checkpoint
+    from nanoplug.cli import compare
+
+    outcome = compare.run_backend(checkpoint("qwen2_swa"), "sdpa", device="cpu", dtype="float32")
+    assert outcome.error is not None and "KV group" in outcome.error and "generate" in outcome.error
