@@ -39,6 +39,9 @@ CHECKPOINTS = {
     "mistral_dim64": ("MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=8, hidden_size=128,
                                                  num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                                                  seed=24)),  # a head size the C++ decode kernel takes
+    "qwen2_swa_dim64": ("Qwen2ForCausalLM", dict(tie_word_embeddings=False, use_sliding_window=True, sliding_window=8,
+                                                 max_window_layers=1, hidden_size=128, num_attention_heads=2,
+                                                 num_key_value_heads=1, head_dim=64, seed=26)),  # KV groups, cpu kernel
     # two local layers (window 8, rope base 10k) then a global one (base 1e6, linear scaling 2), q scale 1/sqrt(24)
     "gemma3": ("Gemma3ForCausalLM", dict(
         tie_word_embeddings=True, num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=24,
@@ -46,6 +49,12 @@ CHECKPOINTS = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}},
         seed=23)),
+    # local and global layers in turn (window 8), attention scores capped at 0.5 (tiny random scores would never
+    # reach Gemma-2's 50), final logits at 30, q scale 1/sqrt(24)
+    "gemma2": ("Gemma2ForCausalLM", dict(
+        tie_word_embeddings=True, num_hidden_layers=4, sliding_window=8, query_pre_attn_scalar=24,
+        attn_logit_softcapping=0.5, final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "full_attention"] * 2, seed=25)),
 }
 
 PROMPTS = [

@@ -12,7 +12,7 @@ from nanoplug.api.config_fields import INERT
 from nanoplug.engine.registry import Registry
 
 MODELS = ["Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM",
-          "Gemma3ForCausalLM"]
+          "Gemma3ForCausalLM", "Gemma2ForCausalLM"]
 
 
 def config_class(architecture: str):

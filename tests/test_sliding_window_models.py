@@ -4,7 +4,8 @@ the prompts are several windows long): Mistral (every layer windowed), Qwen2 wit
 the paths the dense families take (mixed lengths in one batch, prefix-cache hits, chunked prefill,
 preemption, both attention backends), and Gemma-3 (two local layers, then a global one with its own rope
 base and linear scaling; q/k norms, four norms a layer, GeGLU, scaled embeddings, query_pre_attn_scalar and
-final logit soft-capping set away from their defaults). Each checkpoint's tokens differ from the same weights run with full
+final logit soft-capping set away from their defaults), and Gemma-2 (local and global layers in turn, one rope,
+attention logit soft-capping, which every backend serving it applies and the others refuse). Each checkpoint's tokens differ from the same weights run with full
 attention, so a window ignored anywhere would fail."""
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from _checkpoints import checkpoint, hf_logits, prompt_ids, relative_error
 from nanoplug import SamplingParams
 from test_engine_vs_hf import GREEDY, VARIANTS, cache_prompts, engine, reference, tokens_of
 
-MODELS = ["mistral", "qwen2_swa", "phi3", "gemma3"]
+MODELS = ["mistral", "qwen2_swa", "phi3", "gemma3", "gemma2"]
 # chunked prefill with prefix hits and preemption, through sdpa; the oracle and overlapped steps (slow: the
 # machine of these tests is small) through manual
 PATHS = ["chunks_of_13_sdpa", "preemption_chunks_sdpa"]
@@ -87,3 +88,29 @@ def test_cpu_backend_decodes_windowed_layers_eagerly_and_equals_transformers():
     assert llm.engine.worker.graphs is None and llm.engine.worker.ctx.decode.window_decode is not None
     assert tokens_of(llm.generate(cache_prompts("mistral_dim64"), GREEDY, use_tqdm=False)) == reference(
         "mistral_dim64", GREEDY.max_tokens, "cache")
+
+
+@torch.no_grad()
+def uncapped_logits(name: str, ids: list[int]) -> torch.Tensor:
+    """transformers' logits of the same weights with attention soft-capping turned off."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(checkpoint(name))
+    config.attn_logit_softcapping = None
+    model = AutoModelForCausalLM.from_pretrained(checkpoint(name), config=config, dtype=torch.float32).eval()
+    return model(torch.tensor([ids])).logits[0].float()
+
+
+def test_gemma2_soft_capping_changes_the_tokens_and_the_backends_without_it_refuse():
+    from nanoplug.api import ModelFacts, Target
+    from nanoplug.engine.registry import Registry
+    from transformers import AutoConfig
+
+    ids = cache_prompts("gemma2")[5]  # (the logits test holds the engine to 1e-4 of the capped model)
+    assert relative_error(uncapped_logits("gemma2", ids), hf_logits("gemma2", ids)) > 1e-2
+    facts = ModelFacts.from_hf_config(AutoConfig.from_pretrained(checkpoint("gemma2")))
+    assert facts.attn_softcap == 0.5
+    registry = Registry(load_entry_points=False)
+    for name in ("triton", "xformers"):
+        reasons = registry.get("attention", name).unavailable(Target(torch.device("cuda"), torch.bfloat16, facts))
+        assert any("attn_logit_softcapping" in r for r in reasons), (name, reasons)

@@ -40,7 +40,9 @@ class AttentionBackend(Plugin, ABC):
     `spec.cache_dtype` (a backend that cannot read some cache dtype says so in `unavailable`, from
     `target.cache_dtype`). A layer of a sliding-window model sees only the last `spec.window(layer.index)` keys
     (None: all); a backend that cannot honour that says so in `unavailable`, from `target.model.sliding_windows`.
-    Table entries before a window may name the scratch block (the engine released those blocks).
+    Table entries before a window may name the scratch block (the engine released those blocks). Where
+    `spec.softcap` is set (Gemma-2), every score s (scale applied) becomes tanh(s / softcap) * softcap before the
+    softmax; a backend that cannot do that refuses in `unavailable`, from `target.model.attn_softcap`.
     """
 
     supports_cuda_graphs: ClassVar[bool] = False

@@ -112,6 +112,9 @@ class StepBatch:
     # other samples of an n > 1 request (nanoplug/engine/blocks.py, fork). sample_rows then repeats that sequence's row
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     prompt_logprobs: PromptLogprobsBatch | None = None  # None: no prompt position scored
+    # a model whose layers mix windows (KVGroups.hybrid): the block tables of groups 1.. (block_tables is group
+    # 0's), per group one table per row, each as long as the row's block_tables entry; empty otherwise
+    group_block_tables: list[list[list[int]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -185,6 +188,9 @@ class StepInputs:
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     last_rows: np.ndarray | None = None  # int64 [R]: each sequence's last token, for a captured prefill
+    # KV groups 1.. of a hybrid model (KVGroups): each group's padded block tables and its tokens' cache slots
+    group_block_tables: list[np.ndarray] = field(default_factory=list)
+    group_slot_mappings: list[np.ndarray] = field(default_factory=list)
 
 
 @dataclass
@@ -216,6 +222,45 @@ class AttentionMetadata:
     def has_cached_context(self) -> bool:
         """True when some sequence attends to keys it does not compute in this step."""
         return self.max_seqlen_k > self.max_seqlen_q or self.seq_lens_host != self.query_lens_host
+
+
+@dataclass(frozen=True)
+class KVGroups:
+    """The KV-cache groups of a model whose layers mix windows (vLLM's KV-cache groups, llama.cpp's SWA cache).
+
+    Layers of one window (None: full attention) form groups of `num_slots` layers each (the last may have
+    fewer); every group has its own block table per sequence, drawn from one pool of blocks, and a block holds
+    `num_slots` layer pages: layer l keeps its K/V in cache tensor `layer_slot[l]`, which the l-th layer of every
+    other group shares. So a sliding group gives back the blocks its window passed while the full group keeps
+    them all, and a block costs `num_slots` pages, not one per layer. A model with one window kind (every layer
+    full, or every layer over the same window) is one group of one slot per layer: the plain cache."""
+
+    windows: tuple[int | None, ...]  # per group
+    layer_group: tuple[int, ...]  # per layer
+    layer_slot: tuple[int, ...]  # per layer: its cache tensor
+    num_slots: int
+
+    @property
+    def hybrid(self) -> bool:
+        return len(self.windows) > 1
+
+
+def kv_groups(sliding_windows: tuple[int | None, ...], num_layers: int) -> KVGroups:
+    """The groups of a model with these per-layer windows: the full-attention layers' first (group 0), then each
+    window's, in groups as large as the smallest kind (vLLM's choice: no slot of a block is left unused there)."""
+    windows = tuple(sliding_windows) or (None,) * num_layers
+    kinds = sorted(set(windows), key=lambda w: -1 if w is None else w)
+    if len(kinds) == 1:
+        return KVGroups((kinds[0],), (0,) * num_layers, tuple(range(num_layers)), num_layers)
+    layers_of = {w: [i for i, x in enumerate(windows) if x == w] for w in kinds}
+    size = min(len(v) for v in layers_of.values())
+    group_windows, layer_group, layer_slot = [], [0] * num_layers, [0] * num_layers
+    for w in kinds:
+        for first in range(0, len(layers_of[w]), size):
+            for slot, layer in enumerate(layers_of[w][first:first + size]):
+                layer_group[layer], layer_slot[layer] = len(group_windows), slot
+            group_windows.append(w)
+    return KVGroups(tuple(group_windows), tuple(layer_group), tuple(layer_slot), size)
 
 
 @dataclass(frozen=True)
@@ -266,6 +311,7 @@ class AttentionSpec:
     # the model's declaration, per layer (KVLayer.index): keys a query sees, itself included; None: all. Empty:
     # full attention on every layer
     sliding_windows: tuple[int | None, ...] = ()
+    softcap: float | None = None  # scores s (scale applied) become tanh(s / softcap) * softcap; None: off
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (a query at i sees keys j with i - window < j <= i), None: full."""

@@ -27,6 +27,8 @@ class ModelFacts:
     max_position_embeddings: int | None = None
     # per layer: how many keys (itself included) a query attends to, None for full attention
     sliding_windows: tuple[int | None, ...] = ()
+    # attention logit soft-capping (Gemma-2): every score s becomes tanh(s / cap) * cap before the softmax; None: off
+    attn_softcap: float | None = None
     # the Hugging Face config itself, for model plugins that judge its fields (api/config_fields.py)
     config: Any = field(default=None, compare=False, hash=False, repr=False)
 
@@ -49,6 +51,7 @@ class ModelFacts:
             intermediate_size=getattr(hf_config, "intermediate_size", None),
             max_position_embeddings=getattr(hf_config, "max_position_embeddings", None),
             sliding_windows=sliding_windows(hf_config),
+            attn_softcap=getattr(hf_config, "attn_logit_softcapping", None) or None,
             config=hf_config,
         )
 

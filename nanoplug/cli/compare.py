@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from nanoplug.api.step import kv_groups
+
 REFERENCE = "manual"
 
 
@@ -118,6 +120,12 @@ def run_backend(model: str, name: str, kind: str = "attention", device: str = "a
         llm = LLM(model, **settings)
     except NanoplugError as exc:
         outcome.error = str(exc)
+        return outcome
+    facts = llm.engine.facts
+    if kv_groups(facts.sliding_windows, facts.num_layers).hybrid:
+        llm.close()
+        outcome.error = ("the scenario drives one block table per sequence, and this model's layers mix sliding "
+                         "windows and full attention (a table per KV group); compare it through generate")
         return outcome
     try:
         worker = llm.engine.worker  # the typed worker protocol: a local runner or a proxy over ranks

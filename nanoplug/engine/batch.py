@@ -130,6 +130,8 @@ class BatchBuilder:
                          new_blocks=blocks.take_new_blocks(), from_previous_at=prev_at, from_previous_rows=prev_rows,
                          block_copies=blocks.take_copies(),
                          prompt_logprobs=PromptLogprobsBatch(plp_at, plp_ids, plp_top) if plp_at else None)
+        if batch and batch[0].seq.group_tables:  # a hybrid model's KV groups 1.. (engine/hybrid_blocks.py)
+            step.group_block_tables = [list(g) for g in zip(*(item.seq.group_tables for item in batch))]
         return Launched(batch, step, sampled, prompt_scored, {}, masked or None)
 
     def _sampler_extras(self, seq: Sequence, row: int, processing: LogitsProcessingBatch | None,

@@ -22,7 +22,7 @@ from typing import Any
 
 from nanoplug.api import StepResult
 from nanoplug.engine.batch import BatchBuilder, Launched
-from nanoplug.engine.blocks import BlockManager
+from nanoplug.engine.hybrid_blocks import block_manager_for
 from nanoplug.engine.chat_template import chat_token_ids
 from nanoplug.engine.chat_tools import for_template
 from nanoplug.config import EngineConfig, SamplingParams
@@ -72,9 +72,8 @@ class EngineCore:
                                             self.tokenizer, self.facts.vocab_size, self.eos_token_ids)
         # a worker that can sample after its launch (Worker.sample): a grammar's masks follow an overlapped launch
         self.defers_sampling = bool(getattr(self.worker, "defers_sampling", False))
-        windows = self.facts.sliding_windows  # blocks are released only when every layer's window passed them
-        window = max(windows) if windows and None not in windows else None
-        blocks = BlockManager(wired.num_kv_blocks, config.kv_block_size, config.enable_prefix_caching, window)
+        blocks = block_manager_for(wired.num_kv_blocks, config.kv_block_size, config.enable_prefix_caching,
+                                   self.facts.sliding_windows, self.facts.num_layers)
         self.scheduler = Scheduler(config, blocks)
         self.builder = BatchBuilder(self.scheduler.blocks, self.scheduler.penalty_slots, self.structured,
                                     self.overlap and self.defers_sampling)

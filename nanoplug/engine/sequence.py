@@ -36,6 +36,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prefix-cache hits at the last admission
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hashes of committed full blocks
+    group_tables: list[list[int]] = field(default_factory=list)  # KV groups 1.. of a hybrid model (hybrid_blocks.py)
     finish_reason: str | None = None
     adapter_id: int = 0
     num_pending: int = 0  # trailing PENDING placeholders in token_ids

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from nanoplug.api import ModelFacts, Target
+from nanoplug.api.step import kv_groups
 from nanoplug.api.errors import ModelLoadError, PluginUnavailableError
 from nanoplug.config import EngineConfig
 from nanoplug.checkpoint.loader import checkpoint_dir, load_hf_config
@@ -254,10 +255,12 @@ def start(config: EngineConfig, registry: Registry) -> Started:
     strategy = choices["parallel"].cls(target)
     worker = strategy.start(RunnerFactory(WorkerSpec(config, plugins, checkpoint.hf_config, checkpoint.facts, target)))
     num_blocks = worker.num_kv_blocks()
-    if num_blocks * config.kv_block_size < config.max_model_len:
+    facts = checkpoint.facts  # a sequence takes its blocks in every KV group (api/step.py KVGroups)
+    groups = len(kv_groups(facts.sliding_windows, facts.num_layers).windows)
+    if num_blocks // groups * config.kv_block_size < config.max_model_len:
         worker.shutdown()
         raise RuntimeError(
-            f"the KV cache holds {num_blocks * config.kv_block_size} tokens, fewer than max_model_len "
+            f"the KV cache holds {num_blocks // groups * config.kv_block_size} tokens, fewer than max_model_len "
             f"({config.max_model_len}); lower max_model_len or give the cache more memory"
         )
     return Started(config, checkpoint, choices, target, tokenizer, eos_ids(config.model, checkpoint.hf_config, tokenizer),

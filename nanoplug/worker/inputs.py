@@ -22,10 +22,11 @@ def fill_rows(table: np.ndarray, rows: list[list[int]]) -> None:
     table[: len(rows)][np.arange(table.shape[1]) < lens[:, None]] = flat
 
 
-def padded_tables(batch: StepBatch, scratch_block: int) -> np.ndarray:
-    """The batch's block tables as one int32 array, each row padded with the scratch block."""
-    tables = np.full((len(batch.block_tables), max(len(t) for t in batch.block_tables)), scratch_block, dtype=np.int32)
-    fill_rows(tables, batch.block_tables)
+def padded_tables(batch: StepBatch, scratch_block: int, rows: list[list[int]] | None = None) -> np.ndarray:
+    """The batch's block tables (or `rows`, one KV group's) as one int32 array, each row padded with the scratch block."""
+    rows = batch.block_tables if rows is None else rows
+    tables = np.full((len(rows), max(len(t) for t in rows)), scratch_block, dtype=np.int32)
+    fill_rows(tables, rows)
     return tables
 
 
@@ -54,7 +55,7 @@ def plan_inputs(batch: StepBatch, block_size: int, scratch_block: int, out: Step
         slots = token_slots(tables, q_lens, positions, bs)
         cu_k = np.zeros(n + 1, dtype=np.int32)
         np.cumsum(seq_lens, out=cu_k[1:])
-        return StepInputs(
+        inputs = StepInputs(
             input_ids=np.asarray(batch.input_ids, dtype=np.int64), positions=positions, slot_mapping=slots,
             seq_lens=seq_lens.astype(np.int32), cu_seqlens_q=cu_q.astype(np.int32), cu_seqlens_k=cu_k,
             block_tables=tables, from_previous_at=np.asarray(batch.from_previous_at, dtype=np.int64),
@@ -62,6 +63,12 @@ def plan_inputs(batch: StepBatch, block_size: int, scratch_block: int, out: Step
             query_lens_host=q_lens.tolist(), seq_lens_host=seq_lens.tolist(),
             max_seqlen_q=int(q_lens.max()), max_seqlen_k=int(seq_lens.max()),
         )
+        for group in batch.group_block_tables:  # a hybrid model's KV groups 1..: their own tables and slots
+            inputs.group_block_tables.append(padded_tables(batch, scratch_block, group))
+            inputs.group_slot_mappings.append(token_slots(inputs.group_block_tables[-1], q_lens, positions, bs))
+        return inputs
+    if batch.group_block_tables:
+        raise ValueError("a model with KV groups (mixed windows) runs eager steps only")
     if num_tokens != n or rows is None or rows < n:
         raise ValueError("graph inputs hold one token per sequence and room for every sequence of the step")
     tables = out.block_tables

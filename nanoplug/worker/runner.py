@@ -25,6 +25,7 @@ from nanoplug.api import (AttentionMetadata, AttentionSpec, GraphCaptureError, K
                           LogprobsTensors, ModelFacts, PagedAttention, ProcessGroup, PromptLogprobsBatch, SamplingBatch,
                           StartupTimes, StepBatch, StepContext, StepInputs, StepLimits, StepResult, StepStats, Target,
                           Worker, WorkerReport, to_device)
+from nanoplug.api.step import kv_groups
 from nanoplug.worker import logprobs
 from nanoplug.worker.graph_agreement import capture_failures, describe
 from nanoplug.config import EngineConfig
@@ -98,13 +99,20 @@ class ModelRunner(Worker):
             k_scale, v_scale = (s.to(device, torch.float32) for s in scales)
             self.kv_spec = dataclasses.replace(self.kv_spec, k_scale=k_scale, v_scale=v_scale)
         spec_ = AttentionSpec(heads, kv_heads, facts.head_dim, facts.head_dim ** -0.5, self.block_size, dtype, device,
-                              self.kv_spec, self.limits, facts.sliding_windows)
-        decode = plugins.decode_attention(spec_)
-        prefill = decode if plugins.prefill_attention is plugins.decode_attention else plugins.prefill_attention(spec_)
-        self.ctx = StepContext(store=store, prefill=prefill, decode=decode)
+                              self.kv_spec, self.limits, facts.sliding_windows, facts.attn_softcap)
+        # a model whose layers mix windows keeps its KV cache in groups (api/step.py KVGroups): each group's layers
+        # read their own block tables, through backends of their own (a backend's per-step state is one table's)
+        self.kv_groups = kv_groups(facts.sliding_windows, facts.num_layers)
+        self.group_ctxs = []
+        for _ in self.kv_groups.windows:
+            decode = plugins.decode_attention(spec_)
+            prefill = decode if plugins.prefill_attention is plugins.decode_attention else plugins.prefill_attention(spec_)
+            self.group_ctxs.append(StepContext(store=store, prefill=prefill, decode=decode))
+        self.ctx, decode = self.group_ctxs[0], self.group_ctxs[0].decode
 
         def attention_factory(layer_idx, num_heads, num_kv_heads, head_dim):
-            return PagedAttention(self.ctx, layer_idx, num_heads, num_kv_heads, head_dim)
+            ctx = self.group_ctxs[self.kv_groups.layer_group[layer_idx]]
+            return PagedAttention(ctx, layer_idx, num_heads, num_kv_heads, head_dim)
 
         adapters = [cls(aspec, facts, spec.hf_config) for cls, aspec in plugins.adapters]
         weight_format = plugins.weight_format(spec.target, spec.hf_config) if plugins.weight_format else None
@@ -160,6 +168,11 @@ class ModelRunner(Worker):
         strict = self.platform.require_graphs
         option = f"{platform_name}.require_graphs"
         adapters_eager = self.request_adapters is not None and not self.request_adapters.graph_safe
+        if self.kv_groups.hybrid:  # each group's tables would need buffers of their own in every graph
+            if strict:
+                raise GraphCaptureError(f"{option} asks for decode graphs, but this model's layers mix sliding windows "
+                                        f"and full attention, whose KV groups run eager; drop {option}")
+            return
         if not decode.supports_cuda_graphs or adapters_eager:
             if strict:
                 why = (f"the decode attention backend ({type(decode).__name__}) cannot run under graphs (its "
@@ -202,12 +215,13 @@ class ModelRunner(Worker):
     # ---------------------------------------------------------------------------- KV cache
     def _block_bytes(self) -> int:
         s = self.kv_spec
-        return 2 * s.num_layers * s.block_size * s.num_kv_heads * s.head_dim * s.dtype.itemsize
+        return 2 * self.kv_groups.num_slots * s.block_size * s.num_kv_heads * s.head_dim * s.dtype.itemsize
 
     def _allocate_kv_cache(self) -> int:
         """Size the cache (fixed, or the platform's way) and allocate it with one scratch block at the end."""
         if self.config.num_kv_blocks is not None:
-            num_blocks = self.config.num_kv_blocks
+            # the memory of that many blocks of every layer: under KV groups a block holds num_slots layers' pages
+            num_blocks = self.config.num_kv_blocks * self.kv_spec.num_layers // self.kv_groups.num_slots
         else:
             num_blocks = self.platform.num_kv_blocks(self._block_bytes(), self._profile_run, self._release_cache)
         if self.group.world_size > 1:  # every rank must hold the same blocks: the fewest any rank has room for
@@ -217,12 +231,15 @@ class ModelRunner(Worker):
 
     def _set_cache(self, num_blocks: int) -> None:
         s = self.kv_spec
-        shape = (2, s.num_layers, num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
+        # one cache tensor per slot: a layer each, or under KV groups the layers of one rank in every group
+        shape = (2, self.kv_groups.num_slots, num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
         kv = self.platform.allocate_kv_cache(shape, s.dtype, self.device)
         kv[:, :, -1].zero_()  # the scratch block: padded reads see it (masked, but 0 * NaN garbage is NaN)
         self.kv_cache = kv
-        store = self.ctx.store
-        self.ctx.kv = [(kv[0, i], kv[1, i], store.layer(i, s, self.device, self.dtype)) for i in range(s.num_layers)]
+        store, slot = self.ctx.store, self.kv_groups.layer_slot
+        layers = [(kv[0, slot[i]], kv[1, slot[i]], store.layer(i, s, self.device, self.dtype)) for i in range(s.num_layers)]
+        for ctx in self.group_ctxs:
+            ctx.kv = layers
 
 
     def _profile_run(self) -> None:
@@ -243,7 +260,8 @@ class ModelRunner(Worker):
 
     def _release_cache(self) -> None:
         del self.kv_cache
-        self.ctx.kv = []
+        for ctx in self.group_ctxs:
+            ctx.kv = []
 
     # ----------------------------------------------------------------------------------- step
     def run(self, step: StepBatch) -> StepResult | None:
@@ -282,6 +300,9 @@ class ModelRunner(Worker):
             else:
                 self.stats.eager_decode_steps_by_design += 1
         prompt_lps = None
+        # warm-up and profiling (their outputs are dropped): one table for every group, whose layers then share pages
+        if self.kv_groups.hybrid and not step.group_block_tables:
+            step.group_block_tables = [step.block_tables] * (len(self.kv_groups.windows) - 1)
         if self.request_adapters is not None:
             ids = np.asarray(step.adapter_ids or [0] * num_seqs, dtype=np.int64)
             self.request_adapters.set_step(torch.from_numpy(np.repeat(ids, step.query_lens)))
@@ -302,6 +323,8 @@ class ModelRunner(Worker):
                 rows = to_device(inputs.from_previous_rows, torch.int64, self.device)
                 input_ids.index_copy_(0, at, self.last_tokens.index_select(0, rows))
             self.ctx.set_step(meta)
+            if inputs.group_block_tables:  # a hybrid model's KV groups 1..
+                self._set_group_steps(meta, inputs)
             hidden = self.model(input_ids, positions)
             if step.sample_rows:
                 last = inputs.cu_seqlens_q[1:][step.sample_rows].astype(np.int64) - 1
@@ -384,6 +407,12 @@ class ModelRunner(Worker):
         )
         return to_device(inputs.input_ids, torch.int64, dev), to_device(inputs.positions, torch.int64, dev), meta
 
+    def _set_group_steps(self, meta: AttentionMetadata, inputs: StepInputs) -> None:
+        """Each other KV group's backends get the step with that group's block tables and slots."""
+        for ctx, tables, slots in zip(self.group_ctxs[1:], inputs.group_block_tables, inputs.group_slot_mappings):
+            ctx.set_step(dataclasses.replace(meta, block_tables=to_device(tables, torch.int32, self.device),
+                                             slot_mapping=to_device(slots, torch.int64, self.device)))
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Every position's logits (the step context already set): what a graph captures."""
         return self.model.compute_logits(self.model(input_ids, positions))
@@ -420,7 +449,8 @@ class ModelRunner(Worker):
         then let the platform give the memory back. Safe to call twice."""
         self.pending.clear()
         self.graphs = self.last_tokens = self.request_adapters = None
-        self.ctx.kv = []
+        for ctx in self.group_ctxs:
+            ctx.kv = []
         self.kv_cache = self.model = None
         self.platform.release()
 

@@ -9,9 +9,9 @@ neither K nor V is ever repeated. The additive padding mask is built once per st
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from nanoplug.api import AttentionMetadata, AttentionSpec, KVLayer
+from nanoplug.kernels.attention import softcap
 
 
 class PagedDecode:
@@ -54,5 +54,6 @@ class PagedDecode:
         if self.cast:
             keys, values = layer.dequantize(keys, values, q.dtype)
         queries = q.reshape(num_seqs, kv_heads, self.group, dim)  # heads of one KV head as its query rows
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.masks[self.spec.window(layer.index)], scale=self.spec.scale)
+        out = softcap.attention(queries, keys, values, self.masks[self.spec.window(layer.index)], self.spec.scale,
+                                self.spec.softcap)
         return out.reshape(num_seqs, self.spec.num_heads, dim)

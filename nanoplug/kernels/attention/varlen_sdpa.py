@@ -47,7 +47,7 @@ class CudaVarlenAttention:
         fn, params = _varlen()
         windows_served = spec.windows == {None} or "window_size" in params  # a sliding window needs window_size
         return (fn is not None and spec.device.type == "cuda" and spec.dtype in (torch.float16, torch.bfloat16)
-                and spec.cache_dtype == spec.dtype and windows_served)
+                and spec.cache_dtype == spec.dtype and windows_served and spec.softcap is None)
 
     def __init__(self, spec: AttentionSpec):
         self.spec = spec

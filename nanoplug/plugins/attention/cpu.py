@@ -5,8 +5,8 @@ attends (two `index_select`s and a mask per layer); for a small model that costs
 attention itself. This backend's decode kernel (nanoplug/kernels/cpu) walks each sequence's block
 table instead, with the query heads of a KV head sharing each K/V read, split over torch's threads.
 Prefill and mixed steps, where PyTorch's CPU flash kernel does well, go through `sdpa`'s path, and so does
-the decode of sliding-window layers (sdpa's gathered decode, masked per window): the C++ kernel reads whole
-contexts.
+the decode of sliding-window layers and of soft-capped attention (sdpa's gathered decode, masked per window):
+the C++ kernel reads whole contexts and has no soft-capping.
 float32 steps, over a float32 or float16 (`kv_cache="fp16"`) cache; the kernels are compiled once per machine at first use (a C++ compiler is needed).
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ class CpuAttention(SdpaAttention):
         self.kernels = cpu_kernels.kernels()
         # decode steps take the kernel, not sdpa's gather; a sliding-window layer's take the gather
         self.paged_decode = None
-        self.window_decode = PagedDecode(spec) if spec.windows != {None} else None
+        self.window_decode = PagedDecode(spec) if spec.windows != {None} or spec.softcap is not None else None
         if self.window_decode is not None:  # its index and masks are built per step in prepare, which a recording
             self.supports_cuda_graphs = False  # does not see: decode runs eager
         self.kernel_decoding = False
@@ -68,7 +68,7 @@ class CpuAttention(SdpaAttention):
     def forward(self, q, k, v, k_cache, v_cache, layer):
         if self.kernel_decoding:
             meta = self.meta
-            if self.spec.window(layer.index) is not None:
+            if self.spec.window(layer.index) is not None or self.spec.softcap is not None:
                 return self.window_decode.forward(q, k_cache, v_cache, layer)
             return self.kernels.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.spec.scale)
         return super().forward(q, k, v, k_cache, v_cache, layer)

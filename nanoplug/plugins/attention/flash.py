@@ -132,6 +132,11 @@ class FlashAttention(AttentionBackend, RotatedCacheReader):
         elif target.cache_dtype != target.dtype:
             reasons.append(f"reads a cache of the model's dtype or float8_e4m3fn only, not "
                            f"{str(target.cache_dtype).removeprefix('torch.')}; use kv_cache='torch' or 'triton'")
+        if model is not None and model.attn_softcap is not None and (
+                kernels.name != "FA2" or target.cache_dtype != target.dtype):
+            reasons.append("attention logit soft-capping (attn_logit_softcapping) is served by FlashAttention-2 over a "
+                           f"cache of the model's dtype only ({kernels.name} here, or a float8 cache, decodes by a "
+                           "Triton kernel without it); pip install flash-attn, or use attention='sdpa'")
         block = target.block_size
         if block % kernels.block_multiple:
             reasons.append(f"{kernels.name} paged attention needs kv_block_size a multiple of "
@@ -166,6 +171,8 @@ class FlashAttention(AttentionBackend, RotatedCacheReader):
         options = {"softmax_scale": self.spec.scale}
         if window is not None:  # a sliding-window layer: FlashAttention's window_size, w - 1 keys back and itself
             options["window_size"] = (window - 1, 0)
+        if self.spec.softcap is not None:  # FlashAttention-2's (unavailable() refuses it elsewhere)
+            options["softcap"] = self.spec.softcap
         if self.split_step:
             return self.split_decode.forward(q, k_cache, v_cache, layer)
         if self.fp8 and self.paged:

@@ -38,6 +38,8 @@ class ManualAttention(AttentionBackend):
             ki = ki.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, Lk, D]
             vi = vi.repeat_interleave(group, dim=1).transpose(0, 1)
             scores = (qi @ ki.transpose(1, 2)) * spec.scale
+            if spec.softcap is not None:  # Gemma-2's attention logit soft-capping
+                scores = torch.tanh(scores / spec.softcap) * spec.softcap
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
             k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
             masked = k_pos > q_pos

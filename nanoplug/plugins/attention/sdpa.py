@@ -6,7 +6,8 @@ packed by a Triton kernel): then decode reads no device value on the host and ru
 Elsewhere `scaled_dot_product_attention` runs over a padded batch, with keys read from the paged cache
 through the block tables, so cached prefixes, chunked prefill and decode all work; the padding and the
 causal-with-offset mask are built once per step in `prepare`, not per layer (one mask per sliding window the
-model's layers declare). Decode steps on the CPU
+model's layers declare). Attention logit soft-capping (Gemma-2) takes the padded and gathered paths, as
+matmul, tanh and softmax (softcap.py): PyTorch's kernels have no soft-capping. Decode steps on the CPU
 gather live tokens only (paged_decode.py). Each step's path is counted in `paths`, by (step kind, path).
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoplug.api import AttentionBackend, AttentionMetadata, Target
+from nanoplug.kernels.attention import softcap
 from nanoplug.kernels.attention.paged_decode import PagedDecode
 from nanoplug.kernels.attention.varlen_sdpa import CudaVarlenAttention
 
@@ -104,8 +106,6 @@ class SdpaAttention(AttentionBackend):
             vp = v_cache[self.blocks].flatten(1, 2).transpose(1, 2)
         if self.cast and not self.fresh:
             kp, vp = layer.dequantize(kp, vp, q.dtype)
-        out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), kp, vp, attn_mask=self.masks[self.spec.window(layer.index)], scale=self.spec.scale,
-            enable_gqa=self.spec.num_heads != self.spec.num_kv_heads,
-        )
+        out = softcap.attention(qp.transpose(1, 2), kp, vp, self.masks[self.spec.window(layer.index)], self.spec.scale,
+                                self.spec.softcap, enable_gqa=self.spec.num_heads != self.spec.num_kv_heads)
         return out.transpose(1, 2)[self.row, self.col]

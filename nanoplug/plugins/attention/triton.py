@@ -30,6 +30,9 @@ class TritonAttention(SdpaAttention, RotatedCacheReader):
         model = target.model
         if model is not None and model.head_dim > 256:
             reasons.append(f"head size {model.head_dim} unsupported (at most 256)")
+        if model is not None and model.attn_softcap is not None:
+            reasons.append("attention logit soft-capping (attn_logit_softcapping) is not in the Triton decode kernel; "
+                           "use attention='sdpa' or 'flash' (FlashAttention-2)")
         return reasons
 
     def __init__(self, spec):

@@ -61,9 +61,13 @@ class XformersAttention(AttentionBackend):
         if importlib.util.find_spec("triton") is None:
             reasons.append("decode by xformers' triton_splitk needs triton; pip install triton")
         if target.model is not None and target.model.has_sliding_window:
-            reasons.append("sliding-window layers are not served: xformers' paged decode (triton_splitk over "
-                           "BlockDiagonalCausalWithOffsetPaddedKeysMask) has no local-attention variant; use "
+            reasons.append("sliding-window layers are not served: xformers' local masks (e.g. "
+                           "PagedBlockDiagonalCausalLocalPaddedKeysMask) are not wired into this backend, whose paged "
+                           "decode runs triton_splitk over BlockDiagonalCausalWithOffsetPaddedKeysMask; use "
                            "attention='flash', 'triton' or 'sdpa'")
+        if target.model is not None and target.model.attn_softcap is not None:
+            reasons.append("attention logit soft-capping (attn_logit_softcapping) is not in xformers' attention "
+                           "operators; use attention='sdpa' or 'flash' (FlashAttention-2)")
         lib, why = load_xformers()
         if lib is None:
             reasons.append(f"{why}; pip install xformers (a build matching this torch), and if flash_attn.cute "

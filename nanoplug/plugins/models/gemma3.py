@@ -2,7 +2,8 @@
 (sliding-window) and global layers, each kind with its own rope base (and scaling), q/k RMSNorm, four norms per
 layer (before and after attention and the MLP), Gemma's (1 + w) RMSNorm, GeGLU (tanh-approximated GELU),
 embeddings scaled by sqrt(hidden_size), query_pre_attn_scalar as the softmax scale, and the final logit
-soft-capping where the config sets it. Attention soft-capping (Gemma-2's) is refused: no backend applies it.
+soft-capping where the config sets it. Gemma-2 (gemma2.py) is the same decoder without q/k norms, one rope for
+every layer, and attention logit soft-capping, which the attention backends apply (AttentionSpec.softcap).
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def rotary_of(params: dict[str, Any], head_dim: int, max_positions: int) -> Rota
 
 
 class Gemma3Attention(nn.Module):
-    def __init__(self, cfg, layers, attention_factory, layer_idx: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg, layers, attention_factory, layer_idx: int, rotary: RotaryEmbedding, qk_norm: bool):
         super().__init__()
         heads, kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         bias = bool(getattr(cfg, "attention_bias", False))
@@ -64,8 +65,10 @@ class Gemma3Attention(nn.Module):
         self.o_proj = layers.row(heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = qk_norm  # Gemma-3's; Gemma-2 has none
+        if qk_norm:
+            self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary = rotary
         # backends scale by head_dim ** -0.5; Gemma by query_pre_attn_scalar ** -0.5: q takes the ratio
         self.q_scale = math.sqrt(self.head_dim / cfg.query_pre_attn_scalar)
@@ -73,8 +76,9 @@ class Gemma3Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
+        q, k = q.reshape(-1, self.num_heads, self.head_dim), k.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         if self.q_scale != 1.0:
             q = q * self.q_scale
@@ -94,10 +98,10 @@ class Gemma3MLP(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, cfg, layers, attention_factory, layer_idx, rotary):
+    def __init__(self, cfg, layers, attention_factory, layer_idx, rotary, qk_norm):
         super().__init__()
         eps = cfg.rms_norm_eps
-        self.self_attn = Gemma3Attention(cfg, layers, attention_factory, layer_idx, rotary)
+        self.self_attn = Gemma3Attention(cfg, layers, attention_factory, layer_idx, rotary, qk_norm)
         self.mlp = Gemma3MLP(cfg, layers)
         self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
@@ -110,15 +114,18 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    def __init__(self, cfg, layers, attention_factory, max_positions: int):
+    def __init__(self, cfg, layers, attention_factory, max_positions: int, per_type_rope: bool, qk_norm: bool):
         super().__init__()
-        params = cfg.rope_parameters
-        rotaries = {kind: rotary_of(params[kind], cfg.head_dim, max_positions) for kind in sorted(set(cfg.layer_types))}
-        self.rotaries = nn.ModuleList(rotaries.values())  # (so that the platform's fused rope reaches them)
+        params, kinds = cfg.rope_parameters, sorted(set(cfg.layer_types))
+        if per_type_rope:  # Gemma-3: one rope per layer type
+            rotaries = {kind: rotary_of(params[kind], cfg.head_dim, max_positions) for kind in kinds}
+        else:  # Gemma-2: one for every layer
+            rotaries = dict.fromkeys(kinds, rotary_of(params, cfg.head_dim, max_positions))
+        self.rotaries = nn.ModuleList({id(r): r for r in rotaries.values()}.values())  # (so that the platform's fused rope reaches them)
         self.embed_tokens = layers.embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_scale = cfg.hidden_size ** 0.5  # rounded to the model's dtype, as transformers does
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(cfg, layers, attention_factory, i, rotaries[kind])
+            Gemma3DecoderLayer(cfg, layers, attention_factory, i, rotaries[kind], qk_norm)
             for i, kind in enumerate(cfg.layer_types)
         )
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -147,6 +154,8 @@ class Gemma3ForCausalLM(nn.Module, ModelArchitecture):
     })
     fixed_fields: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh", "attn_logit_softcapping": None,
                                     "use_bidirectional_attention": False}
+    per_type_rope = True  # rope_parameters holds one dict per layer type (Gemma-2: one dict for every layer)
+    qk_norm = True
 
     @classmethod
     def unavailable(cls, target: Target) -> list[str]:
@@ -155,6 +164,8 @@ class Gemma3ForCausalLM(nn.Module, ModelArchitecture):
             return []
         reasons = config_reasons(facts.config, cls.__name__, cls.honoured_fields, cls.fixed_fields)
         params = getattr(facts.config, "rope_parameters", None) or {}
+        if not cls.per_type_rope:
+            params = dict.fromkeys(set(getattr(facts.config, "layer_types", None) or ()), params)
         kinds = set(getattr(facts.config, "layer_types", None) or ())
         if not kinds <= set(params):
             reasons.append(f"rope_parameters names {sorted(params)}, the layers are {sorted(kinds)}: one per layer type")
@@ -167,7 +178,7 @@ class Gemma3ForCausalLM(nn.Module, ModelArchitecture):
     def __init__(self, hf_config: Any, layers, attention_factory, max_positions: int | None = None):
         super().__init__()
         max_positions = max(max_positions or 0, getattr(hf_config, "max_position_embeddings", 0) or 0, 1)
-        self.model = Gemma3Model(hf_config, layers, attention_factory, max_positions)
+        self.model = Gemma3Model(hf_config, layers, attention_factory, max_positions, self.per_type_rope, self.qk_norm)
         self.lm_head = layers.lm_head(hf_config.vocab_size, hf_config.hidden_size)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
         if self.tie_word_embeddings:
