@@ -147,7 +147,8 @@ def test_greedy_equals_plain_with_stops_lengths_and_prefix_hits(plain, reference
                        ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=0),
         SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),  # max_model_len
-        GREEDY, GREEDY,
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.5, presence_penalty=0.5),
+        GREEDY,
     ]
     for _ in range(2):
         want, got = plain.generate(prompts, params, use_tqdm=False), llm.generate(prompts, params, use_tqdm=False)
@@ -155,6 +156,15 @@ def test_greedy_equals_plain_with_stops_lengths_and_prefix_hits(plain, reference
     assert any(o.num_cached_tokens > 0 for o in got) and len(got[0].token_ids) == 3
     assert got[4].finish_reason == "length" and len(got[4].prompt_token_ids) + len(got[4].token_ids) == 72
     assert_idle(llm)
+
+
+def test_seeded_requests_repeat_under_speculation(oracle_llm, reference):
+    llm, prompts = oracle_llm, list(reference)
+    params = [SamplingParams(temperature=0.8, top_k=20, seed=i, max_tokens=12, ignore_eos=True, logprobs=1)
+              for i in range(len(prompts))]
+    first, again = llm.generate(prompts, params, use_tqdm=False), llm.generate(prompts[::-1], params[::-1],
+                                                                              use_tqdm=False)[::-1]
+    assert_same(first, again)
 
 
 def test_greedy_ngram_equals_plain(plain):
@@ -178,3 +188,61 @@ def test_preemption_under_speculation(reference):
     assert_same(plain.generate(prompts, params, use_tqdm=False), llm.generate(prompts, params, use_tqdm=False))
     assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.speculation.stats.accepted_tokens > 0
     assert_idle(llm)
+
+
+def chi_square_p(a: np.ndarray, b: np.ndarray) -> float:
+    """The p-value of Pearson's chi-square test that two count vectors come from one distribution."""
+    import torch
+
+    keep = (a + b) > 0
+    table = np.stack([a[keep], b[keep]]).astype(np.float64)
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    stat = float(((table - expected) ** 2 / expected).sum())
+    dof = keep.sum() - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    """A plain engine and one with an oracle speculator on a 512-token model, and the greedy continuation the
+    oracle drafts (the target's most likely tokens, so drafts are often but not always kept)."""
+    options = dict(OPTIONS, num_kv_blocks=640)  # room for 200 sequences and their lookahead
+    plain = LLM(checkpoint("qwen3_vocab512"), **options)
+    out = plain.generate([SMALL_PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    reference = {tuple(SMALL_PROMPT): out[0].token_ids}
+    llm = LLM(checkpoint("qwen3_vocab512"), registry=registry_with("oracle", oracle(reference)), speculator="oracle",
+              num_speculative_tokens=4, adaptive_speculation=False, **options)
+    return plain, llm, reference
+
+
+SMALL_PROMPT = [5, 6, 7, 8, 9] * 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("filters", [dict(temperature=1.0, top_k=3), dict(temperature=0.06, top_p=0.9, min_p=0.05)])
+def test_rejection_sampling_keeps_the_target_distribution(small_vocab, filters):
+    """On a fixed context, the first three tokens sampled with drafts (kept about as often as the target gives
+    them) are distributed as without drafts: a chi-square test on their joint frequencies, every request
+    seeded (so the test is deterministic). A sampler that kept every draft fails it (p ~ 0)."""
+    plain, llm, reference = small_vocab
+    llm.engine.speculation.stats = type(llm.engine.speculation.stats)()
+    n, batch = 1200, 200  # batches below max_num_seqs: a step speculates only when no prompt waits
+    params = {**filters, "max_tokens": 3, "ignore_eos": True}
+
+    def counts(engine: LLM, first_seed: int) -> dict[tuple[int, ...], int]:
+        found: dict[tuple[int, ...], int] = {}
+        for at in range(first_seed, first_seed + n, batch):
+            outs = engine.generate([SMALL_PROMPT] * batch, [SamplingParams(seed=s, **params)
+                                                            for s in range(at, at + batch)], use_tqdm=False)
+            for o in outs:
+                found[tuple(o.token_ids)] = found.get(tuple(o.token_ids), 0) + 1
+        return found
+
+    want, got = counts(plain, n), counts(llm, 0)
+    stats = llm.engine.speculation.stats
+    assert stats.verifications >= n and 0 < stats.accepted_tokens < stats.draft_tokens  # drafts kept and thrown away
+    keys = sorted(set(want) | set(got))
+    a, b = np.array([want.get(k, 0) for k in keys]), np.array([got.get(k, 0) for k in keys])
+    assert chi_square_p(a, b) > 1e-3, (keys, a, b)
+    greedy = tuple(reference[tuple(SMALL_PROMPT)][:3])  # what keeping every draft would give, every time
+    assert chi_square_p(a, np.array([n if k == greedy else 0 for k in keys])) < 1e-6
