@@ -246,3 +246,35 @@ def test_rejection_sampling_keeps_the_target_distribution(small_vocab, filters):
     assert chi_square_p(a, b) > 1e-3, (keys, a, b)
     greedy = tuple(reference[tuple(SMALL_PROMPT)][:3])  # what keeping every draft would give, every time
     assert chi_square_p(a, np.array([n if k == greedy else 0 for k in keys])) < 1e-6
+
+
+def test_metrics_report_acceptance_and_mean_accepted_length(oracle_llm, reference):
+    from nanoplug.server.metrics import Metrics
+
+    llm = oracle_llm
+    llm.engine.speculation.speculator.wrong_at = 1
+    llm.engine.speculation.stats = type(llm.engine.speculation.stats)()
+    llm.generate(list(reference)[:2], GREEDY, use_tqdm=False)
+    s = llm.engine.stats()
+    assert s.spec_verifications > 0 and 0 < s.spec_accepted_tokens < s.spec_draft_tokens
+    text = Metrics(llm.engine.stats, lambda: 0).render().decode()
+    rate, length = s.spec_accepted_tokens / s.spec_draft_tokens, 1 + s.spec_accepted_tokens / s.spec_verifications
+    assert f"nanoplug_spec_decode_num_draft_tokens_total {float(s.spec_draft_tokens)}" in text
+    assert f"nanoplug_spec_decode_acceptance_rate {rate}" in text
+    assert f"nanoplug_spec_decode_mean_accepted_length {length}" in text
+    assert length <= 2.0  # one draft kept at most (the second of each proposal is wrong), plus the target's token
+
+
+def test_adaptive_k_turns_speculation_off_when_steps_are_compute_bound():
+    from nanoplug.engine.speculation import AdaptiveK
+
+    policy = AdaptiveK(4)
+    assert policy.choose(64) == 4  # nothing measured yet: try
+    for rows in (1, 5, 64, 320):  # a step costs 1 ms plus 0.1 ms a row: batch 1 memory-bound, batch 64 compute-bound
+        policy.observe_step(rows, 1e-3 + 1e-4 * rows)
+    for _ in range(20):
+        policy.observe_drafts(4, 3)  # 75% of drafts kept
+    assert policy.choose(1) == 4 and policy.choose(64) == 0
+    for _ in range(40):
+        policy.observe_drafts(4, 0)  # nothing kept: never worth a wider step
+    assert policy.choose(1) == 0

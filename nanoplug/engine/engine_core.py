@@ -50,6 +50,10 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int
     generated_tokens_total: int
+    # speculative decoding (0 without a speculator): drafts proposed and kept, sequence-steps that verified any
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifications: int = 0
 
 
 class EngineCore:
@@ -317,6 +321,7 @@ class EngineCore:
             kv_blocks_used=self.num_kv_blocks - blocks.num_free_blocks, kv_blocks_total=self.num_kv_blocks,
             num_preemptions=self.scheduler.num_preemptions, prompt_tokens_total=self.prompt_tokens_total,
             generated_tokens_total=self.generated_tokens_total,
+            **(self.speculation.counters() if self.speculation is not None else {}),
         )
 
     def chat_prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:

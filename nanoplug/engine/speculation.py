@@ -131,6 +131,12 @@ class Speculation:
             if drafts:
                 scheduler.reserve_drafts(item, list(drafts))
 
+    def counters(self) -> dict[str, int]:
+        """The counters as EngineStats names them."""
+        s = self.stats
+        return dict(spec_draft_tokens=s.draft_tokens, spec_accepted_tokens=s.accepted_tokens,
+                    spec_verifications=s.verifications)
+
     def settled(self, settled: list[tuple[object, int, int]]) -> None:
         """A speculative step's outcome: (sequence, drafts accepted, drafts) per sample."""
         drafted = accepted = verified = 0
