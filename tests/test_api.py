@@ -18,7 +18,7 @@ PINNED = [
     "KVLayer", "to_device", "LogitsProcessingBatch", "PromptLogprobsBatch", "SlotInit", "LogprobsTensors",
     "StructuredOutputBackend", "GrammarMatcher", "Constraint", "ConstraintError", "CONSTRAINT_KINDS",
     "ToolCallFormat", "HERMES_TOOL_CALLS", "bitmask_words", "unpack_bitmask", "Speculator", "SpeculatorSpec",
-    "DraftBatch", "Worker", "WorkerMethod",
+    "DraftBatch", "DraftModel", "Worker", "WorkerMethod",
     "WorkerReport", "StartupTimes", "StepStats", "LinearMethod", "DenseLinearMethod", "check_shape", "copy_weight",
     "Layers", "LinearBase", "VocabParallelEmbedding", "ParallelLMHead", "RMSNorm", "rms_norm", "add_rms_norm",
     "RotaryEmbedding", "apply_rope", "rope_inv_freq", "SiluAndMul", "silu_and_mul", "FusedOps", "install_fused_ops",

@@ -278,3 +278,16 @@ def test_adaptive_k_turns_speculation_off_when_steps_are_compute_bound():
     for _ in range(40):
         policy.observe_drafts(4, 0)  # nothing kept: never worth a wider step
     assert policy.choose(1) == 0
+
+
+def test_the_model_drafting_for_itself_keeps_every_draft(plain, reference):
+    """`draft` with the target's own checkpoint: every draft is the target's greedy token (a bound on the
+    verifier: a draft it throws away here would be its bug)."""
+    llm = spec_engine("draft", speculator_options={"model": checkpoint(), "attention": "sdpa", "num_kv_blocks": 128})
+    prompts = list(reference)
+    assert_same(plain.generate(prompts, GREEDY, use_tqdm=False), llm.generate(prompts, GREEDY, use_tqdm=False))
+    stats = llm.engine.speculation.stats
+    assert stats.accepted_tokens == stats.draft_tokens > 0
+    assert_idle(llm)
+    with pytest.raises(ValueError, match="must share the target's tokenizer"):
+        spec_engine("draft", speculator_options={"model": checkpoint("qwen3_vocab512")})

@@ -20,7 +20,7 @@ from nanoplug.api.triton_support import import_triton, interpreting, triton_reas
 from nanoplug.api.step import (AttentionMetadata, AttentionSpec, KVCacheSpec, KVLayer, LogitsProcessingBatch,
                                DraftBatch, LogprobsTensors, PromptLogprobsBatch, SamplingBatch, SlotInit, StepBatch, StepInputs,
                                StepLimits, StepResult, to_device)
-from nanoplug.api.speculator import Speculator, SpeculatorSpec
+from nanoplug.api.speculator import DraftModel, Speculator, SpeculatorSpec
 from nanoplug.api.structured import (CONSTRAINT_KINDS, Constraint, ConstraintError, GrammarMatcher,
                                      StructuredOutputBackend, ToolCallFormat, HERMES_TOOL_CALLS, bitmask_words,
                                      unpack_bitmask)
@@ -40,7 +40,7 @@ __all__ = [
     "StructuredOutputBackend", "GrammarMatcher", "Constraint", "ConstraintError", "CONSTRAINT_KINDS", "ToolCallFormat",
     "HERMES_TOOL_CALLS", "bitmask_words", "unpack_bitmask",
     # speculative decoding: the proposer kind and the drafts a step verifies
-    "Speculator", "SpeculatorSpec", "DraftBatch",
+    "Speculator", "SpeculatorSpec", "DraftBatch", "DraftModel",
     # the worker protocol
     "Worker", "WorkerMethod", "WorkerReport", "StartupTimes", "StepStats",
     # the linear-method seam and the layer library

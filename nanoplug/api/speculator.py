@@ -14,18 +14,29 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar, Protocol
 
 from nanoplug.api.interfaces import Plugin
 
 
+class DraftModel(Protocol):
+    """A smaller checkpoint the engine runs for a speculator: its own model plugin and KV cache (prefix caching
+    on, so each proposal recomputes only the tokens past its cached blocks), on the target's device."""
+
+    def greedy(self, token_ids: list[list[int]], num_tokens: list[int]) -> list[list[int]]:
+        """The next `num_tokens[i]` greedy tokens after `token_ids[i]`, for every i in one batch."""
+
+
 @dataclass(frozen=True)
 class SpeculatorSpec:
-    """What a speculator is built with: the most drafts per sequence and step, and its own options
-    (`EngineConfig.speculator_options`, e.g. {"prompt_lookup_max": 4} for ngram)."""
+    """What a speculator is built with: the most drafts per sequence and step, its own options
+    (`EngineConfig.speculator_options`, e.g. {"prompt_lookup_max": 4} for ngram), and the engine's loader of draft
+    checkpoints: `load_draft_model(folder, options)` (options: num_kv_blocks, attention), which refuses one whose
+    vocabulary is not the target's."""
 
     num_speculative_tokens: int
     options: dict[str, Any]
+    load_draft_model: Callable[[str, dict[str, Any]], DraftModel] | None = None
 
 
 class Speculator(Plugin, ABC):

@@ -83,7 +83,7 @@ class EngineCore:
         self.scheduler = Scheduler(config, blocks)
         self.builder = BatchBuilder(self.scheduler.blocks, self.scheduler.penalty_slots, self.structured,
                                     self.overlap and self.defers_sampling)
-        self.speculation = Speculation.resolve(self.registry, config, wired.target)  # None: no speculator
+        self.speculation = Speculation.resolve(self.registry, config, wired.target, self.facts.vocab_size)  # None: no speculator
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, config.max_model_len)
         self.requests: dict[str, RequestState] = {}  # every request added and not finished, by id
         self.in_flight: Launched | None = None  # overlapped: the launched step whose tokens are still to come

@@ -84,23 +84,66 @@ class AdaptiveK:
         return best
 
 
+class DraftEngine:
+    """A draft checkpoint run by an engine core of its own (its model plugin and KV cache) on the target's device
+    and dtype: the engine's `load_draft_model` for speculators (nanoplug.api.DraftModel)."""
+
+    def __init__(self, model: str, options: dict, target: EngineConfig, registry: Registry, vocab_size: int):
+        from nanoplug.engine.engine_core import EngineCore  # (the engine core builds this module's Speculation)
+
+        unknown = sorted(set(options) - {"num_kv_blocks", "attention"})
+        if unknown:
+            raise ValueError(f"a draft model takes the options num_kv_blocks and attention, not {', '.join(unknown)}")
+        config = EngineConfig(model=model, device=target.device, dtype=target.dtype,
+                              attention=options.get("attention", target.attention), max_model_len=target.max_model_len,
+                              max_num_seqs=target.max_num_seqs, kv_block_size=16,
+                              num_kv_blocks=int(options.get("num_kv_blocks", 2048)), seed=target.seed,
+                              skip_tokenizer_init=True, **target.platform_options)
+        self.core = EngineCore(config, registry)
+        if self.core.facts.vocab_size != vocab_size:
+            self.core.close()
+            raise ValueError(f"the draft checkpoint {model!r} has a vocabulary of {self.core.facts.vocab_size} tokens, "
+                             f"the target {vocab_size}; a draft model must share the target's tokenizer")
+        self.requests = 0
+
+    def greedy(self, token_ids: list[list[int]], num_tokens: list[int]) -> list[list[int]]:
+        from nanoplug.config import SamplingParams
+
+        core, out, ids = self.core, {}, []
+        for tokens, n in zip(token_ids, num_tokens):
+            self.requests += 1
+            rid = f"draft-{self.requests}"
+            ids.append(rid)
+            out[rid] = []
+            core.add_request(core.make_request(list(tokens), SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                                             rid))
+        while core.has_unfinished():
+            for update in core.step():
+                out[update.request_id] += update.token_ids
+        return [out[rid] for rid in ids]
+
+
 class Speculation:
     """One engine's speculator, its adaptive k and its counters."""
 
-    def __init__(self, resolution: Resolution, config: EngineConfig):
+    def __init__(self, resolution: Resolution, config: EngineConfig, load_draft_model=None):
         self.resolution = resolution
-        self.speculator = resolution.cls(SpeculatorSpec(config.num_speculative_tokens, dict(config.speculator_options)))
+        self.speculator = resolution.cls(SpeculatorSpec(config.num_speculative_tokens, dict(config.speculator_options),
+                                                        load_draft_model))
         self.max_model_len = config.max_model_len
         self.policy = AdaptiveK(config.num_speculative_tokens)
         self.adaptive = config.adaptive_speculation
         self.stats = SpecStats()
 
     @classmethod
-    def resolve(cls, registry: Registry, config: EngineConfig, target) -> "Speculation | None":
+    def resolve(cls, registry: Registry, config: EngineConfig, target, vocab_size: int) -> "Speculation | None":
         """The engine's speculator, resolved once at start-up (None: no speculation asked for)."""
         if config.speculator is None:
             return None
-        return cls(registry.resolve("speculator", config.speculator, target), config)
+        def load_draft_model(model: str, options: dict) -> DraftEngine:
+            return DraftEngine(model, options, config, registry, vocab_size)
+
+        return cls(registry.resolve("speculator", config.speculator, target), config, load_draft_model)
 
     def describe(self) -> str:
         return self.resolution.describe()
