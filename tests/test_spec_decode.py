@@ -5,15 +5,14 @@ and rejected (an oracle speculator, registered as a third party, proposes the ri
 with one wrong); no KV block is left behind."""
 from __future__ import annotations
 
-import types
-
 import numpy as np
 import pytest
 
 from _checkpoints import PROMPTS, checkpoint
 from _engine_checks import assert_idle
+from _test_platforms import registry_with_plugin
 from nanoplug import LLM, SamplingParams
-from nanoplug.api import PLUGIN_API_VERSION, Speculator, hookimpl
+from nanoplug.api import Speculator
 from nanoplug.engine.registry import Registry
 from nanoplug.plugins.speculators.ngram import lookup
 
@@ -24,13 +23,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=
 
 
 def registry_with(name: str, cls: type) -> Registry:
-    """The built-ins and `cls` as speculator `name`, registered as a third-party plugin module would."""
-    module = types.ModuleType(f"test_speculator_{name}")
-    module.NANOPLUG_API_VERSION = PLUGIN_API_VERSION
-    module.nanoplug_register_speculator = hookimpl(lambda register: register.add(name, cls))
-    registry = Registry(load_entry_points=False)
-    registry.add_plugin_module(module, "test")
-    return registry
+    return registry_with_plugin("speculator", name, cls)
 
 
 def oracle(reference: dict[tuple[int, ...], list[int]]) -> type:
@@ -112,7 +105,7 @@ def test_ngram_lookup_matches_a_plain_search():
 def test_bad_speculator_choices_name_the_fix():
     with pytest.raises(ValueError, match="prompt_lookup_max"):
         spec_engine("ngram", speculator_options={"lookahead": 3})
-    with pytest.raises(Exception, match="valid names: ngram"):
+    with pytest.raises(Exception, match="valid names: draft, ngram"):
         spec_engine("nope")
 
 

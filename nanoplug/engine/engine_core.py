@@ -65,6 +65,7 @@ class EngineCore:
         """config.model: a checkpoint folder, or a Hugging Face id (fetched where the network allows)."""
         started = time.perf_counter()
         self.registry = registry or default_registry()
+        Speculation.check(self.registry, config)  # a bad speculator choice fails before anything loads
         wired = start(config, self.registry)
         self.config = config = wired.config
         self.hf_config, self.facts = wired.checkpoint.hf_config, wired.checkpoint.facts
@@ -206,16 +207,7 @@ class EngineCore:
         """A step without drafts (overlapped where the engine overlaps)."""
         updates = []
         if not self.overlap:
-            if not self.scheduler.has_work():
-                return updates
-            batch, is_prefill = self.scheduler.schedule()
-            if not batch:
-                raise RuntimeError(NOTHING_TO_RUN)
-            self._start_forked()
-            launched = self.builder.build(batch, is_prefill, None)
-            result = self.worker.run(launched.step)
-            self.scheduler.advance(batch)
-            return updates + self._apply(launched, result)
+            return self._step_to_end()
         launched = None
         if self.in_flight is not None and self.in_flight.masked and not self.defers_sampling:
             # a worker that cannot sample after its launch: a grammar's mask needs the step before it collected
@@ -243,28 +235,35 @@ class EngineCore:
         """A step that verifies up to `k` drafts per decoding sequence (engine/speculation.py), run to the end
         before the next is scheduled: the drafts come from every token known, and the accepted count decides
         where the next step starts. A step launched before it (overlapped) is collected first."""
-        started = time.perf_counter()
-        updates = []
+        started, updates = time.perf_counter(), []
         if self.in_flight is not None:
             previous, self.in_flight = self.in_flight, None
             updates += self._apply(previous, self.worker.collect())
+        updates += self._step_to_end(k)
+        if not self.last_step[0]:
+            self.speculation.policy.observe_step(self.last_step[1], time.perf_counter() - started)
+        return updates
+
+    def _step_to_end(self, k: int = 0) -> list[RequestUpdate]:
+        """Schedule, run and apply one step before the next is scheduled: every step of an engine that does not
+        overlap, and every speculative one (a decode step then verifies up to `k` drafts per sequence)."""
         if not self.scheduler.has_work():
-            return updates
+            return []
         batch, is_prefill = self.scheduler.schedule()
         if not batch:
             raise RuntimeError(NOTHING_TO_RUN)
         self._start_forked()
-        if not is_prefill:
+        if k and not is_prefill:
             self.speculation.propose(batch, self.scheduler, k)
         launched = self.builder.build(batch, is_prefill, None)
-        self.worker.launch(launched.step)
-        self._sample_masked(launched)
-        result = self.worker.collect()
+        if launched.step.sampling.mask_later:  # (an overlapping engine's builder: the masks follow the launch)
+            self.worker.launch(launched.step)
+            self._sample_masked(launched)
+            result = self.worker.collect()
+        else:
+            result = self.worker.run(launched.step)
         self.scheduler.advance(batch)
-        updates += self._apply(launched, result)
-        if not is_prefill:
-            self.speculation.policy.observe_step(len(launched.step.query_lens), time.perf_counter() - started)
-        return updates
+        return self._apply(launched, result)
 
     def _sample_masked(self, launched: Launched | None) -> None:
         """Structured outputs, overlapped: the launched step's forward runs while the previous step's tokens

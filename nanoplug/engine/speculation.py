@@ -135,6 +135,17 @@ class Speculation:
         self.adaptive = config.adaptive_speculation
         self.stats = SpecStats()
 
+    @staticmethod
+    def check(registry: Registry, config: EngineConfig) -> None:
+        """Refuse an unknown speculator or an option it does not take before anything is loaded."""
+        if config.speculator is None:
+            return
+        cls = registry.get("speculator", config.speculator)
+        unknown = sorted(set(config.speculator_options) - cls.options)
+        if unknown:
+            raise ValueError(f"speculator {config.speculator!r} takes no option {', '.join(map(repr, unknown))}; "
+                             f"its options: {', '.join(sorted(cls.options)) or 'none'}")
+
     @classmethod
     def resolve(cls, registry: Registry, config: EngineConfig, target, vocab_size: int) -> "Speculation | None":
         """The engine's speculator, resolved once at start-up (None: no speculation asked for)."""
