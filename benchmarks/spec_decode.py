@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -94,7 +95,11 @@ def main() -> None:
     rows = [json.loads(line) for line in WORKLOAD.read_text().splitlines() if line.strip()]
     path = model_path(args)
     variants = args.variants.split(",")
-    engines = {v: engine(path, v, args) for v in variants}
+    engines = {}
+    for v in variants:
+        started = time.perf_counter()
+        engines[v] = engine(path, v, args)
+        print(f"{v}: engine ready in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     prompts = prompts_of(engines[variants[0]], rows, args.tiny)
     results = []
     for batch in (int(b) for b in args.batches.split(",")):
@@ -105,6 +110,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for v, llm in engines.items():  # alternated, so a busy moment of a shared machine hits all alike
                 got = run_once(llm, chosen, batch, args.max_tokens)
+                print(f"batch {batch} {v}: {got[1]} tokens in {got[0]:.2f} s", file=sys.stderr, flush=True)
                 if v not in best or got[0] < best[v][0]:
                     best[v] = got
         base_s, base_n, base_ids, _ = best["none"] if "none" in best else best[variants[0]]

@@ -170,6 +170,7 @@ def test_greedy_ngram_equals_plain(plain):
     assert_idle(llm)
 
 
+@pytest.mark.slow
 def test_preemption_under_speculation(reference):
     """A cache too small for every request: sequences are preempted, their lookahead blocks with them."""
     options = dict(num_kv_blocks=9, max_model_len=144, max_num_batched_tokens=20)
@@ -273,6 +274,7 @@ def test_adaptive_k_turns_speculation_off_when_steps_are_compute_bound():
     assert policy.choose(1) == 0
 
 
+@pytest.mark.slow
 def test_the_model_drafting_for_itself_keeps_every_draft(plain, reference):
     """`draft` with the target's own checkpoint: every draft is the target's greedy token (a bound on the
     verifier: a draft it throws away here would be its bug)."""
