@@ -101,6 +101,15 @@ class EngineConfig(BaseModel):
     seed: Int = 0
     structured_output: PluginName = Field("auto", description="the constrained-decoding backend (xgrammar, "
                                           "llguidance); auto: the best one installed")
+    speculator: PluginName | None = Field(None, description="the proposer of draft tokens for speculative decoding "
+                                          "(ngram, ...); None: no speculation")
+    num_speculative_tokens: Int = Field(4, ge=1, le=16, description="the most draft tokens per sequence and step (the "
+                                        "engine adapts it to acceptance and batch size)")
+    adaptive_speculation: Bool = Field(True, description="adapt the drafts per step to measured acceptance and "
+                                       "step cost (0 when the batch is compute-bound); False: always ask "
+                                       "num_speculative_tokens, as vLLM does")
+    speculator_options: dict[str, Any] = Field(default_factory=dict, description="the speculator's own options, "
+                                               "e.g. {'prompt_lookup_max': 5} for ngram")
     # every other keyword is a platform's options, under its name: cpu={"kernels": False}, cuda={...}, or a
     # third-party platform's; the engine validates each through that platform's own model (`Platform.Options`)
     __pydantic_extra__: dict[str, Annotated[dict[str, Any], BeforeValidator(_options_part)]] = Field(init=False)

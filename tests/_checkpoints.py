@@ -19,6 +19,9 @@ from nanoplug.bench.checkpoints import write_random_checkpoint
 CHECKPOINTS = {
     "qwen3": ("Qwen3ForCausalLM", dict(tie_word_embeddings=False)),  # GQA: 4 heads over 2 KV heads
     "qwen3_tied": ("Qwen3ForCausalLM", dict(tie_word_embeddings=True, seed=1)),
+    # a vocabulary of 512 (prompts as token ids): sampling tests that draw thousands of tokens stay cheap
+    "qwen3_vocab512": ("Qwen3ForCausalLM", dict(tie_word_embeddings=False, vocab_size=512, pad_token_id=None,
+                                                  eos_token_id=511, seed=7)),
     "qwen2": ("Qwen2ForCausalLM", dict(tie_word_embeddings=False, seed=2)),  # q/k/v bias, no q/k norm
     "qwen2_tied": ("Qwen2ForCausalLM", dict(tie_word_embeddings=True, num_key_value_heads=1, seed=3)),
     # mixture of experts (tests/test_moe_models.py): 8 experts, 2 a token; layer 1 of qwen3_moe dense (mlp_only_layers),

@@ -17,7 +17,8 @@ PINNED = [
     "SamplingBatch", "StepResult", "StepInputs", "StepLimits", "AttentionMetadata", "AttentionSpec", "KVCacheSpec",
     "KVLayer", "to_device", "LogitsProcessingBatch", "PromptLogprobsBatch", "SlotInit", "LogprobsTensors",
     "StructuredOutputBackend", "GrammarMatcher", "Constraint", "ConstraintError", "CONSTRAINT_KINDS",
-    "ToolCallFormat", "HERMES_TOOL_CALLS", "bitmask_words", "unpack_bitmask", "Worker", "WorkerMethod",
+    "ToolCallFormat", "HERMES_TOOL_CALLS", "bitmask_words", "unpack_bitmask", "Speculator", "SpeculatorSpec",
+    "DraftBatch", "DraftModel", "Worker", "WorkerMethod",
     "WorkerReport", "StartupTimes", "StepStats", "LinearMethod", "DenseLinearMethod", "check_shape", "copy_weight",
     "Layers", "LinearBase", "VocabParallelEmbedding", "ParallelLMHead", "RMSNorm", "rms_norm", "add_rms_norm",
     "RotaryEmbedding", "apply_rope", "rope_inv_freq", "SiluAndMul", "silu_and_mul", "FusedOps", "install_fused_ops",
@@ -51,7 +52,7 @@ def test_every_kind_has_a_hook_and_a_base_class():
     bases = {"attention": api.AttentionBackend, "kv_cache": api.KVCacheStore, "model": api.ModelArchitecture,
              "parallel": api.ParallelStrategy, "adapter": api.WeightAdapter,
              "weight_format": api.WeightFormat, "platform": api.Platform,
-             "structured_output": api.StructuredOutputBackend}
+             "structured_output": api.StructuredOutputBackend, "speculator": api.Speculator}
     assert list(api.KIND_HOOKS) == list(bases)
     for kind, hook in api.KIND_HOOKS.items():
         assert hook == f"nanoplug_register_{kind}" and hasattr(api.hookspecs, hook)

@@ -18,7 +18,8 @@ import torch
 import _processes
 from nanoplug.cli import main
 
-KINDS = ["attention", "kv_cache", "model", "parallel", "adapter", "weight_format", "platform", "structured_output"]
+KINDS = ["attention", "kv_cache", "model", "parallel", "adapter", "weight_format", "platform", "structured_output",
+         "speculator"]
 
 
 def run_cli(*args: str, extra_path: Path | None = None, **env: str) -> subprocess.CompletedProcess:

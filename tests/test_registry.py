@@ -81,7 +81,7 @@ def entry_points(monkeypatch):
 def test_builtins_of_every_kind_are_listed_and_not_imported_until_asked():
     reg = Registry(load_entry_points=False)
     assert set(reg.entries) == set(KIND_HOOKS) == {"attention", "kv_cache", "model", "parallel", "adapter",
-                                                  "weight_format", "platform", "structured_output"}
+                                                  "weight_format", "platform", "structured_output", "speculator"}
     assert {"manual", "sdpa", "flash", "xformers"} <= set(reg.names("attention"))
     assert {"torch", "triton"} <= set(reg.names("kv_cache"))
     assert {"Qwen3ForCausalLM", "LlamaForCausalLM"} <= set(reg.names("model"))
@@ -90,6 +90,7 @@ def test_builtins_of_every_kind_are_listed_and_not_imported_until_asked():
     assert {"dense", "gguf", "gguf_triton", "fp8"} <= set(reg.names("weight_format"))
     assert {"cpu", "cuda"} <= set(reg.names("platform"))
     assert {"xgrammar", "llguidance"} <= set(reg.names("structured_output"))
+    assert {"ngram"} <= set(reg.names("speculator"))
     assert all(e.cls is None and e.source == "built-in" for k in reg.entries.values() for e in k.values())
     assert reg.get("attention", "manual") is ManualAttention
     assert reg.entries["attention"]["manual"].cls is ManualAttention

@@ -18,8 +18,9 @@ from nanoplug.api.layers import (FusedOps, Layers, LinearBase, PagedAttention, P
 from nanoplug.api.linear import DenseLinearMethod, LinearMethod, check_shape, copy_weight
 from nanoplug.api.triton_support import import_triton, interpreting, triton_reasons
 from nanoplug.api.step import (AttentionMetadata, AttentionSpec, KVCacheSpec, KVLayer, LogitsProcessingBatch,
-                               LogprobsTensors, PromptLogprobsBatch, SamplingBatch, SlotInit, StepBatch, StepInputs,
+                               DraftBatch, LogprobsTensors, PromptLogprobsBatch, SamplingBatch, SlotInit, StepBatch, StepInputs,
                                StepLimits, StepResult, to_device)
+from nanoplug.api.speculator import DraftModel, Speculator, SpeculatorSpec
 from nanoplug.api.structured import (CONSTRAINT_KINDS, Constraint, ConstraintError, GrammarMatcher,
                                      StructuredOutputBackend, ToolCallFormat, HERMES_TOOL_CALLS, bitmask_words,
                                      unpack_bitmask)
@@ -38,6 +39,8 @@ __all__ = [
     # constrained decoding (structured outputs) and tool-call formats
     "StructuredOutputBackend", "GrammarMatcher", "Constraint", "ConstraintError", "CONSTRAINT_KINDS", "ToolCallFormat",
     "HERMES_TOOL_CALLS", "bitmask_words", "unpack_bitmask",
+    # speculative decoding: the proposer kind and the drafts a step verifies
+    "Speculator", "SpeculatorSpec", "DraftBatch", "DraftModel",
     # the worker protocol
     "Worker", "WorkerMethod", "WorkerReport", "StartupTimes", "StepStats",
     # the linear-method seam and the layer library

@@ -27,6 +27,7 @@ KIND_HOOKS = {
     "weight_format": "nanoplug_register_weight_format",
     "platform": "nanoplug_register_platform",
     "structured_output": "nanoplug_register_structured_output",
+    "speculator": "nanoplug_register_speculator",
 }
 """Plugin kind -> the hook that registers plugins of that kind."""
 
@@ -70,4 +71,10 @@ def nanoplug_register_platform(register) -> None:
 @hookspec
 def nanoplug_register_structured_output(register) -> None:
     """Add constrained-decoding backends: `register.add("xgrammar", XGrammarBackend)` (a StructuredOutputBackend
+    subclass)."""
+
+
+@hookspec
+def nanoplug_register_speculator(register) -> None:
+    """Add speculators (proposers of draft tokens): `register.add("ngram", NgramSpeculator)` (a Speculator
     subclass)."""

@@ -91,6 +91,17 @@ class PromptLogprobsBatch:
 
 
 @dataclass
+class DraftBatch:
+    """The draft tokens a speculative step verifies. A sequence with k drafts has k + 1 consecutive sample rows
+    (its last token, then each draft, as one-token decode rows at consecutive positions); sample row `rows[j]`
+    is checked against `tokens[j]`, the draft proposed for the position it predicts. The rows after a
+    sequence's last draft (its bonus row) are sampled as usual."""
+
+    rows: list[int]
+    tokens: list[int]
+
+
+@dataclass
 class StepBatch:
     """One step's work as plain data (it crosses process boundaries under tensor parallelism)."""
 
@@ -115,6 +126,7 @@ class StepBatch:
     # a model whose layers mix windows (KVGroups.hybrid): the block tables of groups 1.. (block_tables is group
     # 0's), per group one table per row, each as long as the row's block_tables entry; empty otherwise
     group_block_tables: list[list[list[int]]] = field(default_factory=list)
+    drafts: DraftBatch | None = None  # a speculative step's drafts to verify (None: no row checks one)
 
 
 @dataclass(frozen=True)
@@ -163,6 +175,7 @@ class StepResult:
     logits: list[torch.Tensor] = field(default_factory=list)
     logprobs: LogprobsTensors | None = None  # of sampling.logprob_rows' tokens
     prompt_logprobs: LogprobsTensors | None = None  # of the prompt tokens at StepBatch.prompt_logprobs.at
+    accepted: list[bool] | None = None  # speculative steps: whether each of StepBatch.drafts.rows kept its draft
 
 
 @dataclass

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from nanoplug.cli.options import add_speculation_options, speculation_options
+
 # dest -> the flag, for the options that apply to one kind of run only
 WORKLOAD_OPTIONS = {"num_seqs": "--num-seqs", "max_input_len": "--max-input-len", "max_output_len": "--max-output-len"}
 # (flag, dest, what it sizes) of --latency's sizes; each default is nanoplug/bench/latency.py's dest.upper()
@@ -56,6 +58,7 @@ def add_parser(sub) -> None:
                    help="run steps one after another (default: the host prepares the next step while the GPU computes)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    add_speculation_options(p)
     p.set_defaults(func=run)
 
 
@@ -72,6 +75,7 @@ def run(args) -> int:
                    device=args.device, dtype=args.dtype)
     if args.no_overlap:
         options["overlap_steps"] = False
+    options.update(speculation_options(args))
     if args.prefill_attention:
         options["prefill_attention"] = args.prefill_attention
     if args.tensor_parallel_size > 1:

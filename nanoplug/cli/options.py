@@ -30,6 +30,41 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--float32", action="store_true",
                         help="dequantize a quantized checkpoint (the default model's GGUF, a .gguf file) to float32 "
                              "weights instead of computing with its blocks: the reference, slower and 5x the memory")
+    add_speculation_options(parser)
+
+
+def add_speculation_options(parser: argparse.ArgumentParser) -> None:
+    """Speculative decoding: a speculator by name, its drafts per step, its own options."""
+    parser.add_argument("--speculator", default=None,
+                        help="propose draft tokens the model verifies in one step, e.g. ngram (default: none)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                        help="drafts per sequence and step at most (default: 4)")
+    parser.add_argument("--speculator-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="an option of the speculator, e.g. prompt_lookup_max=5 (repeatable)")
+    parser.add_argument("--no-adaptive-speculation", action="store_true",
+                        help="always ask K drafts (default: adapt K to acceptance and batch size)")
+
+
+def speculation_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields the speculation options give (none when no --speculator)."""
+    if getattr(args, "speculator", None) is None:
+        extra = [f for f, v in (("--num-speculative-tokens", getattr(args, "num_speculative_tokens", None)),
+                                ("--speculator-option", getattr(args, "speculator_option", None))) if v]
+        if extra:
+            raise OptionError(f"{', '.join(extra)} need --speculator (e.g. --speculator ngram)")
+        return {}
+    options: dict[str, Any] = {"speculator": args.speculator, "adaptive_speculation": not args.no_adaptive_speculation}
+    if args.num_speculative_tokens is not None:
+        options["num_speculative_tokens"] = args.num_speculative_tokens
+    values = {}
+    for item in args.speculator_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise OptionError(f"--speculator-option {item!r}: write KEY=VALUE, e.g. prompt_lookup_max=5")
+        values[key] = int(value) if value.lstrip("-").isdigit() else value
+    if values:
+        options["speculator_options"] = values
+    return options
 
 
 def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -113,6 +148,7 @@ def build_llm(args: argparse.Namespace):
         options["quantization"] = None
     if getattr(args, "lora", None):  # `generate --lora DIR`: PEFT LoRA folders merged at load
         options["adapters"] = list(args.lora)
+    options.update(speculation_options(args))
     try:
         llm = LLM(model_path(args), **options)
     except ValidationError as exc:

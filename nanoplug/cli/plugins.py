@@ -52,7 +52,7 @@ def listing(registry: Registry, target, model: str | None = None) -> dict[str, A
         if kind == "model":  # the engine picks the model plugin by the checkpoint's architecture
             arch = target.model.architecture if target.model else None
             auto = next((p["name"] for p in plugins if p["available"] and p["name"] == arch), None)
-        elif kind == "adapter":  # adapters are listed by the user, never picked by "auto"
+        elif kind in ("adapter", "speculator"):  # listed by the user (a speculator: by name), never picked by "auto"
             auto = None
         elif kind == "weight_format":  # by the checkpoint's format: plain weights without --model
             auto = _auto_weight_format(registry, target, model)

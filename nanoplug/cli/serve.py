@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from nanoplug.cli.options import OptionError, _first_problem, add_engine_options, model_path
+from nanoplug.cli.options import OptionError, _first_problem, add_engine_options, model_path, speculation_options
 
 
 def add_parser(sub) -> None:
@@ -68,6 +68,7 @@ def engine_config(args: argparse.Namespace):
                    structured_output=args.structured_output)
     if args.tensor_parallel_size > 1:
         options["parallel"] = "tensor"
+    options.update(speculation_options(args))
     options = {k: v for k, v in options.items() if v is not None}  # unset: the engine's own default
     cpu = {"kv_cache_gb": args.cpu_kv_cache_gb} if args.cpu_kv_cache_gb is not None else {}
     cuda = {k: v for k, v in (("memory_utilization", args.gpu_memory_utilization),

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nanoplug.api import (LogitsProcessingBatch, LogprobsTensors, PromptLogprobsBatch, SamplingBatch, SlotInit, StepBatch,
+from nanoplug.api import (DraftBatch, LogitsProcessingBatch, LogprobsTensors, PromptLogprobsBatch, SamplingBatch, SlotInit, StepBatch,
                           StepResult)
 from nanoplug.engine.blocks import BlockManager
 from nanoplug.engine.penalties import PenaltySlots, add_sample_row
@@ -36,10 +36,28 @@ class Launched:
     prompt_scored: list[tuple[Sequence, int, int]]  # (sequence, first position, count) of the prompt logprobs
     row_of: dict[int, int]  # seq_id -> row of the step's sampled tokens (set once launched overlapped)
     masked: list[Sequence] | None = None  # structured outputs: the sequence of each of sampling.mask_rows
+    # a speculative step: (sequence, first sample row, drafts) of each sample, its rows consecutive
+    spans: list[tuple[Sequence, int, int]] | None = None
 
     def number_rows(self) -> None:
         """Record each sampled sequence's row, for the next step to read its placeholder token from."""
         self.row_of = {seq.seq_id: k for k, seq in enumerate(self.sampled)}
+
+    def emitted(self, result: StepResult) -> tuple[list[tuple[Sequence, int, int]], list[tuple[Sequence, int, int]]]:
+        """The (sequence, token, sample row) of each token the step gives, in order, and in a speculative step
+        each sample's (sequence, drafts accepted, drafts): its rows up to its first rejected draft, that row's
+        token included (or every draft and the bonus row's token)."""
+        if self.spans is None:
+            return [(seq, token, k) for k, (seq, token) in enumerate(zip(self.sampled, result.tokens))], []
+        accepted = dict(zip(self.step.drafts.rows, result.accepted))
+        got, settled = [], []
+        for seq, row, k in self.spans:
+            n = 0
+            while n < k and accepted[row + n]:
+                n += 1
+            got.extend((seq, result.tokens[r], r) for r in range(row, row + n + 1))
+            settled.append((seq, n, k))
+        return got, settled
 
     def row_outputs(self, result: StepResult) -> tuple[dict | None, dict | None]:
         """The logits and the logprobs of the sample rows that asked for them, by row (None: no row did);
@@ -79,7 +97,30 @@ class BatchBuilder:
         plp_at, plp_ids, plp_top = [], [], 0
         mask_rows, masked = [], []
         row_of = in_flight.row_of if in_flight is not None else {}
-        for i, item in enumerate(batch):
+        speculative = any(item.drafts for item in batch) if not is_prefill else False
+        drafts, spans = (DraftBatch([], []), []) if speculative else (None, None)
+
+        def add(s: Sequence, q: int, position: int) -> None:
+            """A sample row of sequence `s` drawing from query row `q`, for its token at `position`."""
+            nonlocal processing
+            p = s.params
+            if p.output_logits:
+                logits_rows.append(len(rows))
+            if p.needs_sampler_extras:
+                processing = self._sampler_extras(s, len(rows), processing, logprob_rows, num_top)
+            if p.structured_outputs is not None:
+                mask_rows.append(len(rows))
+                masked.append(s)
+            rows.append(q)
+            sampled.append(s)
+            temps.append(p.temperature)
+            top_ks.append(p.top_k)
+            top_ps.append(p.top_p)
+            min_ps.append(p.min_p)
+            seeds.append(p.seed)
+            positions.append(position)
+
+        for item in batch:
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed_tokens
             if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
@@ -90,7 +131,15 @@ class BatchBuilder:
                     plp_ids.extend(seq.token_ids[first + 1:last + 1])
                     plp_top = max(plp_top, seq.params.prompt_logprobs)
                     prompt_scored.append((seq, first, last - first))
-            if n == 1:  # decode: no slice
+            if item.drafts:  # speculative: the last token and each draft, as one-token decode rows at
+                input_ids.append(seq.token_ids[start])  # consecutive positions (the decode kernels and graphs serve
+                input_ids.extend(item.drafts)  # them; each row's context ends at its own position)
+                k = len(item.drafts)
+                starts.extend(range(start, start + k + 1))
+                q_lens.extend([1] * (k + 1))
+                tables.extend([seq.block_table] * (k + 1))
+                adapter_ids.extend([seq.adapter_id] * (k + 1))
+            elif n == 1:  # decode: no slice
                 token = seq.token_ids[start]
                 if token == PENDING:  # sampled by the step still on the device: read it there
                     prev_at.append(len(input_ids))
@@ -98,28 +147,25 @@ class BatchBuilder:
                 input_ids.append(token)
             else:
                 input_ids.extend(seq.token_ids[start:start + n])
-            starts.append(start)
-            q_lens.append(n)
-            tables.append(seq.block_table)
-            adapter_ids.append(seq.adapter_id)
+            if not item.drafts:
+                starts.append(start)
+                q_lens.append(n)
+                tables.append(seq.block_table)
+                adapter_ids.append(seq.adapter_id)
             if item.samples:
-                for s in (seq, *item.forks) if item.forks else (seq,):  # n > 1: every sample draws from row i
-                    p = s.params
-                    if p.output_logits:
-                        logits_rows.append(len(rows))
-                    if p.needs_sampler_extras:
-                        processing = self._sampler_extras(s, len(rows), processing, logprob_rows, num_top)
-                    if p.structured_outputs is not None:
-                        mask_rows.append(len(rows))
-                        masked.append(s)
-                    rows.append(i)
-                    sampled.append(s)
-                    temps.append(p.temperature)
-                    top_ks.append(p.top_k)
-                    top_ps.append(p.top_p)
-                    min_ps.append(p.min_p)
-                    seeds.append(p.seed)
-                    positions.append(len(s))
+                q = len(starts) - 1 - len(item.drafts)  # its (first) query row
+                if item.drafts:  # k drafts: k + 1 rows, row j checking draft j (the last one: the bonus row)
+                    spans.append((seq, len(rows), len(item.drafts)))
+                    for j, draft in enumerate(item.drafts):
+                        drafts.rows.append(len(rows))
+                        drafts.tokens.append(draft)
+                        add(seq, q + j, len(seq) + j)
+                    add(seq, q + len(item.drafts), len(seq) + len(item.drafts))
+                    continue
+                for s in (seq, *item.forks) if item.forks else (seq,):  # n > 1: every sample draws from row q
+                    if spans is not None:
+                        spans.append((s, len(rows), 0))
+                    add(s, q, len(s))
         sampling = SamplingBatch(temps, top_ks, top_ps, min_ps, seeds, positions, processing, logprob_rows, num_top)
         if masked:  # overlapped: the masks follow the launch, once the grammars know every token
             sampling.mask_rows, sampling.mask_later = mask_rows, self.masks_later
@@ -132,7 +178,8 @@ class BatchBuilder:
                          prompt_logprobs=PromptLogprobsBatch(plp_at, plp_ids, plp_top) if plp_at else None)
         if batch and batch[0].seq.group_tables:  # a hybrid model's KV groups 1.. (engine/hybrid_blocks.py)
             step.group_block_tables = [list(g) for g in zip(*(item.seq.group_tables for item in batch))]
-        return Launched(batch, step, sampled, prompt_scored, {}, masked or None)
+        step.drafts = drafts
+        return Launched(batch, step, sampled, prompt_scored, {}, masked or None, spans)
 
     def _sampler_extras(self, seq: Sequence, row: int, processing: LogitsProcessingBatch | None,
                         logprob_rows: list[int], num_top: list[int]) -> LogitsProcessingBatch | None:

@@ -196,6 +196,20 @@ class BlockManager:
         while len(seq.block_table) < self.blocks_needed(len(seq)):
             seq.block_table.append(self._take_free())
 
+    def reserve_lookahead(self, seq: Sequence, num_tokens: int) -> int:
+        """Slots for up to `num_tokens` tokens past the sequence's end (a speculative step's drafts), as far
+        as free blocks allow; returns how many it has room for."""
+        need = self.blocks_needed(len(seq) + num_tokens)
+        while len(seq.block_table) < need and self.free_ids:
+            seq.block_table.append(self._take_free())
+        return min(num_tokens, len(seq.block_table) * self.block_size - len(seq))
+
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past the sequence's tokens (lookahead slots of rejected drafts; never committed)."""
+        need = self.blocks_needed(len(seq))
+        while len(seq.block_table) > need:
+            self._unref(seq.block_table.pop())
+
     def commit(self, seq: Sequence) -> None:
         """Register the blocks whose K/V are now all computed, so later prompts can reuse them."""
         if not self.prefix_caching:

@@ -26,12 +26,13 @@ from nanoplug.engine.hybrid_blocks import block_manager_for
 from nanoplug.engine.chat_template import chat_token_ids
 from nanoplug.engine.chat_tools import for_template
 from nanoplug.config import EngineConfig, SamplingParams
-from nanoplug.errors import EngineClosedError, RequestError
+from nanoplug.errors import ConfigError, EngineClosedError, RequestError
 from nanoplug.engine.outputs import OutputProcessor, RequestState, RequestUpdate
 from nanoplug.engine.registry import Registry, default_registry
 from nanoplug.engine.requests import EngineRequest, RequestMaker
 from nanoplug.engine.scheduler import Scheduler
 from nanoplug.engine.sequence import Sequence, Status
+from nanoplug.engine.speculation import Speculation
 from nanoplug.engine.startup import start
 from nanoplug.engine.structured import StructuredOutputs
 
@@ -49,6 +50,10 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int
     generated_tokens_total: int
+    # speculative decoding (0 without a speculator): drafts proposed and kept, sequence-steps that verified any
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifications: int = 0
 
 
 class EngineCore:
@@ -60,6 +65,7 @@ class EngineCore:
         """config.model: a checkpoint folder, or a Hugging Face id (fetched where the network allows)."""
         started = time.perf_counter()
         self.registry = registry or default_registry()
+        Speculation.check(self.registry, config)  # a bad speculator choice fails before anything loads
         wired = start(config, self.registry)
         self.config = config = wired.config
         self.hf_config, self.facts = wired.checkpoint.hf_config, wired.checkpoint.facts
@@ -74,9 +80,14 @@ class EngineCore:
         self.defers_sampling = bool(getattr(self.worker, "defers_sampling", False))
         blocks = block_manager_for(wired.num_kv_blocks, config.kv_block_size, config.enable_prefix_caching,
                                    self.facts.sliding_windows, self.facts.num_layers)
+        if config.speculator is not None and getattr(blocks, "groups", None) is not None:
+            self.close()  # verification rows read one block table per sequence; KV groups keep one per group
+            raise ConfigError(f"speculator {config.speculator!r} cannot serve a model whose layers mix sliding-window "
+                              "and full attention (KV-cache groups): leave speculator unset for this model")
         self.scheduler = Scheduler(config, blocks)
         self.builder = BatchBuilder(self.scheduler.blocks, self.scheduler.penalty_slots, self.structured,
                                     self.overlap and self.defers_sampling)
+        self.speculation = Speculation.resolve(self.registry, config, wired.target, self.facts.vocab_size)  # None: no speculator
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, config.max_model_len)
         self.requests: dict[str, RequestState] = {}  # every request added and not finished, by id
         self.in_flight: Launched | None = None  # overlapped: the launched step whose tokens are still to come
@@ -97,7 +108,8 @@ class EngineCore:
         """One line per kind: what was asked, what was chosen, and why."""
         so = self.structured.resolution
         return self.choices.describe() + [so.describe() if so is not None else
-                                          f"structured_output: asked 'auto', none ({self.structured.why_none})"]
+                                          f"structured_output: asked 'auto', none ({self.structured.why_none})"] + (
+            [self.speculation.describe()] if self.speculation is not None else [])
 
     # ---------------------------------------------------------------------------- requests
     def _check_open(self) -> None:
@@ -183,17 +195,22 @@ class EngineCore:
         ends the sequence (EOS, a stop string), the one step it ran ahead is thrown away."""
         self._check_open()
         updates = self._drain_inbox()
+        if self.speculation is None:
+            return updates + self._plain_step()
+        k = self.speculation.num_drafts(self.scheduler)
+        if k:
+            return updates + self._speculative_step(k)
+        started, before = time.perf_counter(), self.last_step
+        updates += self._plain_step()
+        if self.last_step is not before and not self.last_step[0]:  # a decode step's time teaches the adaptive k
+            self.speculation.policy.observe_step(self.last_step[1], time.perf_counter() - started)
+        return updates
+
+    def _plain_step(self) -> list[RequestUpdate]:
+        """A step without drafts (overlapped where the engine overlaps)."""
+        updates = []
         if not self.overlap:
-            if not self.scheduler.has_work():
-                return updates
-            batch, is_prefill = self.scheduler.schedule()
-            if not batch:
-                raise RuntimeError(NOTHING_TO_RUN)
-            self._start_forked()
-            launched = self.builder.build(batch, is_prefill, None)
-            result = self.worker.run(launched.step)
-            self.scheduler.advance(batch)
-            return updates + self._apply(launched, result)
+            return self._step_to_end()
         launched = None
         if self.in_flight is not None and self.in_flight.masked and not self.defers_sampling:
             # a worker that cannot sample after its launch: a grammar's mask needs the step before it collected
@@ -217,6 +234,40 @@ class EngineCore:
         self._sample_masked(launched)
         return updates
 
+    def _speculative_step(self, k: int) -> list[RequestUpdate]:
+        """A step that verifies up to `k` drafts per decoding sequence (engine/speculation.py), run to the end
+        before the next is scheduled: the drafts come from every token known, and the accepted count decides
+        where the next step starts. A step launched before it (overlapped) is collected first."""
+        started, updates = time.perf_counter(), []
+        if self.in_flight is not None:
+            previous, self.in_flight = self.in_flight, None
+            updates += self._apply(previous, self.worker.collect())
+        updates += self._step_to_end(k)
+        if not self.last_step[0]:
+            self.speculation.policy.observe_step(self.last_step[1], time.perf_counter() - started)
+        return updates
+
+    def _step_to_end(self, k: int = 0) -> list[RequestUpdate]:
+        """Schedule, run and apply one step before the next is scheduled: every step of an engine that does not
+        overlap, and every speculative one (a decode step then verifies up to `k` drafts per sequence)."""
+        if not self.scheduler.has_work():
+            return []
+        batch, is_prefill = self.scheduler.schedule()
+        if not batch:
+            raise RuntimeError(NOTHING_TO_RUN)
+        self._start_forked()
+        if k and not is_prefill:
+            self.speculation.propose(batch, self.scheduler, k)
+        launched = self.builder.build(batch, is_prefill, None)
+        if launched.step.sampling.mask_later:  # (an overlapping engine's builder: the masks follow the launch)
+            self.worker.launch(launched.step)
+            self._sample_masked(launched)
+            result = self.worker.collect()
+        else:
+            result = self.worker.run(launched.step)
+        self.scheduler.advance(batch)
+        return self._apply(launched, result)
+
     def _sample_masked(self, launched: Launched | None) -> None:
         """Structured outputs, overlapped: the launched step's forward runs while the previous step's tokens
         advanced the grammars; now its masks are filled on the host and it is sampled under them."""
@@ -228,18 +279,15 @@ class EngineCore:
         batch, step = launched.batch, launched.step
         self.last_step = (step.is_prefill, sum(step.query_lens), len(batch))
         logits_of, logprobs_of = launched.row_outputs(result)
-        got = []
-        for k, (seq, token) in enumerate(zip(launched.sampled, result.tokens)):
-            if seq.status is Status.FINISHED:
-                continue  # it ended at the step before (or was aborted): this one ran ahead for nothing
-            self.scheduler.append_token(seq, token)
-            got.append((seq, token, k))
-        self.scheduler.commit(batch)  # full blocks are registered once their tokens are known
-        self.generated_tokens_total += len(got)
+        got, settled = launched.emitted(result)  # settled: a speculative step's accepted drafts per sample
         updates = []
         requests, outputs = self.requests, self.outputs
         with self._tokenizer_lock:
-            for seq, token, k in got:
+            for i, (seq, token, k) in enumerate(got):
+                if seq.status is Status.FINISHED:
+                    continue  # it ended at the step before, or at an earlier token of this one (or was aborted)
+                self.scheduler.append_token(seq, token)
+                self.generated_tokens_total += 1
                 state = requests[seq.request_id]
                 if seq.sample_index:
                     state = state.samples[seq.sample_index]
@@ -257,8 +305,14 @@ class EngineCore:
                 if reason is not None:
                     self.scheduler.finish(seq, reason)
                     updates.append(self._sample_finished(state))
-                elif state.incremental:  # a final-only request hears once, when it finishes
-                    updates.append(outputs.update(state))
+                elif state.incremental and (i == len(got) - 1 or got[i + 1][0] is not seq):
+                    updates.append(outputs.update(state))  # (once per step: after a sequence's last token)
+        for seq, num_accepted, _ in settled:
+            if seq.status is Status.RUNNING:
+                self.scheduler.settle_drafts(seq, num_accepted)
+        if settled:
+            self.speculation.settled(settled)
+        self.scheduler.commit(batch)  # full blocks are registered once their tokens are known
         return updates
 
     # ------------------------------------------------------------------------------ the rest
@@ -269,6 +323,7 @@ class EngineCore:
             kv_blocks_used=self.num_kv_blocks - blocks.num_free_blocks, kv_blocks_total=self.num_kv_blocks,
             num_preemptions=self.scheduler.num_preemptions, prompt_tokens_total=self.prompt_tokens_total,
             generated_tokens_total=self.generated_tokens_total,
+            **(self.speculation.counters() if self.speculation is not None else {}),
         )
 
     def chat_prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:

@@ -26,6 +26,7 @@ from nanoplug.api import (AttentionBackend, KVCacheStore, ModelArchitecture, Par
                           WeightAdapter, WeightFormat, hookspecs)
 from nanoplug.api.errors import PluginLoadError, PluginUnavailableError, UnknownPluginError
 from nanoplug.api.hookspecs import KIND_HOOKS, PLUGIN_API_VERSION
+from nanoplug.api.speculator import Speculator
 from nanoplug.api.structured import StructuredOutputBackend
 
 if sys.version_info >= (3, 11):
@@ -44,6 +45,7 @@ KIND_BASES = {
     "weight_format": WeightFormat,
     "platform": Platform,
     "structured_output": StructuredOutputBackend,
+    "speculator": Speculator,
 }
 ENTRY_POINT_GROUP = "nanoplug"
 DISABLE_ENTRY_POINTS_ENV = "NANOPLUG_DISABLE_ENTRY_POINTS"

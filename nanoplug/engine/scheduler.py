@@ -27,6 +27,7 @@ class Scheduled:
     seq: Sequence
     num_tokens: int  # tokens computed for it this step
     forks: list[Sequence] = field(default_factory=list)  # other samples of its prompt, drawn from its last token's logits
+    drafts: list[int] = field(default_factory=list)  # speculative: draft tokens verified after its last token
 
     @property
     def samples(self) -> bool:
@@ -166,6 +167,18 @@ class Scheduler:
                 seq.add_pending()
                 for child in item.forks:  # so do the samples forked from it
                     child.add_pending()
+
+    def reserve_drafts(self, item: Scheduled, drafts: list[int]) -> None:
+        """Give a decode item the drafts its lookahead slots have room for (KV blocks past its last token,
+        taken while free blocks last; never by preempting another sequence)."""
+        room = self.blocks.reserve_lookahead(item.seq, len(drafts))
+        item.drafts = drafts[:room]
+
+    def settle_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """A speculative step's tokens are appended: the accepted drafts' K/V count as computed; the blocks
+        held only for rejected drafts go back (their slots are written again as the sequence grows)."""
+        seq.num_computed_tokens += num_accepted
+        self.blocks.trim(seq)
 
     def append_token(self, seq: Sequence, token: int) -> None:
         """A sampled token arrived: it fills the oldest placeholder, or is appended."""

@@ -58,6 +58,9 @@ class Stats(msgspec.Struct, array_like=True):
     num_preemptions: int
     prompt_tokens_total: int
     generated_tokens_total: int
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifications: int = 0
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -158,7 +161,8 @@ def frame(message: Any) -> bytes:
 
 def _stats(s: Any) -> Stats:
     return Stats(s.num_running, s.num_waiting, s.kv_blocks_used, s.kv_blocks_total, s.num_preemptions,
-                 s.prompt_tokens_total, s.generated_tokens_total)
+                 s.prompt_tokens_total, s.generated_tokens_total, s.spec_draft_tokens, s.spec_accepted_tokens,
+                 s.spec_verifications)
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:

@@ -37,10 +37,32 @@ class _EngineCollector:
         yield CounterMetricFamily("nanoplug_generation_tokens", "Tokens generated", value=s.generated_tokens_total)
 
 
+class _SpecDecodeCollector:
+    """Speculative decoding (vLLM's spec_decode metrics): drafts proposed and kept, verifications, and the
+    two figures they give, the acceptance rate and the mean accepted length (tokens per verification)."""
+
+    def __init__(self, stats: Callable[[], object]):
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats()
+        drafts, accepted, verified = s.spec_draft_tokens, s.spec_accepted_tokens, s.spec_verifications
+        yield CounterMetricFamily("nanoplug_spec_decode_num_drafts", "Sequence-steps that verified draft tokens",
+                                  value=verified)
+        yield CounterMetricFamily("nanoplug_spec_decode_num_draft_tokens", "Draft tokens proposed", value=drafts)
+        yield CounterMetricFamily("nanoplug_spec_decode_num_accepted_tokens", "Draft tokens accepted", value=accepted)
+        yield GaugeMetricFamily("nanoplug_spec_decode_acceptance_rate", "Accepted over proposed draft tokens",
+                                value=accepted / drafts if drafts else 0.0)
+        yield GaugeMetricFamily("nanoplug_spec_decode_mean_accepted_length",
+                                "Tokens a verification gives: its accepted drafts plus one",
+                                value=1.0 + accepted / verified if verified else 0.0)
+
+
 class Metrics:
     def __init__(self, stats: Callable[[], object], open_requests: Callable[[], int]):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(stats, open_requests))
+        self.registry.register(_SpecDecodeCollector(stats))
         self.http = Counter("nanoplug_http_requests", "HTTP requests by route and status", ["route", "status"],
                             registry=self.registry)
         self.finished = Counter("nanoplug_request_finished", "Engine requests finished, by reason", ["finish_reason"],

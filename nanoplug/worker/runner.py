@@ -352,9 +352,11 @@ class ModelRunner(Worker):
     def _sample_and_send(self, step: StepBatch, logits: torch.Tensor | None, prompt_lps: LogprobsTensors | None,
                          share_tokens: bool) -> None:
         """Sample the step's rows, keep the tokens for the next step, and start their copy to the host."""
-        tokens = None
+        tokens = accepted = None
         if step.sample_rows:
-            if self.group.rank == 0:
+            if self.group.rank == 0 and step.drafts is not None:  # a speculative step: the rejection sampler
+                tokens, accepted = self.sampler(logits, step.sampling, step.drafts)
+            elif self.group.rank == 0:
                 tokens = self.sampler(logits, step.sampling)
             if share_tokens:
                 tokens = self._shared_tokens(tokens, len(step.sample_rows))
@@ -369,7 +371,8 @@ class ModelRunner(Worker):
         lps = self.sampler.logprobs(logits, tokens, step.sampling) if step.sampling.logprob_rows else None
         extra = [t.pack() for t in (lps, prompt_lps) if t is not None]
         extra = self.platform.to_host(torch.cat(extra), None) if extra else None
-        self.pending.append((self.platform.to_host(tokens, rows), extra, step))
+        sent = tokens if accepted is None else torch.cat([tokens, accepted.long()])  # one copy back for both
+        self.pending.append((self.platform.to_host(sent, rows), extra, step))
 
     def _shared_tokens(self, tokens: torch.Tensor | None, count: int) -> torch.Tensor:
         """Rank 0's sampled tokens on every rank's device, queued there like any step work: a sum of
@@ -431,6 +434,9 @@ class ModelRunner(Worker):
         (tokens, rows, handle), extra, step = entry
         self.platform.wait(handle)
         result = StepResult(tokens.tolist(), list(rows) if rows is not None else [])
+        if step.drafts is not None:  # the tokens, then whether each draft row kept its draft
+            n = len(step.sample_rows)
+            result.tokens, result.accepted = result.tokens[:n], [bool(a) for a in result.tokens[n:]]
         if extra is not None:
             flat, _, extra_handle = extra
             self.platform.wait(extra_handle)

@@ -16,9 +16,10 @@ import random
 
 import torch
 
-from nanoplug.api import LogprobsTensors, SamplingBatch, to_device, unpack_bitmask  # noqa: F401  (SamplingBatch: the step's settings)
+from nanoplug.api import DraftBatch, LogprobsTensors, SamplingBatch, to_device, unpack_bitmask
 from nanoplug.worker import logprobs as logprobs_math
 from nanoplug.worker.logits_processors import LogitsProcessors
+from nanoplug.worker.rejection import rejection_sample
 
 
 def _seeded_noise(seed: int, position: int, vocab: int, device: torch.device) -> torch.Tensor:
@@ -44,15 +45,21 @@ class Sampler:
         self.processors = LogitsProcessors(device)
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """The next token of every row. `logits` itself is never changed."""
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch, drafts: DraftBatch | None = None):
+        """The next token of every row. `logits` itself is never changed. With `drafts` (a speculative step):
+        (tokens, accepted) from the rejection sampler (nanoplug/worker/rejection.py)."""
         if batch.mask_rows:
             logits = self.masked(logits, batch)
-        if batch.processing is None:
-            return self._sample(logits, batch)
-        tokens = self._sample(self.processors.apply(logits, batch.processing), batch)
-        self.processors.record(tokens, batch.processing)
-        return tokens
+        if batch.processing is not None:
+            logits = self.processors.apply(logits, batch.processing)
+        if drafts is None:
+            tokens = out = self._sample(logits, batch)
+        else:
+            out = rejection_sample(self, logits, batch, drafts)
+            tokens = out[0]
+        if batch.processing is not None:
+            self.processors.record(tokens, batch.processing)
+        return out
 
     @staticmethod
     def masked(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -80,11 +87,16 @@ class Sampler:
             sampled = self.temperature(logits, torch.where(temps > 0, temps, 1.0), self.step_seeds.getrandbits(31))
             return self._greedy_where_cold(logits, batch, temps, sampled)
         probs = self.probabilities(logits, batch, temps)
+        return self._greedy_where_cold(logits, batch, temps, self.draw(probs, batch))
+
+    def draw(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """One token per row of `probs` (changed in place), by an exponential race: seeded rows from their
+        (seed, position) noise, the others from the sampler's generator."""
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, seed in enumerate(batch.seeds):
             if seed is not None:
-                noise[row] = _seeded_noise(seed, batch.positions[row], probs.shape[1], dev)
-        return self._greedy_where_cold(logits, batch, temps, probs.div_(noise).argmax(dim=-1))
+                noise[row] = _seeded_noise(seed, batch.positions[row], probs.shape[1], probs.device)
+        return probs.div_(noise).argmax(dim=-1)
 
     def _greedy_where_cold(self, logits, batch: SamplingBatch, temps: torch.Tensor, sampled: torch.Tensor):
         """`sampled`, with the greedy token in rows at temperature 0."""

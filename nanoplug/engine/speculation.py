@@ -1,0 +1,203 @@
+"""Speculative decoding on the engine side: the speculator of this engine, how many drafts each step asks for,
+which sequences may take them, and the counters `/metrics` reports.
+
+A step speculates only where it pays (`AdaptiveK`): the expected tokens a verified sequence gains with k
+drafts at the measured acceptance rate a, (1 - a^(k+1)) / (1 - a), against what a step of that many rows
+costs, from a linear fit of the measured seconds of decode steps by their row count. When the batch is
+compute-bound a step of B (k + 1) rows costs about k + 1 steps of B rows and k falls to 0: speculation turns
+itself off (a row count never measured is assumed to cost no more than the largest measured, so each shape is
+tried once and then known).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from nanoplug.api import SpeculatorSpec
+from nanoplug.config import EngineConfig
+from nanoplug.engine.registry import Registry, Resolution
+from nanoplug.engine.scheduler import Scheduled, Scheduler
+
+log = logging.getLogger("nanoplug")
+
+
+@dataclass
+class SpecStats:
+    """Counters since start-up: drafts proposed and accepted, and the sequence-steps that verified any."""
+
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    verifications: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verification gives on average: its accepted drafts plus the target's own token."""
+        return 1.0 + self.accepted_tokens / self.verifications if self.verifications else 0.0
+
+
+class AdaptiveK:
+    """The number of drafts a step asks for, from measured acceptance and step cost (see the module)."""
+
+    def __init__(self, k_max: int, prior_acceptance: float = 0.7, decay: float = 0.8):
+        self.k_max, self.decay = k_max, decay
+        self.acceptance = prior_acceptance  # exponential moving average of accepted / drafted, per step
+        self.seconds: dict[int, float] = {}  # decode rows -> moving average of a step's seconds
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        old = self.seconds.get(rows)
+        self.seconds[rows] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+    def observe_drafts(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.acceptance = self.decay * self.acceptance + (1 - self.decay) * accepted / drafted
+
+    def cost(self, rows: int) -> float:
+        """Predicted seconds of a decode step of `rows` rows: a least-squares line through the measured ones,
+        never below the largest measurement at fewer rows (optimistic past the largest measured)."""
+        n = np.fromiter(self.seconds, dtype=np.float64)
+        t = np.fromiter(self.seconds.values(), dtype=np.float64)
+        below = t[n <= rows]
+        floor = below.max() if len(below) else 0.0
+        if len(n) < 2:
+            return max(floor, float(t.mean()) if len(t) else 0.0)
+        slope, intercept = np.polyfit(n, t, 1)
+        fit = intercept + slope * rows if rows <= n.max() or slope <= 0 else intercept + slope * n.max()
+        return max(floor, float(fit))
+
+    def choose(self, num_seqs: int) -> int:
+        """Drafts per sequence for a step of `num_seqs` decoding sequences (0: do not speculate)."""
+        if not self.seconds:
+            return self.k_max
+        a = min(self.acceptance, 0.999)
+        best, best_rate = 0, 1.0 / max(self.cost(num_seqs), 1e-9)
+        for k in range(1, self.k_max + 1):
+            gain = (1.0 - a ** (k + 1)) / (1.0 - a)
+            rate = gain / max(self.cost(num_seqs * (k + 1)), 1e-9)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+
+class DraftEngine:
+    """A draft checkpoint run by an engine core of its own (its model plugin and KV cache) on the target's device
+    and dtype: the engine's `load_draft_model` for speculators (nanoplug.api.DraftModel)."""
+
+    def __init__(self, model: str, options: dict, target: EngineConfig, registry: Registry, vocab_size: int):
+        from nanoplug.engine.engine_core import EngineCore  # (the engine core builds this module's Speculation)
+
+        unknown = sorted(set(options) - {"num_kv_blocks", "attention"})
+        if unknown:
+            raise ValueError(f"a draft model takes the options num_kv_blocks and attention, not {', '.join(unknown)}")
+        config = EngineConfig(model=model, device=target.device, dtype=target.dtype,
+                              attention=options.get("attention", target.attention), max_model_len=target.max_model_len,
+                              max_num_seqs=target.max_num_seqs, kv_block_size=16,
+                              num_kv_blocks=int(options.get("num_kv_blocks", 2048)), seed=target.seed,
+                              skip_tokenizer_init=True, **target.platform_options)
+        self.core = EngineCore(config, registry)
+        if self.core.facts.vocab_size != vocab_size:
+            self.core.close()
+            raise ValueError(f"the draft checkpoint {model!r} has a vocabulary of {self.core.facts.vocab_size} tokens, "
+                             f"the target {vocab_size}; a draft model must share the target's tokenizer")
+        self.requests = 0
+
+    def greedy(self, token_ids: list[list[int]], num_tokens: list[int]) -> list[list[int]]:
+        from nanoplug.config import SamplingParams
+
+        core, out, ids = self.core, {}, []
+        for tokens, n in zip(token_ids, num_tokens):
+            self.requests += 1
+            rid = f"draft-{self.requests}"
+            ids.append(rid)
+            out[rid] = []
+            core.add_request(core.make_request(list(tokens), SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                                             rid))
+        while core.has_unfinished():
+            for update in core.step():
+                out[update.request_id] += update.token_ids
+        return [out[rid] for rid in ids]
+
+
+class Speculation:
+    """One engine's speculator, its adaptive k and its counters."""
+
+    def __init__(self, resolution: Resolution, config: EngineConfig, load_draft_model=None):
+        self.resolution = resolution
+        self.speculator = resolution.cls(SpeculatorSpec(config.num_speculative_tokens, dict(config.speculator_options),
+                                                        load_draft_model))
+        self.max_model_len = config.max_model_len
+        self.policy = AdaptiveK(config.num_speculative_tokens)
+        self.adaptive = config.adaptive_speculation
+        self.stats = SpecStats()
+
+    @staticmethod
+    def check(registry: Registry, config: EngineConfig) -> None:
+        """Refuse an unknown speculator or an option it does not take before anything is loaded."""
+        if config.speculator is None:
+            return
+        cls = registry.get("speculator", config.speculator)
+        unknown = sorted(set(config.speculator_options) - cls.options)
+        if unknown:
+            raise ValueError(f"speculator {config.speculator!r} takes no option {', '.join(map(repr, unknown))}; "
+                             f"its options: {', '.join(sorted(cls.options)) or 'none'}")
+
+    @classmethod
+    def resolve(cls, registry: Registry, config: EngineConfig, target, vocab_size: int) -> "Speculation | None":
+        """The engine's speculator, resolved once at start-up (None: no speculation asked for)."""
+        if config.speculator is None:
+            return None
+        def load_draft_model(model: str, options: dict) -> DraftEngine:
+            return DraftEngine(model, options, config, registry, vocab_size)
+
+        return cls(registry.resolve("speculator", config.speculator, target), config, load_draft_model)
+
+    def describe(self) -> str:
+        return self.resolution.describe()
+
+    def num_drafts(self, scheduler: Scheduler) -> int:
+        """Drafts per sequence the next step asks for: 0 while prompts wait (their step is a prefill) or where
+        it does not pay."""
+        if scheduler.waiting or not scheduler.running:
+            return 0
+        return self.policy.choose(len(scheduler.running)) if self.adaptive else self.policy.k_max
+
+    def propose(self, batch: list[Scheduled], scheduler: Scheduler, k: int) -> None:
+        """Give each decode item of `batch` that may speculate its drafts (up to k, fewer near its max_tokens or
+        max_model_len, or where its lookahead slots find no free block)."""
+        items, wanted = [], []
+        for item in batch:
+            seq, p = item.seq, item.seq.params
+            if (item.num_tokens != 1 or not item.samples or item.forks or seq.num_pending or p.penalized
+                    or p.structured_outputs is not None):
+                continue  # penalties and grammars are applied one token at a time: such a sequence decodes plainly
+            room = min(k, p.max_tokens - seq.num_completion_tokens - 1, self.max_model_len - len(seq) - 1)
+            if room > 0:
+                items.append(item)
+                wanted.append(room)
+        if not items:
+            return
+        for item, drafts in zip(items, self.speculator.propose([it.seq.token_ids for it in items], wanted)):
+            if drafts:
+                scheduler.reserve_drafts(item, list(drafts))
+
+    def counters(self) -> dict[str, int]:
+        """The counters as EngineStats names them."""
+        s = self.stats
+        return dict(spec_draft_tokens=s.draft_tokens, spec_accepted_tokens=s.accepted_tokens,
+                    spec_verifications=s.verifications)
+
+    def settled(self, settled: list[tuple[object, int, int]]) -> None:
+        """A speculative step's outcome: (sequence, drafts accepted, drafts) per sample."""
+        drafted = accepted = verified = 0
+        for _, n, k in settled:
+            if k:
+                drafted, accepted, verified = drafted + k, accepted + n, verified + 1
+        self.stats.draft_tokens += drafted
+        self.stats.accepted_tokens += accepted
+        self.stats.verifications += verified
+        self.policy.observe_drafts(drafted, accepted)

@@ -1,0 +1,1 @@
+"""Speculators (kind `speculator`): proposers of draft tokens, one module each."""
