@@ -6,7 +6,8 @@ With "required" or a named function the call is generated under a JSON-schema co
 functions' parameter schemas, so it always parses: "required" writes a JSON list of {"name", "arguments"}
 objects (one at most without parallel calls; vLLM's shape), a named function writes its arguments object
 alone. With "auto" the model writes calls in its own format, the one its model plugin declares
-(`ModelArchitecture.tool_call_format`, e.g. Hermes' `<tool_call>{...}</tool_call>`), recognised in its text.
+(`ModelArchitecture.tool_call_formats`, e.g. Hermes' `<tool_call>{...}</tool_call>`), recognised in its text, and
+a call it starts is completed under a structural tag built from the functions' schemas, so it parses too.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from nanoplug.api import ToolCallFormat
+from nanoplug.api import ToolCallFormat, pick_tool_call_format
 from nanoplug.config import StructuredOutputsParams
 from nanoplug.server.errors import bad_request
 
@@ -203,15 +204,16 @@ def chat_messages(messages: list[Any], roles: dict[str, str]) -> list[dict]:
     return out
 
 
-def model_tool_call_format(model: str) -> ToolCallFormat | None:
-    """The tool-call format the model plugin of checkpoint `model` declares (the engine process's server side
-    asks the registry, as the engine did), or None."""
+def model_tool_call_format(model: str, chat_template: str | None) -> ToolCallFormat | None:
+    """The tool-call format checkpoint `model` writes: of its model plugin's formats, the one its chat template
+    holds (the engine process's server side asks the registry, as the engine does), or None."""
     try:
         from nanoplug.checkpoint.loader import load_hf_config
         from nanoplug.checkpoint.source import resolve_model_path
         from nanoplug.engine.registry import default_registry
 
         arch = (getattr(load_hf_config(resolve_model_path(model)), "architectures", None) or [None])[0]
-        return getattr(default_registry().get("model", arch), "tool_call_format", None)
+        formats = getattr(default_registry().get("model", arch), "tool_call_formats", ())
     except Exception:  # the engine process reports a bad checkpoint itself
         return None
+    return pick_tool_call_format(formats, chat_template)

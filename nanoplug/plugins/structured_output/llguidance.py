@@ -1,5 +1,5 @@
-"""Structured output `llguidance`: Microsoft's Earley-based engine (JSON schema, regex, GBNF and Lark), masks
-filled on the host."""
+"""Structured output `llguidance`: Microsoft's Earley-based engine (JSON schema, regex, GBNF, Lark and structural
+tags), masks filled on the host."""
 from __future__ import annotations
 
 import importlib.util
@@ -30,7 +30,7 @@ class _Matcher(GrammarMatcher):
 
 
 class LLGuidanceBackend(StructuredOutputBackend):
-    description = "llguidance: JSON schema, regex, choice, GBNF and Lark; CPU masks"
+    description = "llguidance: JSON schema, regex, choice, GBNF, Lark and structural tags; CPU masks"
     priority = 10
 
     @classmethod
@@ -63,6 +63,8 @@ class LLGuidanceBackend(StructuredOutputBackend):
                 grammar = llg.grammar_from("grammar", text)
             elif kind == "lark":
                 grammar = llg.LLMatcher.grammar_from_lark(text)
+            elif kind == "structural_tag":
+                grammar = llg.LLMatcher.grammar_from_lark(self._struct_tags(json.loads(text)))
             else:
                 raise ConstraintError(f"llguidance compiles {', '.join(self.kinds)}, not {kind!r}")
         except ConstraintError:
@@ -73,6 +75,17 @@ class LLGuidanceBackend(StructuredOutputBackend):
         if error:
             raise ConstraintError(f"llguidance cannot compile this {kind} constraint: {_first_line(error)}")
         return grammar
+
+    def _struct_tags(self, tag: dict) -> str:
+        """The engine's {"triggers", "structures"} as llguidance's lazy-trigger Lark grammar (its StructTag), each
+        structure's JSON written as the json kind writes it."""
+        tags = []
+        for s in tag["structures"]:
+            trigger = next(t for t in tag["triggers"] if s["begin"].startswith(t))
+            schema = s["schema"] if isinstance(s["schema"], dict) else {}
+            tags.append(self.llg.StructTag(trigger=trigger, begin=s["begin"], end=s["end"],
+                                           grammar={**schema, "x-guidance": JSON_OPTIONS}))
+        return self.llg.StructTag.to_grammar(tags, assume_special=False)  # a trigger is text, not a special token
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
         m = self.llg.LLMatcher(self.tokenizer_ll, compiled, log_level=0)

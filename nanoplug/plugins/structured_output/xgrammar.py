@@ -1,4 +1,4 @@
-"""Structured output `xgrammar`: MLC's grammar engine (JSON schema, regex, EBNF, Lark), masks filled on the host."""
+"""Structured output `xgrammar`: MLC's grammar engine (JSON schema, regex, EBNF, Lark, structural tags), masks\nfilled on the host."""
 from __future__ import annotations
 
 import importlib.util
@@ -15,6 +15,7 @@ import numpy as np
 from nanoplug.api import Constraint, ConstraintError, GrammarMatcher, StructuredOutputBackend, Target
 
 JSON_SEPARATORS = (", ", ": ")  # one space after each, no free whitespace: llguidance is set alike (same tokens)
+MAX_BLANKS = 2  # whitespace characters in a row inside a structural tag's JSON
 _STDERR_LOCK = threading.Lock()
 
 
@@ -58,7 +59,7 @@ class _Matcher(GrammarMatcher):
 
 
 class XGrammarBackend(StructuredOutputBackend):
-    description = "xgrammar: JSON schema, regex, choice, EBNF/GBNF and Lark; CPU masks"
+    description = "xgrammar: JSON schema, regex, choice, EBNF/GBNF, Lark and structural tags; CPU masks"
     priority = 20
 
     @classmethod
@@ -91,6 +92,8 @@ class XGrammarBackend(StructuredOutputBackend):
                 return c.compile_grammar(text)
             if kind == "lark":
                 return c.compile_lark(text)
+            if kind == "structural_tag":
+                return c.compile_structural_tag(_triggered_tags(json.loads(text)))
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError with the feature or syntax error
             raise ConstraintError(f"xgrammar cannot compile this {kind} constraint: {_first_line(exc)}") from None
         raise ConstraintError(f"xgrammar compiles {', '.join(self.kinds)}, not {kind!r}")
@@ -110,6 +113,16 @@ class XGrammarBackend(StructuredOutputBackend):
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
         return _Matcher(self.xgr.GrammarMatcher(compiled))
+
+
+def _triggered_tags(tag: dict) -> str:
+    """The engine's {"triggers", "structures"} as xgrammar's structural tag: free text, and each structure's JSON
+    (whitespace runs capped, so a call cannot run on in blanks) between its begin and end once a trigger is written."""
+    tags = [{"type": "tag", "begin": s["begin"], "end": s["end"],
+             "content": {"type": "json_schema", "json_schema": s["schema"], "max_whitespace_cnt": MAX_BLANKS}}
+            for s in tag["structures"]]
+    return json.dumps({"type": "structural_tag",
+                       "format": {"type": "triggered_tags", "triggers": tag["triggers"], "tags": tags}})
 
 
 def _required_without_properties(schema: Any) -> str | None:
