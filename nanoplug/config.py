@@ -163,7 +163,8 @@ class StructuredOutputsParams(BaseModel):
     json: a JSON schema (a dict, or its text); json_object: any JSON object; regex; choice: one of these
     strings; grammar: EBNF/GBNF (rules written `name ::= ...`) or else Lark; structural_tag: free text in which
     each of `structures` ({"begin", "schema", "end"}) is drawn under its schema once one of `triggers` (a prefix
-    of its begin) is written, as vLLM's and xgrammar's structural tags (tool calls in running text)."""
+    of its begin) is written, as vLLM's and xgrammar's structural tags (tool calls in running text); with
+    "stop_after_first" the answer ends after one structure."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -216,7 +217,8 @@ class StructuredOutputsParams(BaseModel):
             tag = _check_structural_tag(self.structural_tag)
             return Constraint("structural_tag", json.dumps({"triggers": tag["triggers"], "structures": [
                 {"begin": t["begin"], "schema": t.get("schema", {}), "end": t.get("end", "")}
-                for t in tag["structures"]]}, ensure_ascii=False, sort_keys=True))
+                for t in tag["structures"]], "stop_after_first": bool(tag.get("stop_after_first"))},
+                ensure_ascii=False, sort_keys=True))
         return Constraint("grammar" if "::=" in self.grammar else "lark", self.grammar)
 
 

@@ -85,7 +85,8 @@ class ToolCallFormat:
     # --------------------------------------------------------------------------- constraining
     def structural_tag(self, tools: list[dict], parallel: bool = True) -> dict:
         """The structural tag (the `structural_tag` constraint's {"triggers", "structures"}) under which a call
-        the model starts is one of `tools` ({"type": "function", "function": {...}}) with arguments that fit."""
+        the model starts is one of `tools` ({"type": "function", "function": {...}}) with arguments that fit; one call
+        at most unless `parallel` (a listed format writes one list, of one call at most unless `parallel`)."""
         def parameters(fn: dict) -> dict:
             return fn.get("parameters") or {"type": "object", "properties": {}}
 
@@ -100,13 +101,13 @@ class ToolCallFormat:
             if not parallel:
                 schema["maxItems"] = 1
             structures = [{"begin": self.start + self.gap, "schema": schema, "end": self.end}]
-            return {"triggers": [self.start], "structures": structures}
+            return {"triggers": [self.start], "structures": structures, "stop_after_first": True}
         structures = []
         for f in functions:
             head = json.dumps({self.name_key: f["name"]}, ensure_ascii=False)[:-1]  # '{"name": "f"'
             begin = ("" if self.start_in_json else self.start + self.gap) + head + f', "{self.arguments_key}": '
             structures.append({"begin": begin, "schema": parameters(f), "end": "}" + self.end})
-        return {"triggers": [self.start], "structures": structures}
+        return {"triggers": [self.start], "structures": structures, "stop_after_first": not parallel}
 
 
 HERMES_TOOL_CALLS = ToolCallFormat("hermes", "<tool_call>", "\n</tool_call>", gap="\n", marker="<tool_call>")

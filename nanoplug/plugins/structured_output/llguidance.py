@@ -77,15 +77,21 @@ class LLGuidanceBackend(StructuredOutputBackend):
         return grammar
 
     def _struct_tags(self, tag: dict) -> str:
-        """The engine's {"triggers", "structures"} as llguidance's lazy-trigger Lark grammar (its StructTag), each
-        structure's JSON written as the json kind writes it."""
-        tags = []
-        for s in tag["structures"]:
+        """The engine's {"triggers", "structures", "stop_after_first"} as a lazy-trigger Lark grammar (llguidance's
+        StructTag.to_grammar, with a start rule allowing one structure at most when `stop_after_first`), each
+        structure's JSON written as the json kind writes it. A trigger is text, not a special token."""
+        rules, options = [], []
+        for i, s in enumerate(tag["structures"]):
             trigger = next(t for t in tag["triggers"] if s["begin"].startswith(t))
             schema = s["schema"] if isinstance(s["schema"], dict) else {}
-            tags.append(self.llg.StructTag(trigger=trigger, begin=s["begin"], end=s["end"],
-                                           grammar={**schema, "x-guidance": JSON_OPTIONS}))
-        return self.llg.StructTag.to_grammar(tags, assume_special=False)  # a trigger is text, not a special token
+            body = " ".join(filter(None, (_lark_text(s["begin"][len(trigger):]),
+                                          "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS}),
+                                          _lark_text(s["end"]))))
+            rules += [f"tag_{i}_trig[lazy]: TAG_TEXT {_lark_text(trigger)}", f"tag_{i}: tag_{i}_trig {body}"]
+            options.append(f"tag_{i}")
+        calls = " | ".join(options)
+        start = f"start: ({calls}) | tag_end" if tag.get("stop_after_first") else f"start: ({calls})* tag_end"
+        return "\n".join(["%llguidance {}", start, "tag_end: TAG_TEXT", r"TAG_TEXT: /(.|\n)*/", *rules]) + "\n"
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
         m = self.llg.LLMatcher(self.tokenizer_ll, compiled, log_level=0)
@@ -97,3 +103,8 @@ class LLGuidanceBackend(StructuredOutputBackend):
 def _first_line(exc: Any) -> str:
     text = str(exc).strip() or type(exc).__name__
     return text.splitlines()[0][:500]
+
+
+def _lark_text(text: str) -> str:
+    """A Lark string literal for `text` ("" for none)."""
+    return json.dumps(text) if text else ""

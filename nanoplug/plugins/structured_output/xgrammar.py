@@ -1,4 +1,5 @@
-"""Structured output `xgrammar`: MLC's grammar engine (JSON schema, regex, EBNF, Lark, structural tags), masks\nfilled on the host."""
+"""Structured output `xgrammar`: MLC's grammar engine (JSON schema, regex, EBNF, Lark, structural tags), masks
+filled on the host."""
 from __future__ import annotations
 
 import importlib.util
@@ -15,7 +16,6 @@ import numpy as np
 from nanoplug.api import Constraint, ConstraintError, GrammarMatcher, StructuredOutputBackend, Target
 
 JSON_SEPARATORS = (", ", ": ")  # one space after each, no free whitespace: llguidance is set alike (same tokens)
-MAX_BLANKS = 2  # whitespace characters in a row inside a structural tag's JSON
 _STDERR_LOCK = threading.Lock()
 
 
@@ -93,7 +93,7 @@ class XGrammarBackend(StructuredOutputBackend):
             if kind == "lark":
                 return c.compile_lark(text)
             if kind == "structural_tag":
-                return c.compile_structural_tag(_triggered_tags(json.loads(text)))
+                return c.compile_structural_tag(self._triggered_tags(json.loads(text)))
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError with the feature or syntax error
             raise ConstraintError(f"xgrammar cannot compile this {kind} constraint: {_first_line(exc)}") from None
         raise ConstraintError(f"xgrammar compiles {', '.join(self.kinds)}, not {kind!r}")
@@ -111,18 +111,26 @@ class XGrammarBackend(StructuredOutputBackend):
             raise ValueError(f"it would only approximate the schema: {warnings[0]} (llguidance may serve it)")
         return compiled
 
+    def _triggered_tags(self, tag: dict) -> str:
+        """The engine's {"triggers", "structures", "stop_after_first"} as xgrammar's triggered tags: free text, and
+        each structure's JSON between its begin and end once a trigger is written. The JSON is the json kind's
+        grammar (the same checks, no free whitespace, the same separators), so llguidance draws the same tokens."""
+        tags = []
+        for s in tag["structures"]:
+            schema = json.dumps(s["schema"])
+            missing = _required_without_properties(s["schema"])
+            if missing:
+                raise ValueError(f"it cannot generate the required property {missing!r}, which has no schema under "
+                                 "properties (llguidance may serve it)")
+            ebnf = str(self.xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=JSON_SEPARATORS))
+            tags.append({"type": "tag", "begin": s["begin"], "end": s["end"],
+                         "content": {"type": "grammar", "grammar": ebnf}})
+        return json.dumps({"type": "structural_tag", "format": {
+            "type": "triggered_tags", "triggers": tag["triggers"], "tags": tags,
+            "stop_after_first": bool(tag.get("stop_after_first"))}})
+
     def matcher(self, compiled: Any) -> GrammarMatcher:
         return _Matcher(self.xgr.GrammarMatcher(compiled))
-
-
-def _triggered_tags(tag: dict) -> str:
-    """The engine's {"triggers", "structures"} as xgrammar's structural tag: free text, and each structure's JSON
-    (whitespace runs capped, so a call cannot run on in blanks) between its begin and end once a trigger is written."""
-    tags = [{"type": "tag", "begin": s["begin"], "end": s["end"],
-             "content": {"type": "json_schema", "json_schema": s["schema"], "max_whitespace_cnt": MAX_BLANKS}}
-            for s in tag["structures"]]
-    return json.dumps({"type": "structural_tag",
-                       "format": {"type": "triggered_tags", "triggers": tag["triggers"], "tags": tags}})
 
 
 def _required_without_properties(schema: Any) -> str | None:
