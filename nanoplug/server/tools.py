@@ -5,9 +5,11 @@ OpenAI sends them (per call: its id, type and name with empty arguments first, t
 With "required" or a named function the call is generated under a JSON-schema constraint built from the
 functions' parameter schemas, so it always parses: "required" writes a JSON list of {"name", "arguments"}
 objects (one at most without parallel calls; vLLM's shape), a named function writes its arguments object
-alone. With "auto" the model writes calls in its own format, the one its model plugin declares
-(`ModelArchitecture.tool_call_formats`, e.g. Hermes' `<tool_call>{...}</tool_call>`), recognised in its text, and
-a call it starts is completed under a structural tag built from the functions' schemas, so it parses too.
+alone. With "auto" the model writes calls in its own format, the one its model plugin declares and its chat template
+writes (`ModelArchitecture.tool_call_formats`: Hermes' `<tool_call>{...}</tool_call>`, Llama 3's bare JSON,
+Mistral's `[TOOL_CALLS][...]`), recognised in its text; the answer is generated under that format's structural
+tag built from the functions' schemas (free text until a call starts, then a call of one of the functions, one
+at most without parallel calls), so a call it starts always completes and parses too.
 """
 from __future__ import annotations
 
@@ -86,7 +88,10 @@ class ToolPlan:
         return fn.get("parameters") or {"type": "object", "properties": {}}
 
     def constraint(self) -> StructuredOutputsParams | None:
-        """The grammar the answer is generated under: required and named calls always parse."""
+        """The grammar the answer is generated under: required and named calls always parse, and so does a call
+        the model starts under "auto" (free text until its format's start, then one of the functions' calls)."""
+        if self.choice == "auto":
+            return StructuredOutputsParams(structural_tag=self.fmt.structural_tag(self.tools, self.parallel))
         if self.choice == "named":
             return StructuredOutputsParams(json=self._parameters(self.name))
         if self.choice != "required":
