@@ -128,3 +128,50 @@ def test_a_formats_structural_tag_is_a_valid_constraint_with_one_structure_per_f
 def test_a_bad_structural_tag_names_what_is_wrong(bad, why):
     with pytest.raises(ValueError, match=why):
         StructuredOutputsParams(structural_tag=bad)
+
+
+# ------------------------------------------------------------------ the structural tag through both backends
+UNIT = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+def few_shot(fmt) -> str:
+    """A prompt the model continues with a call in `fmt` (examples it copies), in a unit the schema forbids."""
+    shots = "".join(f"Q: Weather in {city}?\nA: I will look it up. {fmt.write([('get_weather', {'city': city, 'unit': 'kelvin'})])}\n"
+                    for city in ("Oslo", "Lima", "Rome"))
+    return shots + "Q: Weather in Paris?\nA:"
+
+
+@pytest.fixture(scope="module")
+def engines():
+    from nanoplug import LLM
+    from nanoplug.checkpoint.default_model import default_model_path
+
+    options = dict(num_kv_blocks=16, kv_block_size=64, max_model_len=1024, max_num_seqs=4, cpu={"graphs": False})
+    llms = {b: LLM(str(default_model_path(progress=True)), structured_output=b, **options)
+            for b in ("xgrammar", "llguidance")}
+    yield llms
+    for llm in llms.values():
+        llm.close()
+
+
+@pytest.mark.slow
+def test_a_triggered_call_validates_and_both_backends_draw_the_same_tokens(engines):
+    import jsonschema
+
+    from nanoplug import SamplingParams
+
+    outs = {}
+    for backend, llm in engines.items():
+        params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs={
+            "structural_tag": fmt.structural_tag([UNIT, SEARCH], parallel=False)}) for fmt in FORMATS]
+        outs[backend] = [o.outputs[0] for o in llm.generate([few_shot(f) for f in FORMATS], params, use_tqdm=False)]
+    for fmt, x, g in zip(FORMATS, outs["xgrammar"], outs["llguidance"]):
+        assert x.token_ids == g.token_ids, fmt.name
+        assert x.finish_reason == "stop", (fmt.name, x.text)  # one call (stop_after_first), then the grammar ends
+        content, calls = fmt.parse(x.text)
+        assert len(calls) == 1 and calls[0][0] == "get_weather", (fmt.name, x.text)
+        jsonschema.validate(calls[0][1], UNIT["function"]["parameters"])  # copied "kelvin" would not validate
+        assert content and x.text.index(fmt.start) > 0  # free text first, then the triggered call
