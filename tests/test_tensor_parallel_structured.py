@@ -36,7 +36,7 @@ def engines(tmp_path_factory):
 def test_constrained_requests_under_tensor_give_one_process_tokens(engines):
     fast = engines["fast"].engine
     assert fast.overlap and fast.defers_sampling  # masks are filled after the overlapped launch
-    prompts = [p for p in helpers.PROMPTS for _ in range(2)][:len(CONSTRAINTS) * 2]
+    prompts = [helpers.PROMPTS[i % len(helpers.PROMPTS)] for i in range(len(CONSTRAINTS) * 2)]
     params = [SamplingParams(temperature=0, max_tokens=24, structured_outputs=c) if c else
               SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
               for c in CONSTRAINTS for _ in range(2)]
