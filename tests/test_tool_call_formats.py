@@ -165,7 +165,7 @@ def test_a_triggered_call_validates_and_both_backends_draw_the_same_tokens(engin
 
     outs = {}
     for backend, llm in engines.items():
-        params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs={
+        params = [SamplingParams(temperature=0, max_tokens=64, structured_outputs={
             "structural_tag": fmt.structural_tag([UNIT, SEARCH], parallel=False)}) for fmt in FORMATS]
         outs[backend] = [o.outputs[0] for o in llm.generate([few_shot(f) for f in FORMATS], params, use_tqdm=False)]
     for fmt, x, g in zip(FORMATS, outs["xgrammar"], outs["llguidance"]):
