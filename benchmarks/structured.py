@@ -7,12 +7,12 @@
    `jsonschema` (must be all).
 3. mask: the per-token cost of the mask on the host, each output of 2 replayed through a fresh matcher
    (fill the mask, accept the token): median and p99 per backend.
-4. e2e: time per output token with a JSON schema against none, batch 1 and 64, temperature 0.8 (max tokens
-   each, EOS ignored for the free run so both generate about as many), and the first request of a new
-   schema's extra time to first token (its compile).
+4. e2e: time per output token with a JSON schema against none, batch 1 and 64, temperature 0.8, 256 tokens a
+   sequence at most (EOS ignored for the free run), the two variants alternated; and the first request of a
+   new schema's extra time to first token (its compile).
 
     python benchmarks/structured.py                        # CPU, the embedded default model, every part
-    python benchmarks/structured.py --device cuda --model DIR --parts e2e
+    python benchmarks/structured.py --device cuda --model random-0.6b --parts e2e --backends xgrammar  # one H200
     python benchmarks/structured.py --parts compile,generate --sample 40 --backends llguidance
 """
 from __future__ import annotations
@@ -119,21 +119,31 @@ def mask_costs(llm, schemas, tokens) -> list[float]:
     return costs
 
 
-def e2e(llm, schema: dict, batch: int, max_tokens: int) -> dict[str, float]:
-    """ms per output token with the schema and without (same prompts, temperature 0.8)."""
+def e2e(llm, schema: dict, batch: int, max_tokens: int, repeats: int) -> dict[str, float]:
+    """ms per output token with the schema and without (same prompts, temperature 0.8), the two variants run
+    alternately (which goes first alternates too), `repeats` runs each; the median run of each is kept."""
     from nanoplug import SamplingParams
 
     prompt = ("<|im_start|>user\nWrite a JSON object about a news article.<|im_end|>\n<|im_start|>assistant\n")
-    out = {}
-    for label, extra in (("none", {"ignore_eos": True}), ("schema", {"structured_outputs": {"json": schema}})):
-        params = [SamplingParams(temperature=0.8, seed=i, max_tokens=max_tokens, **extra) for i in range(batch)]
-        llm.generate([prompt], params[:1], use_tqdm=False)  # warm (and compile the schema's grammar)
-        started = time.perf_counter()
-        outs = llm.generate([prompt] * batch, params, use_tqdm=False)
-        seconds = time.perf_counter() - started
-        n = sum(len(o.outputs[0].token_ids) for o in outs)
-        out[label] = 1000 * seconds / (n / batch)  # ms per step-token of one sequence
-        out[f"{label}_tokens"] = n
+    variants = {"none": {"ignore_eos": True}, "schema": {"structured_outputs": {"json": schema}}}
+    runs: dict[str, list[float]] = {label: [] for label in variants}
+    tokens: dict[str, int] = {}
+    for label, extra in variants.items():  # warm both (and compile the schema's grammar)
+        llm.generate([prompt], [SamplingParams(temperature=0.8, seed=0, max_tokens=max_tokens, **extra)],
+                     use_tqdm=False)
+    for r in range(repeats):
+        for label in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
+            params = [SamplingParams(temperature=0.8, seed=1000 * r + i, max_tokens=max_tokens, **variants[label])
+                      for i in range(batch)]
+            started = time.perf_counter()
+            outs = llm.generate([prompt] * batch, params, use_tqdm=False)
+            seconds = time.perf_counter() - started
+            n = sum(len(o.outputs[0].token_ids) for o in outs)
+            runs[label].append(1000 * seconds / (n / batch))  # ms per step-token of one sequence
+            tokens[label] = n
+    out = {label: statistics.median(v) for label, v in runs.items()}
+    out.update({f"{label}_tokens": n for label, n in tokens.items()})
+    out.update({f"{label}_runs": v for label, v in runs.items()})
     return out
 
 
@@ -155,13 +165,16 @@ def first_request(llm, schema: dict) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded default model)")
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded default model); "
+                   "'random-0.6b': the bench's random Qwen3-0.6B-shape bf16 checkpoint (nanoplug.bench.throughput)")
+    p.add_argument("--dtype", default=None, help="the engine's dtype (default: the checkpoint's on GPU)")
+    p.add_argument("--repeats", type=int, default=3, help="e2e: alternating runs of each variant")
     p.add_argument("--backends", default="xgrammar,llguidance")
     p.add_argument("--parts", default="compile,generate,mask,e2e")
     p.add_argument("--sample", type=int, default=0, help="generate for every k-th accepted schema, k chosen to "
                    "give this many (0: all)")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--e2e-tokens", type=int, default=64)
+    p.add_argument("--e2e-tokens", type=int, default=256)
     p.add_argument("--batches", default="1,64")
     p.add_argument("--no-graphs", action="store_true", help="CPU: no recorded decode steps (a faster start-up)")
     args = p.parse_args(argv)
@@ -172,15 +185,22 @@ def main(argv: list[str] | None = None) -> int:
         from nanoplug.checkpoint.default_model import default_model_path
 
         args.model = str(default_model_path(progress=True))
+    elif args.model == "random-0.6b":
+        from nanoplug.bench.throughput import write_checkpoint
+
+        args.model = str(write_checkpoint())
     parts = set(args.parts.split(","))
     schemas = load_schemas()
     print(f"# {len(schemas)} schemas, model {args.model}, device {args.device}")
     for backend in args.backends.split(","):
         options = {"cpu": {"graphs": False}} if args.no_graphs else {}
+        if args.dtype:
+            options["dtype"] = args.dtype
         llm = LLM(args.model, device=args.device, structured_output=backend, max_model_len=2048, max_num_seqs=64,
                   **options)
         print(f"\n## {backend}")
-        accepted, refused, seconds = compile_all(llm, schemas)
+        accepted, refused, seconds = compile_all(llm, schemas) if parts & {"compile", "generate", "mask"} \
+            else ([], {}, [])
         if "compile" in parts:
             print(f"compile: {len(accepted)} accepted, {len(refused)} refused; compile median "
                   f"{1000 * statistics.median(seconds):.1f} ms, p99 {1000 * pct(seconds, 0.99):.1f} ms")
@@ -201,10 +221,11 @@ def main(argv: list[str] | None = None) -> int:
             schema = dict(schemas)[E2E_SCHEMA]
             print(f"first request of a new schema ({E2E_SCHEMA}): {first_request(llm, schema)}")
             for batch in map(int, args.batches.split(",")):
-                r = e2e(llm, schema, batch, args.e2e_tokens)
-                print(f"e2e batch {batch}: {r['none']:.2f} ms/token free ({r['none_tokens']} tokens), "
-                      f"{r['schema']:.2f} ms/token with the schema ({r['schema_tokens']} tokens): "
-                      f"{100 * (r['schema'] / r['none'] - 1):+.1f}%")
+                r = e2e(llm, schema, batch, args.e2e_tokens, args.repeats)
+                print(f"e2e batch {batch}: {r['none']:.3f} ms/token free ({r['none_tokens']} tokens), "
+                      f"{r['schema']:.3f} ms/token with the schema ({r['schema_tokens']} tokens): "
+                      f"{100 * (r['schema'] / r['none'] - 1):+.1f}%  runs none "
+                      f"{[round(x, 3) for x in r['none_runs']]} schema {[round(x, 3) for x in r['schema_runs']]}")
         llm.close()
     return 0
 

@@ -170,7 +170,10 @@ class StructuredOutputsParams(BaseModel):
     """One constraint on a request's output (vLLM's StructuredOutputsParams): exactly one field set.
 
     json: a JSON schema (a dict, or its text); json_object: any JSON object; regex; choice: one of these
-    strings; grammar: EBNF/GBNF (rules written `name ::= ...`) or else Lark."""
+    strings; grammar: EBNF/GBNF (rules written `name ::= ...`) or else Lark; structural_tag: free text in which
+    each of `structures` ({"begin", "schema", "end"}) is drawn under its schema once one of `triggers` (a prefix
+    of its begin) is written, as vLLM's and xgrammar's structural tags (tool calls in running text); with
+    "stop_after_first" the answer ends after one structure."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -180,13 +183,14 @@ class StructuredOutputsParams(BaseModel):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
 
     @model_validator(mode="after")
     def _exactly_one(self) -> "StructuredOutputsParams":
         given = [name for name in type(self).model_fields if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             given = ["json" if name == "json_schema" else name for name in given]
-            raise ValueError("give exactly one of json, json_object, regex, choice, grammar; found "
+            raise ValueError("give exactly one of json, json_object, regex, choice, grammar, structural_tag; found "
                              + (", ".join(given) or "none"))
         if isinstance(self.json_schema, str):
             import json
@@ -197,6 +201,8 @@ class StructuredOutputsParams(BaseModel):
                 raise ValueError(f"json is not a JSON schema: {exc}") from None
         if self.choice is not None and not self.choice:
             raise ValueError("choice must list at least one string")
+        if self.structural_tag is not None:
+            _check_structural_tag(self.structural_tag)
         return self
 
     @cached_property
@@ -216,7 +222,39 @@ class StructuredOutputsParams(BaseModel):
             return Constraint("regex", self.regex)
         if self.choice is not None:
             return Constraint("choice", json.dumps(self.choice, ensure_ascii=False))
+        if self.structural_tag is not None:
+            tag = _check_structural_tag(self.structural_tag)
+            return Constraint("structural_tag", json.dumps({"triggers": tag["triggers"], "structures": [
+                {"begin": t["begin"], "schema": t.get("schema", {}), "end": t.get("end", "")}
+                for t in tag["structures"]], "stop_after_first": bool(tag.get("stop_after_first"))},
+                ensure_ascii=False, sort_keys=True))
         return Constraint("grammar" if "::=" in self.grammar else "lark", self.grammar)
+
+
+def _check_structural_tag(tag: dict[str, Any] | str) -> dict[str, Any]:
+    """The tag as a dict, or a ValueError that says what is wrong with it."""
+    import json
+
+    if isinstance(tag, str):
+        try:
+            tag = json.loads(tag)
+        except ValueError as exc:
+            raise ValueError(f"structural_tag is not JSON: {exc}") from None
+    shape = 'structural_tag must be {"triggers": [...], "structures": [{"begin": ..., "schema": {...}, "end": ...}]}'
+    if not isinstance(tag, dict) or not isinstance(tag.get("triggers"), list) or not tag["triggers"] \
+            or not isinstance(tag.get("structures"), list) or not tag["structures"]:
+        raise ValueError(shape)
+    triggers = tag["triggers"]
+    if not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError("structural_tag.triggers must be non-empty strings")
+    for i, s in enumerate(tag["structures"]):
+        if not isinstance(s, dict) or not isinstance(s.get("begin"), str) or not isinstance(s.get("end", ""), str) \
+                or not isinstance(s.get("schema", {}), (dict, bool)):
+            raise ValueError(f'structural_tag.structures.{i} must be {{"begin": "...", "schema": {{...}}, "end": "..."}}')
+        if not any(s["begin"].startswith(t) for t in triggers):
+            raise ValueError(f"structural_tag.structures.{i}.begin {s['begin']!r} starts with none of the triggers "
+                             f"{triggers}")
+    return tag
 
 
 class SamplingParams(BaseModel):

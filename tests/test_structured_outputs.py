@@ -101,7 +101,7 @@ def test_a_bad_constraint_is_a_request_error_before_anything_is_queued(llm, bad,
 
 
 def test_a_constraint_in_sampling_params_is_checked_when_built():
-    with pytest.raises(ValueError, match="exactly one of json, json_object, regex, choice, grammar; found regex, choice"):
+    with pytest.raises(ValueError, match="exactly one of json, json_object, regex, choice, grammar, structural_tag; found regex, choice"):
         SamplingParams(structured_outputs={"regex": "a", "choice": ["b"]})
     with pytest.raises(ValueError, match="json is not a JSON schema"):
         SamplingParams(structured_outputs={"json": "{not json"})

@@ -1,5 +1,6 @@
-"""server/tools.py without a model: tool_choice parsing and its 400s, the grammar of required and named calls,
-the Hermes format recognised in text, and streamed deltas (split anywhere) that add up to the whole answer."""
+"""server/tools.py without a model: tool_choice parsing and its 400s, the grammar of required, named and auto
+calls, each model format (Hermes, Llama 3 JSON, Mistral) recognised in text, and streamed deltas (split
+anywhere) that add up to the whole answer."""
 from __future__ import annotations
 
 import json
@@ -7,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from nanoplug.api import HERMES_TOOL_CALLS
+from nanoplug.api import HERMES_TOOL_CALLS, LLAMA3_JSON_TOOL_CALLS, MISTRAL_TOOL_CALLS
 from nanoplug.engine.chat_tools import for_template
 from nanoplug.server.errors import APIError
 from nanoplug.server.tools import ToolPlan
@@ -47,17 +48,32 @@ def test_required_is_a_list_of_calls_and_one_without_parallel_calls():
     assert plan.calls('[{"name": "f", "argu', "length") is None
 
 
-ANSWER = 'Let me check.\n<tool_call>\n{"name": "f", "arguments": {"x": 2}}\n</tool_call>\n<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>'
-
-
-@pytest.mark.parametrize("piece", [1, 3, 7, len(ANSWER)])
-def test_auto_streams_content_then_calls_that_add_up_to_the_whole_answer(piece):
+def test_auto_is_generated_under_the_formats_structural_tag_and_one_call_without_parallel_calls():
     plan = ToolPlan.of(req(), HERMES_TOOL_CALLS)
-    body = plan.rewrite({"choices": [{"message": {"content": ANSWER}, "finish_reason": "stop"}]})
+    tag = plan.constraint().structural_tag
+    assert tag == HERMES_TOOL_CALLS.structural_tag(plan.tools, True) and not tag["stop_after_first"]
+    assert [s["begin"] for s in tag["structures"]] == ['<tool_call>\n{"name": "f", "arguments": ',
+                                                      '<tool_call>\n{"name": "g", "arguments": ']
+    assert ToolPlan.of(req(parallel=False), HERMES_TOOL_CALLS).constraint().structural_tag["stop_after_first"]
+    assert ToolPlan.of(req(tool_choice="none"), HERMES_TOOL_CALLS).constraint() is None
+
+
+FORMATS = [HERMES_TOOL_CALLS, LLAMA3_JSON_TOOL_CALLS, MISTRAL_TOOL_CALLS]
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("piece", [1, 3, 7, 10_000])
+def test_auto_streams_content_then_calls_that_add_up_to_the_whole_answer(fmt, piece):
+    prefix = "" if fmt.start_in_json else "Let me check.\n"
+    answer = prefix + fmt.write([("f", {"x": 2, "s": fmt.start}), ("g", {})])
+    plan = ToolPlan.of(req(), fmt)
+    body = plan.rewrite({"choices": [{"message": {"content": answer}, "finish_reason": "stop"}]})
     whole = body["choices"][0]
-    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] == "Let me check."
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] == (prefix.strip() or None)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole["message"]["tool_calls"]] \
+        == [("f", {"x": 2, "s": fmt.start}), ("g", {})]
     stream, content, calls, reason = plan.stream(), "", {}, None
-    pieces = [ANSWER[i:i + piece] for i in range(0, len(ANSWER), piece)]
+    pieces = [answer[i:i + piece] for i in range(0, len(answer), piece)]
     for k, text in enumerate(pieces):
         deltas, reason = stream.feed(text, k == len(pieces) - 1, "stop")
         for d in deltas:
@@ -67,9 +83,12 @@ def test_auto_streams_content_then_calls_that_add_up_to_the_whole_answer(piece):
                     calls[tc["index"]] = [tc["function"]["name"], tc["function"]["arguments"]]
                 else:
                     calls[tc["index"]][1] += tc["function"]["arguments"]
-    assert reason == "tool_calls" and content.strip() == "Let me check." and "<tool" not in content
+    assert reason == "tool_calls" and content.strip() == prefix.strip() and fmt.start not in content
     assert list(calls.values()) == [[c["function"]["name"], c["function"]["arguments"]]
                                     for c in whole["message"]["tool_calls"]]
+    one = ToolPlan.of(req(parallel=False), fmt).rewrite({"choices": [{"message": {"content": answer},
+                                                                      "finish_reason": "stop"}]})
+    assert [c["function"]["name"] for c in one["choices"][0]["message"]["tool_calls"]] == ["f"]
 
 
 def test_named_streams_argument_fragments_as_they_come():

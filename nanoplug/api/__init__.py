@@ -22,8 +22,9 @@ from nanoplug.api.step import (AttentionMetadata, AttentionSpec, KVCacheSpec, KV
                                StepLimits, StepResult, to_device)
 from nanoplug.api.speculator import DraftModel, Speculator, SpeculatorSpec
 from nanoplug.api.structured import (CONSTRAINT_KINDS, Constraint, ConstraintError, GrammarMatcher,
-                                     StructuredOutputBackend, ToolCallFormat, HERMES_TOOL_CALLS, bitmask_words,
-                                     unpack_bitmask)
+                                     StructuredOutputBackend, bitmask_words, unpack_bitmask)
+from nanoplug.api.tool_calls import (HERMES_TOOL_CALLS, LLAMA3_JSON_TOOL_CALLS, MISTRAL_TOOL_CALLS, ToolCallFormat,
+                                     pick_tool_call_format)
 from nanoplug.api.target import ModelFacts, Target
 from nanoplug.api.worker import StartupTimes, StepStats, Worker, WorkerMethod, WorkerReport
 
@@ -38,7 +39,8 @@ __all__ = [
     "KVCacheSpec", "KVLayer", "to_device", "LogitsProcessingBatch", "PromptLogprobsBatch", "SlotInit", "LogprobsTensors",
     # constrained decoding (structured outputs) and tool-call formats
     "StructuredOutputBackend", "GrammarMatcher", "Constraint", "ConstraintError", "CONSTRAINT_KINDS", "ToolCallFormat",
-    "HERMES_TOOL_CALLS", "bitmask_words", "unpack_bitmask",
+    "HERMES_TOOL_CALLS", "LLAMA3_JSON_TOOL_CALLS", "MISTRAL_TOOL_CALLS", "pick_tool_call_format", "bitmask_words",
+    "unpack_bitmask",
     # speculative decoding: the proposer kind and the drafts a step verifies
     "Speculator", "SpeculatorSpec", "DraftBatch", "DraftModel",
     # the worker protocol

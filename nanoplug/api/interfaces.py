@@ -237,9 +237,10 @@ class ModelArchitecture(Plugin):
     """
 
     packed_modules_mapping: ClassVar[dict[str, tuple[str, Any]]] = {}
-    tool_call_format: ClassVar[Any] = None
-    """How this model writes tool calls in its text (a `nanoplug.api.ToolCallFormat`), or None: the server then
-    answers `tools` with tool_choice "auto" by refusing, and "required"/named ones still work (under a grammar)."""
+    tool_call_formats: ClassVar[tuple[Any, ...]] = ()
+    """How this model writes tool calls in its text (`nanoplug.api.ToolCallFormat`s): the one a checkpoint's chat
+    template writes is picked by its marker, else the first (`pick_tool_call_format`). None declared: the server
+    answers tool_choice "auto" by refusing, and "required"/named ones still work (under a grammar)."""
 
     def install_fused_ops(self, ops: Any) -> bool:
         """Take other implementations of the small ops (a platform's kernels, compiled ops; a `FusedOps`).

@@ -19,9 +19,10 @@ import numpy as np
 from nanoplug.api.errors import RequestError
 from nanoplug.api.interfaces import Plugin
 
-CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "lark")
+CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "lark", "structural_tag")
 """json: a JSON schema (text); json_object: any JSON object; regex; choice: a JSON list of strings;
-grammar: EBNF/GBNF; lark: a Lark grammar."""
+grammar: EBNF/GBNF; lark: a Lark grammar; structural_tag: JSON {"triggers": [...], "structures": [{"begin",
+"schema", "end"}]}, free text until a trigger, then one of the structures (its schema between begin and end)."""
 
 
 class ConstraintError(RequestError):
@@ -98,40 +99,3 @@ def unpack_bitmask(bitmask: Any, vocab_size: int) -> Any:
         bits = torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[1]), value=False)
     return bits[:, :vocab_size]
 
-
-@dataclass(frozen=True)
-class ToolCallFormat:
-    """How a model writes a tool call in its own text (declared by its model plugin, never a table in the
-    server): each call is `start` + a JSON object {name_key: ..., arguments_key: {...}} + `end`, as
-    Hermes and Qwen write `<tool_call>{"name": ..., "arguments": ...}</tool_call>`."""
-
-    name: str
-    start: str
-    end: str
-    name_key: str = "name"
-    arguments_key: str = "arguments"
-
-    def parse(self, text: str) -> tuple[str, list[tuple[str, Any]]] | None:
-        """(the text outside the calls, [(function name, arguments)]), or None when no complete call parses."""
-        import json
-
-        calls, content, at = [], [], 0
-        while (begin := text.find(self.start, at)) >= 0:
-            finish = text.find(self.end, begin + len(self.start))
-            body = text[begin + len(self.start):finish if finish >= 0 else len(text)].strip()
-            try:
-                call = json.loads(body)
-            except ValueError:
-                return None
-            if not isinstance(call, dict) or not isinstance(call.get(self.name_key), str):
-                return None
-            content.append(text[at:begin])
-            calls.append((call[self.name_key], call.get(self.arguments_key, {})))
-            at = len(text) if finish < 0 else finish + len(self.end)
-        if not calls:
-            return None
-        content.append(text[at:])
-        return "".join(content).strip(), calls
-
-
-HERMES_TOOL_CALLS = ToolCallFormat("hermes", "<tool_call>", "</tool_call>")

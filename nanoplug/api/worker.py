@@ -21,6 +21,7 @@ class WorkerMethod(Enum):
     RUN = "run"
     LAUNCH = "launch"
     COLLECT = "collect"
+    SAMPLE = "sample"  # a launched step's grammar bitmask (structured outputs), after its launch
     NUM_KV_BLOCKS = "num_kv_blocks"
     REPORT = "report"
 

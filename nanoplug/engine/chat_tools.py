@@ -3,7 +3,7 @@
 A template that knows tools (it reads `tools`, e.g. Qwen's) gets them and the messages as OpenAI sends them,
 the assistant's call arguments parsed into objects as templates expect. A template that knows none (SmolLM2's
 plain ChatML) would drop the tools and fail on a message without text, so the functions are described in a
-system message in the model's own tool-call format (its model plugin's `tool_call_format`), the assistant's
+system message in the model's own tool-call format (of its model plugin's `tool_call_formats`), the assistant's
 earlier calls are written in that format, and tool results are plain `tool` turns.
 """
 from __future__ import annotations
@@ -28,14 +28,15 @@ def _arguments(value: Any) -> Any:
 
 
 def tools_prompt(tools: list[dict], fmt: ToolCallFormat) -> str:
-    """The functions and how to call them, as Hermes-style models are tuned to read (NousResearch's prompt)."""
+    """The functions and how to call them, as Hermes-style models are tuned to read (NousResearch's prompt),
+    with the example call written in the model's own format."""
     listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    example = json.dumps({fmt.name_key: "<function-name>", fmt.arguments_key: {"<arg>": "<value>"}})
+    example = fmt.write([("<function-name>", {"<arg>": "<value>"})])
+    where = f"within {fmt.start}{fmt.end.strip()} tags" if fmt.end else "in this form"
     return ("You are a function calling AI model. You are provided with function signatures within <tools></tools> "
             "XML tags. You may call one or more functions to assist with the user query. Don't make assumptions "
             f"about what values to plug into functions.\n<tools>\n{listing}\n</tools>\nFor each function call "
-            f"return a json object with function name and arguments within {fmt.start}{fmt.end} tags:\n"
-            f"{fmt.start}\n{example}\n{fmt.end}")
+            f"return a json object with function name and arguments {where}:\n{example}")
 
 
 def for_template(messages: list[dict], tools: list[dict] | None, template: str | None,
@@ -58,10 +59,8 @@ def for_template(messages: list[dict], tools: list[dict] | None, template: str |
         m.pop("tool_call_id", None)
         m.pop("name", None)
         if calls:
-            written = [fmt.start + "\n" + json.dumps({fmt.name_key: c["function"]["name"],
-                                                      fmt.arguments_key: _arguments(c["function"].get("arguments"))},
-                                                     ensure_ascii=False) + "\n" + fmt.end for c in calls]
-            m["content"] = "\n".join(filter(None, [m.get("content") or "", *written]))
+            written = fmt.write([(c["function"]["name"], _arguments(c["function"].get("arguments"))) for c in calls])
+            m["content"] = "\n".join(filter(None, [m.get("content") or "", written]))
         m["content"] = m.get("content") or ""
         out.append(m)
     if tools:

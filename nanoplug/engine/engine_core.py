@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from nanoplug.api import StepResult
+from nanoplug.api import StepResult, pick_tool_call_format
 from nanoplug.engine.batch import BatchBuilder, Launched
 from nanoplug.engine.hybrid_blocks import block_manager_for
 from nanoplug.engine.chat_template import chat_token_ids
@@ -76,6 +76,8 @@ class EngineCore:
         self.structured = StructuredOutputs(*StructuredOutputs.resolve(self.registry, config.structured_output,
                                                                        wired.target),
                                             self.tokenizer, self.facts.vocab_size, self.eos_token_ids)
+        self.tool_call_format = pick_tool_call_format(  # how this checkpoint writes tool calls (its template's)
+            getattr(self.choices["model"].cls, "tool_call_formats", ()), getattr(self.tokenizer, "chat_template", None))
         # a worker that can sample after its launch (Worker.sample): a grammar's masks follow an overlapped launch
         self.defers_sampling = bool(getattr(self.worker, "defers_sampling", False))
         blocks = block_manager_for(wired.num_kv_blocks, config.kv_block_size, config.enable_prefix_caching,
@@ -340,11 +342,6 @@ class EngineCore:
             messages, tools = for_template(messages, tools, self.tokenizer.chat_template, self.tool_call_format)
         with self._tokenizer_lock:
             return chat_token_ids(self.tokenizer, messages, tools)
-
-    @property
-    def tool_call_format(self) -> Any:
-        """How this model writes tool calls (its model plugin's ToolCallFormat), or None."""
-        return getattr(self.choices["model"].cls, "tool_call_format", None)
 
     def close(self) -> None:
         """Stop the worker; safe to call twice."""

@@ -205,7 +205,8 @@ class EngineProcess:
         self._spawn()
         self.tokenizer = _tokenizer(config.model)  # echo's text and logprobs' token strings are written here
         self.token_text = token_texts(self.tokenizer)
-        self.tool_call_format = model_tool_call_format(config.model)  # its model plugin's (server/tools.py)
+        # its model plugin's format that its chat template writes (server/tools.py)
+        self.tool_call_format = model_tool_call_format(config.model, getattr(self.tokenizer, "chat_template", None))
 
     def _spawn(self) -> None:
         """A new engine process, its model loaded (blocking)."""

@@ -5,8 +5,11 @@ OpenAI sends them (per call: its id, type and name with empty arguments first, t
 With "required" or a named function the call is generated under a JSON-schema constraint built from the
 functions' parameter schemas, so it always parses: "required" writes a JSON list of {"name", "arguments"}
 objects (one at most without parallel calls; vLLM's shape), a named function writes its arguments object
-alone. With "auto" the model writes calls in its own format, the one its model plugin declares
-(`ModelArchitecture.tool_call_format`, e.g. Hermes' `<tool_call>{...}</tool_call>`), recognised in its text.
+alone. With "auto" the model writes calls in its own format, the one its model plugin declares and its chat template
+writes (`ModelArchitecture.tool_call_formats`: Hermes' `<tool_call>{...}</tool_call>`, Llama 3's bare JSON,
+Mistral's `[TOOL_CALLS][...]`), recognised in its text; the answer is generated under that format's structural
+tag built from the functions' schemas (free text until a call starts, then a call of one of the functions, one
+at most without parallel calls), so a call it starts always completes and parses too.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from nanoplug.api import ToolCallFormat
+from nanoplug.api import ToolCallFormat, pick_tool_call_format
 from nanoplug.config import StructuredOutputsParams
 from nanoplug.server.errors import bad_request
 
@@ -85,7 +88,10 @@ class ToolPlan:
         return fn.get("parameters") or {"type": "object", "properties": {}}
 
     def constraint(self) -> StructuredOutputsParams | None:
-        """The grammar the answer is generated under: required and named calls always parse."""
+        """The grammar the answer is generated under: required and named calls always parse, and so does a call
+        the model starts under "auto" (free text until its format's start, then one of the functions' calls)."""
+        if self.choice == "auto":
+            return StructuredOutputsParams(structural_tag=self.fmt.structural_tag(self.tools, self.parallel))
         if self.choice == "named":
             return StructuredOutputsParams(json=self._parameters(self.name))
         if self.choice != "required":
@@ -203,15 +209,16 @@ def chat_messages(messages: list[Any], roles: dict[str, str]) -> list[dict]:
     return out
 
 
-def model_tool_call_format(model: str) -> ToolCallFormat | None:
-    """The tool-call format the model plugin of checkpoint `model` declares (the engine process's server side
-    asks the registry, as the engine did), or None."""
+def model_tool_call_format(model: str, chat_template: str | None) -> ToolCallFormat | None:
+    """The tool-call format checkpoint `model` writes: of its model plugin's formats, the one its chat template
+    holds (the engine process's server side asks the registry, as the engine does), or None."""
     try:
         from nanoplug.checkpoint.loader import load_hf_config
         from nanoplug.checkpoint.source import resolve_model_path
         from nanoplug.engine.registry import default_registry
 
         arch = (getattr(load_hf_config(resolve_model_path(model)), "architectures", None) or [None])[0]
-        return getattr(default_registry().get("model", arch), "tool_call_format", None)
+        formats = getattr(default_registry().get("model", arch), "tool_call_formats", ())
     except Exception:  # the engine process reports a bad checkpoint itself
         return None
+    return pick_tool_call_format(formats, chat_template)

@@ -1,7 +1,7 @@
 """Model `llama` (LlamaForCausalLM). Llama 2/3 and SmolLM2 (rope scaling from the config)."""
 from __future__ import annotations
 
-from nanoplug.api import HERMES_TOOL_CALLS
+from nanoplug.api import HERMES_TOOL_CALLS, LLAMA3_JSON_TOOL_CALLS
 from nanoplug.api.decoder import DecoderForCausalLM
 
 
@@ -9,5 +9,6 @@ class LlamaForCausalLM(DecoderForCausalLM):
     description = "Llama 2/3 and SmolLM2 (rope scaling from the config)"
     qk_norm = False
     qkv_bias = False
-    # SmolLM2-Instruct was tuned on <tool_call> JSON calls (Hermes'); Llama 3's bare-JSON format is not recognised yet
-    tool_call_format = HERMES_TOOL_CALLS
+    # SmolLM2-Instruct was tuned on <tool_call> JSON calls (Hermes'); Llama 3.1+'s template (<|python_tag|>) writes
+    # bare JSON calls
+    tool_call_formats = (HERMES_TOOL_CALLS, LLAMA3_JSON_TOOL_CALLS)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from nanoplug.api import HERMES_TOOL_CALLS, MISTRAL_TOOL_CALLS
 from nanoplug.plugins.models.moe_decoder import MoeDecoderForCausalLM
 
 
@@ -11,6 +12,8 @@ class MixtralForCausalLM(MoeDecoderForCausalLM):
     description = "Mixtral: softmax top-k experts renormalised over the k"
     qk_norm = False
     qkv_bias = False
+    # Mistral's v3 template: [TOOL_CALLS][{...}]; Hermes fine-tunes (Hermes 2 Pro) write <tool_call>
+    tool_call_formats = (MISTRAL_TOOL_CALLS, HERMES_TOOL_CALLS)
     experts_field = "num_local_experts"
     expert_intermediate_field = "intermediate_size"
     block_name = "block_sparse_moe"

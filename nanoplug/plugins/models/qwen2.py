@@ -9,4 +9,4 @@ class Qwen2ForCausalLM(DecoderForCausalLM):
     description = "Qwen2: q/k/v bias, no q/k norm"
     qk_norm = False
     qkv_bias = True
-    tool_call_format = HERMES_TOOL_CALLS  # Qwen's chat template: <tool_call>{"name", "arguments"}</tool_call>
+    tool_call_formats = (HERMES_TOOL_CALLS,)  # Qwen's chat template: <tool_call>{"name", "arguments"}</tool_call>

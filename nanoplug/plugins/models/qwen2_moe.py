@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from nanoplug.api import HERMES_TOOL_CALLS
 from nanoplug.plugins.models.moe_decoder import MoeDecoderForCausalLM
 
 
 class Qwen2MoeForCausalLM(MoeDecoderForCausalLM):
     description = "Qwen2-MoE: q/k/v bias, softmax top-k experts and a sigmoid-gated shared expert"
+    tool_call_formats = (HERMES_TOOL_CALLS,)  # Qwen's chat template: <tool_call>{"name", "arguments"}</tool_call>
     qk_norm = False
     shared_expert = True
 

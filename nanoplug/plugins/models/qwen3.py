@@ -9,4 +9,4 @@ class Qwen3ForCausalLM(DecoderForCausalLM):
     description = "Qwen3: q/k RMSNorm, grouped-query attention, no q/k/v bias"
     qk_norm = True
     qkv_bias = False
-    tool_call_format = HERMES_TOOL_CALLS  # Qwen's chat template: <tool_call>{"name", "arguments"}</tool_call>
+    tool_call_formats = (HERMES_TOOL_CALLS,)  # Qwen's chat template: <tool_call>{"name", "arguments"}</tool_call>

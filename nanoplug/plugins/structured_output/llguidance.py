@@ -1,5 +1,5 @@
-"""Structured output `llguidance`: Microsoft's Earley-based engine (JSON schema, regex, GBNF and Lark), masks
-filled on the host."""
+"""Structured output `llguidance`: Microsoft's Earley-based engine (JSON schema, regex, GBNF, Lark and structural
+tags), masks filled on the host."""
 from __future__ import annotations
 
 import importlib.util
@@ -30,7 +30,7 @@ class _Matcher(GrammarMatcher):
 
 
 class LLGuidanceBackend(StructuredOutputBackend):
-    description = "llguidance: JSON schema, regex, choice, GBNF and Lark; CPU masks"
+    description = "llguidance: JSON schema, regex, choice, GBNF, Lark and structural tags; CPU masks"
     priority = 10
 
     @classmethod
@@ -63,6 +63,8 @@ class LLGuidanceBackend(StructuredOutputBackend):
                 grammar = llg.grammar_from("grammar", text)
             elif kind == "lark":
                 grammar = llg.LLMatcher.grammar_from_lark(text)
+            elif kind == "structural_tag":
+                grammar = llg.LLMatcher.grammar_from_lark(self._struct_tags(json.loads(text)))
             else:
                 raise ConstraintError(f"llguidance compiles {', '.join(self.kinds)}, not {kind!r}")
         except ConstraintError:
@@ -74,6 +76,23 @@ class LLGuidanceBackend(StructuredOutputBackend):
             raise ConstraintError(f"llguidance cannot compile this {kind} constraint: {_first_line(error)}")
         return grammar
 
+    def _struct_tags(self, tag: dict) -> str:
+        """The engine's {"triggers", "structures", "stop_after_first"} as a lazy-trigger Lark grammar (llguidance's
+        StructTag.to_grammar, with a start rule allowing one structure at most when `stop_after_first`), each
+        structure's JSON written as the json kind writes it. A trigger is text, not a special token."""
+        rules, options = [], []
+        for i, s in enumerate(tag["structures"]):
+            trigger = next(t for t in tag["triggers"] if s["begin"].startswith(t))
+            schema = s["schema"] if isinstance(s["schema"], dict) else {}
+            body = " ".join(filter(None, (_lark_text(s["begin"][len(trigger):]),
+                                          "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS}),
+                                          _lark_text(s["end"]))))
+            rules += [f"tag_{i}_trig[lazy]: TAG_TEXT {_lark_text(trigger)}", f"tag_{i}: tag_{i}_trig {body}"]
+            options.append(f"tag_{i}")
+        calls = " | ".join(options)
+        start = f"start: ({calls}) | tag_end" if tag.get("stop_after_first") else f"start: ({calls})* tag_end"
+        return "\n".join(["%llguidance {}", start, "tag_end: TAG_TEXT", r"TAG_TEXT: /(.|\n)*/", *rules]) + "\n"
+
     def matcher(self, compiled: Any) -> GrammarMatcher:
         m = self.llg.LLMatcher(self.tokenizer_ll, compiled, log_level=0)
         if m.is_error():
@@ -84,3 +103,8 @@ class LLGuidanceBackend(StructuredOutputBackend):
 def _first_line(exc: Any) -> str:
     text = str(exc).strip() or type(exc).__name__
     return text.splitlines()[0][:500]
+
+
+def _lark_text(text: str) -> str:
+    """A Lark string literal for `text` ("" for none)."""
+    return json.dumps(text) if text else ""

@@ -1,4 +1,5 @@
-"""Structured output `xgrammar`: MLC's grammar engine (JSON schema, regex, EBNF, Lark), masks filled on the host."""
+"""Structured output `xgrammar`: MLC's grammar engine (JSON schema, regex, EBNF, Lark, structural tags), masks
+filled on the host."""
 from __future__ import annotations
 
 import importlib.util
@@ -58,7 +59,7 @@ class _Matcher(GrammarMatcher):
 
 
 class XGrammarBackend(StructuredOutputBackend):
-    description = "xgrammar: JSON schema, regex, choice, EBNF/GBNF and Lark; CPU masks"
+    description = "xgrammar: JSON schema, regex, choice, EBNF/GBNF, Lark and structural tags; CPU masks"
     priority = 20
 
     @classmethod
@@ -91,6 +92,8 @@ class XGrammarBackend(StructuredOutputBackend):
                 return c.compile_grammar(text)
             if kind == "lark":
                 return c.compile_lark(text)
+            if kind == "structural_tag":
+                return c.compile_structural_tag(self._triggered_tags(json.loads(text)))
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError with the feature or syntax error
             raise ConstraintError(f"xgrammar cannot compile this {kind} constraint: {_first_line(exc)}") from None
         raise ConstraintError(f"xgrammar compiles {', '.join(self.kinds)}, not {kind!r}")
@@ -107,6 +110,24 @@ class XGrammarBackend(StructuredOutputBackend):
         if warnings:
             raise ValueError(f"it would only approximate the schema: {warnings[0]} (llguidance may serve it)")
         return compiled
+
+    def _triggered_tags(self, tag: dict) -> str:
+        """The engine's {"triggers", "structures", "stop_after_first"} as xgrammar's triggered tags: free text, and
+        each structure's JSON between its begin and end once a trigger is written. The JSON is the json kind's
+        grammar (the same checks, no free whitespace, the same separators), so llguidance draws the same tokens."""
+        tags = []
+        for s in tag["structures"]:
+            schema = json.dumps(s["schema"])
+            missing = _required_without_properties(s["schema"])
+            if missing:
+                raise ValueError(f"it cannot generate the required property {missing!r}, which has no schema under "
+                                 "properties (llguidance may serve it)")
+            ebnf = str(self.xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=JSON_SEPARATORS))
+            tags.append({"type": "tag", "begin": s["begin"], "end": s["end"],
+                         "content": {"type": "grammar", "grammar": ebnf}})
+        return json.dumps({"type": "structural_tag", "format": {
+            "type": "triggered_tags", "triggers": tag["triggers"], "tags": tags,
+            "stop_after_first": bool(tag.get("stop_after_first"))}})
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
         return _Matcher(self.xgr.GrammarMatcher(compiled))

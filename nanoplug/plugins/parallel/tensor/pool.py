@@ -121,6 +121,15 @@ class WorkerPool(Worker):
     def collect(self) -> StepResult | None:
         return self._call(WorkerMethod.COLLECT)
 
+    defers_sampling = True  # every rank's runner samples after its launch; the bitmask follows the launch
+
+    def sample(self, bitmask: Any) -> None:
+        """Hand every rank the launched step's grammar bitmask (filled on the host while the ranks ran its
+        forward) and return: unanswered, as a launch; rank 0 samples under it at once."""
+        self._check_running()
+        self._round(("call", WorkerMethod.SAMPLE, (bitmask,)), "'sample'", self.call_timeout, answered=False)
+        self._unanswered_launch = True
+
     def num_kv_blocks(self) -> int:
         return self._call(WorkerMethod.NUM_KV_BLOCKS)
 

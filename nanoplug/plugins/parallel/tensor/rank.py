@@ -9,8 +9,8 @@ through multiprocessing, so the caller's `__main__` is never re-imported (a scri
     worker -> caller  ("ok", result)  (rank 0's result; None on other ranks)
                       ("error", traceback_text)
 
-Every message but "stop" and a LAUNCH call gets one answer. A launch gets none, so the caller can
-hand out step N+1 before it waits for step N: a launch that fails is reported in the answer to the
+Every message but "stop" and a LAUNCH or SAMPLE call gets one answer. A launch gets none, so the caller can
+hand out step N+1 before it waits for step N (and a launched step's grammar bitmask follows it unanswered too): a launch that fails is reported in the answer to the
 next call (the engine's `collect`), its traceback naming the launch. After an error the worker
 stays up until told to stop, answering every call with that first error, so the caller sees the
 first failure, not the communication errors it causes on other ranks. The worker exits when the
@@ -34,6 +34,9 @@ from typing import Any
 from nanoplug.api import WorkerMethod
 
 STORE_HOST = "127.0.0.1"
+
+
+UNANSWERED = (WorkerMethod.LAUNCH, WorkerMethod.SAMPLE)
 
 
 def send(conn: Connection, message: Any) -> None:
@@ -93,7 +96,7 @@ def serve(conn: Connection, rank: int) -> int:
         kind = message[0]
         if kind == "stop":
             break
-        answered = not (kind == "call" and message[1] is WorkerMethod.LAUNCH)  # see the module's docstring
+        answered = not (kind == "call" and message[1] in UNANSWERED)  # see the module's docstring
         reply = failure
         if failure is None:
             try:
