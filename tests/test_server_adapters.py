@@ -18,12 +18,13 @@ from fastapi.testclient import TestClient
 
 from _checkpoints import PROMPTS, checkpoint
 from _peft_loras import peft_lora
-from _server import ENGINE, start_server
+from _server import start_server
 from nanoplug import LLM, SamplingParams
 from nanoplug.config import EngineConfig
 from nanoplug.server.app import ServerSettings, build_app
 
 STEPS = 8
+ENGINE = dict(kv_block_size=16, num_kv_blocks=128, max_model_len=512, max_num_seqs=8)  # few batch sizes to record
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,8 @@ def loras():
 
 @pytest.fixture(scope="module")
 def server(request, loras):
-    return start_server(request, "--lora", f"one={loras['one']}", "--allow-runtime-lora", "--max-loras", "2")
+    return start_server(request, "--lora", f"one={loras['one']}", "--allow-runtime-lora", "--max-loras", "2",
+                        engine=ENGINE)
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +64,7 @@ def post(server, path: str, body: dict) -> httpx.Response:
     return httpx.post(f"{server.url}{path}", json=body, headers=server.headers(), timeout=60)
 
 
+@pytest.mark.slow  # a server process with adapters
 def test_models_lists_each_adapter_with_its_parent(server, client, loras):
     models = {m.id: m for m in client.models.list().data}
     base = checkpoint("qwen3")
@@ -69,6 +72,7 @@ def test_models_lists_each_adapter_with_its_parent(server, client, loras):
     assert models["one"].parent == base and models["one"].root == loras["one"] and models[base].parent is None
 
 
+@pytest.mark.slow  # a server process with adapters
 def test_requests_pick_adapters_by_model_and_share_steps(client, want):
     base = checkpoint("qwen3")
     got: dict = {}
@@ -83,6 +87,7 @@ def test_requests_pick_adapters_by_model_and_share_steps(client, want):
     assert chat.model == "one"
 
 
+@pytest.mark.slow  # a server process with adapters
 def test_an_unknown_model_is_a_404_listing_the_served_names(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="nope", prompt="hi", max_tokens=1)
@@ -90,6 +95,7 @@ def test_an_unknown_model_is_a_404_listing_the_served_names(client):
     assert "'nope'" in message and "'one'" in message and checkpoint("qwen3") in message
 
 
+@pytest.mark.slow  # a server process with adapters
 def test_load_and_unload_at_run_time_cost_no_other_request(server, client, loras, want, tmp_path):
     done: dict = {}
     stream = threading.Thread(target=lambda: done.setdefault("text", "".join(  # runs across every change below
@@ -130,6 +136,7 @@ def test_runtime_routes_are_refused_without_the_flag():
 
 
 # ---------------------------------------------------------------------------------- the gateway's metrics
+@pytest.mark.slow  # a server process with adapters
 def test_gateway_metrics_move_as_requests_run(server, client):
     label = f'{{model_name="{checkpoint("qwen3")}"}}'
     before = server.wait_idle()
