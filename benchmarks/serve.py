@@ -151,9 +151,9 @@ def run_level(url: str, api_key: str, model: str, concurrency: int, prompts, par
 class Server:
     """`nanoplug serve` on a free port, in its own process group, stopped with SIGTERM (then SIGKILL)."""
 
-    def __init__(self, args, model: str):
+    def __init__(self, args, model: str, extra: tuple[str, ...] = ()):
         cmd = [sys.executable, "-m", "nanoplug", "serve", "--model", model, "--port", "0",
-               "--max-waiting", str(max(args.concurrency) + 16)]
+               "--max-waiting", str(max(args.concurrency) + 16), *extra]
         for name in ENGINE_FLAGS:
             value = getattr(args, name)
             if value is not None:
@@ -183,7 +183,7 @@ class Server:
             raise RuntimeError("the server did not start:\n" + "".join(self.log))
 
     def cpu_seconds(self) -> tuple[float, float]:
-        """(front end, engine) CPU seconds so far: the server process and its engine process; with
+        """(front end, engine) CPU seconds so far: the server process and its engine processes (all replicas'); with
         --single-process, the main thread (uvicorn's event loop) and every other thread (the stepping
         thread, torch's workers, tokenizing)."""
         import psutil
@@ -191,8 +191,8 @@ class Server:
         server = psutil.Process(self.proc.pid)
         children = server.children()
         if children:
-            t, c = server.cpu_times(), children[0].cpu_times()
-            return t.user + t.system, c.user + c.system
+            t, cs = server.cpu_times(), [c.cpu_times() for c in children]
+            return t.user + t.system, sum(c.user + c.system for c in cs)
         threads = server.threads()
         front = sum(t.user_time + t.system_time for t in threads if t.id == server.pid)
         return front, sum(t.user_time + t.system_time for t in threads if t.id != server.pid)

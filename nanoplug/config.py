@@ -81,6 +81,9 @@ class EngineConfig(BaseModel):
     parallel: PluginName = "auto"
     tensor_parallel_size: Int = Field(1, ge=1)
     adapters: list[AdapterSpec] = Field(default_factory=list)
+    max_loras: Int = Field(0, ge=0, description="per-request adapter slots (vLLM's max_loras): above the number of "
+                           "per-request adapters given, the rest stay free for `load_adapter` at run time")
+    max_lora_rank: Int = Field(16, ge=1, description="the largest rank an adapter loaded at run time may have")
     quantization: PluginName | None = Field(
         "auto", description="the weight format of a quantized checkpoint (a GGUF file): 'auto' keeps the "
         "checkpoint's own format where a weight-format plugin serves it here (else dequantizes, saying why), a "

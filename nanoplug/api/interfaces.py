@@ -11,6 +11,7 @@ from typing import Any, Callable, ClassVar, Iterator, Protocol
 import torch
 from pydantic import BaseModel
 
+from nanoplug.api.errors import AdapterError
 from nanoplug.api.linear import DenseLinearMethod, LinearMethod
 from nanoplug.api.options import NoOptions
 from nanoplug.api.step import (AttentionMetadata, AttentionSpec, KVCacheSpec, KVLayer, StepBatch, StepInputs,
@@ -166,9 +167,10 @@ class WeightAdapter(Plugin, ABC):
 
     @classmethod
     def serve_per_request(cls, model: torch.nn.Module, adapters: list["WeightAdapter"], group: ProcessGroup,
-                          max_tokens: int) -> "RequestAdapters":
+                          max_tokens: int, slots: int = 0, rank: int = 0) -> "RequestAdapters":
         """Instead of merging `adapters` (spec.merge False; they saw every tensor but left it as it was),
-        change `model`'s layers so each token can use adapter id i (adapters[i - 1]) or none (0)."""
+        change `model`'s layers so each token can use adapter id i (adapters[i - 1]) or none (0). `slots` above
+        len(adapters): ids left free for `RequestAdapters.load` at run time, of rank up to `rank`."""
         raise NotImplementedError(
             f"adapter plugin {cls.__name__} cannot serve adapters per request; merge them (merge=True)"
         )
@@ -186,6 +188,11 @@ class RequestAdapters(ABC):
     def set_step(self, token_adapter_ids: torch.Tensor) -> None:
         """Adapter id (0: none) of each token of the next step, int64 [N] on the CPU; called once per step
         before the model runs (and before a CUDA graph replays)."""
+
+    def load(self, adapter_id: int, adapter: WeightAdapter) -> None:
+        """Put `adapter` (read and checked by its constructor) in slot `adapter_id`, whose previous adapter no
+        running token uses any more; called between steps. Raise AdapterError saying why it does not fit."""
+        raise AdapterError(f"{type(self).__name__} cannot load adapters at run time; give them at start-up")
 
 
 # ---------------------------------------------------------------------------------- weight formats

@@ -97,6 +97,11 @@ class Worker(ABC):
         """Sample the step launched with `sampling.mask_later`, under `bitmask` (see `defers_sampling`)."""
         raise NotImplementedError(f"{type(self).__name__} does not defer sampling")
 
+    def load_adapter(self, adapter_id: int, spec) -> None:
+        """Read the adapter `spec` names (an AdapterSpec) and serve it per request as id `adapter_id`, a slot
+        no running request uses; called between steps (the engine's load_adapter)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot load adapters at run time; give them at start-up")
+
     def shutdown(self) -> None:
         """Stop and release everything; safe to call twice."""
 

@@ -32,6 +32,21 @@ def add_parser(sub) -> None:
     p.add_argument("--single-process", action="store_true",
                    help="step the engine core in a thread of the server's process (default: a process of its own)")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="N engine processes behind this front end, one per GPU (or sharing them), on the CPU each with "
+                   "its share of the cores (default: 1)")
+    p.add_argument("--data-parallel-routing", choices=["prefix", "round_robin"], default="prefix",
+                   help="how requests are spread over the replicas: prefix (to the replica whose cache holds the "
+                   "prompt's first blocks, else the least loaded; the default) or round_robin")
+    p.add_argument("--lora", "--lora-modules", action="append", default=[], metavar="NAME=PATH", dest="lora_modules",
+                   help="serve the PEFT LoRA folder PATH per request under the model name NAME (repeat for more; "
+                   "requests pick one by their `model`, and share each step with the base model's)")
+    p.add_argument("--allow-runtime-lora", action="store_true",
+                   help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; off by default, "
+                   "as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
+    p.add_argument("--max-loras", type=int, default=None, metavar="N",
+                   help="per-request adapter slots (default: the --lora count, plus 4 with --allow-runtime-lora)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="largest rank of an adapter loaded at run time (default: 16)")
     add_engine_options(p)
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests in one batch at most (default: 256)")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384, help="tokens in one step at most")
@@ -69,6 +84,13 @@ def engine_config(args: argparse.Namespace):
     if args.tensor_parallel_size > 1:
         options["parallel"] = "tensor"
     options.update(speculation_options(args))
+    served = lora_modules(args.lora_modules)
+    if served:
+        options["adapters"] = [{"path": path, "name": name, "merge": False} for name, path in served.items()]
+    max_loras = args.max_loras if args.max_loras is not None else len(served) + (4 if args.allow_runtime_lora else 0)
+    if max_loras < len(served):
+        raise OptionError(f"--max-loras {max_loras}: fewer slots than the {len(served)} --lora adapters given")
+    options["max_loras"], options["max_lora_rank"] = max_loras, args.max_lora_rank
     options = {k: v for k, v in options.items() if v is not None}  # unset: the engine's own default
     cpu = {"kv_cache_gb": args.cpu_kv_cache_gb} if args.cpu_kv_cache_gb is not None else {}
     cuda = {k: v for k, v in (("memory_utilization", args.gpu_memory_utilization),
@@ -83,6 +105,19 @@ def engine_config(args: argparse.Namespace):
         return config
     except ValidationError as exc:
         raise OptionError(_first_problem(exc)) from exc
+
+
+def lora_modules(values: list[str]) -> dict[str, str]:
+    """`--lora NAME=PATH ...` as {name: path}, refusing a malformed or repeated name."""
+    served: dict[str, str] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise OptionError(f"--lora {value!r}: give NAME=PATH, e.g. --lora sql=/models/sql-lora")
+        if name in served:
+            raise OptionError(f"--lora: the name {name!r} is given twice; give each adapter its own name")
+        served[name] = path
+    return served
 
 
 def run(args: argparse.Namespace) -> int:
@@ -107,14 +142,28 @@ def run(args: argparse.Namespace) -> int:
         raise OptionError(f"--port {args.port}: ports lie in 0..65535 (0: any free one)")
     config = engine_config(args)
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
-    settings = ServerSettings(model_name=name, api_key=args.api_key or None, max_waiting=args.max_waiting,
+    adapters = lora_modules(args.lora_modules)
+    if name in adapters:
+        raise OptionError(f"--lora {name}=...: that is the base model's name; give the adapter another")
+    settings = ServerSettings(model_name=name, adapters=adapters, allow_runtime_lora=args.allow_runtime_lora, api_key=args.api_key or None, max_waiting=args.max_waiting,
                               max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts,
                               metrics_require_key=args.metrics_require_key, restart_engine=args.restart_engine,
                               max_header_bytes=args.max_header_bytes, header_timeout_s=args.header_timeout)
-    if args.single_process:
-        from nanoplug.server.engine_loop import EngineLoop as Engine
+    if args.data_parallel_size < 1:
+        raise OptionError("--data-parallel-size must be 1 or more")
+    if args.data_parallel_size > 1:
+        if args.single_process:
+            raise OptionError("--data-parallel-size runs engine processes; leave out --single-process")
+        from nanoplug.server.replicas import Replicas
+
+        engine = Replicas(config, args.data_parallel_size, args.data_parallel_routing)
+    elif args.single_process:
+        from nanoplug.server.engine_loop import EngineLoop
+
+        engine = EngineLoop(config)
     else:
-        from nanoplug.server.engine_process import EngineProcess as Engine
-    engine = Engine(config)
+        from nanoplug.server.engine_process import EngineProcess
+
+        engine = EngineProcess(config)
     return serve(engine, settings, host=args.host, port=args.port, access_log=args.access_log,
                  log_level="info" if args.verbose else "warning")

@@ -21,7 +21,7 @@ from nanoplug.engine.sequence import Sequence
 
 def chain_root(seq: Sequence) -> int:
     """The hash a sequence's first block chains from: per adapter, since K/V differ under each one."""
-    return -1 - seq.adapter_id
+    return -1 - seq.adapter_id - (seq.adapter_load << 16)
 
 
 def block_hash(prev: int, token_ids: list[int]) -> int:

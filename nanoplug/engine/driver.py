@@ -113,6 +113,12 @@ class Driver:
         finally:
             self._wheel.release()
 
+    def between_steps(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the calling thread while no step runs (the wheel held, so at most one step's wait): for
+        changes to the core that a step must never see half done, such as an adapter loaded at run time."""
+        with self._wheel:
+            return fn(*args)
+
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until the driver has no work in hand (its last step ran out of work or raised)."""
         with self._cond:

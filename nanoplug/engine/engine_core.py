@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from nanoplug.api import StepResult, pick_tool_call_format
@@ -25,8 +25,8 @@ from nanoplug.engine.batch import BatchBuilder, Launched
 from nanoplug.engine.hybrid_blocks import block_manager_for
 from nanoplug.engine.chat_template import chat_token_ids
 from nanoplug.engine.chat_tools import for_template
-from nanoplug.config import EngineConfig, SamplingParams
-from nanoplug.errors import ConfigError, EngineClosedError, RequestError
+from nanoplug.config import AdapterSpec, EngineConfig, SamplingParams
+from nanoplug.errors import AdapterError, ConfigError, EngineClosedError, RequestError
 from nanoplug.engine.outputs import OutputProcessor, RequestState, RequestUpdate
 from nanoplug.engine.registry import Registry, default_registry
 from nanoplug.engine.requests import EngineRequest, RequestMaker
@@ -54,6 +54,8 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_verifications: int = 0
+    running_adapters: list[str] = field(default_factory=list)  # per-request adapters of running / waiting
+    waiting_adapters: list[str] = field(default_factory=list)  # requests (the gateway's lora_requests_info)
 
 
 class EngineCore:
@@ -69,7 +71,9 @@ class EngineCore:
         wired = start(config, self.registry)
         self.config = config = wired.config
         self.hf_config, self.facts = wired.checkpoint.hf_config, wired.checkpoint.facts
-        self.request_adapter_ids = wired.request_adapter_ids
+        self.request_adapter_ids = wired.request_adapter_ids  # name -> slot; load_adapter and unload_adapter change it
+        self.max_loras = max(config.max_loras, len(self.request_adapter_ids))  # per-request adapter slots
+        self.adapter_loads = [0] * (self.max_loras + 1)  # per slot: how many times load_adapter filled it
         self.choices, self.device, self.dtype = wired.choices, wired.target.device, wired.target.dtype
         self.tokenizer, self.eos_token_ids = wired.tokenizer, wired.eos_token_ids
         self.worker, self.num_kv_blocks, self.overlap = wired.worker, wired.num_kv_blocks, wired.overlap
@@ -136,6 +140,7 @@ class EngineCore:
             if request.request_id in self._ids:
                 raise RequestError(f"request id {request.request_id!r} is already in use; give each request its own")
             self._ids.add(request.request_id)
+            request.arrived_at = time.monotonic()
             self._inbox.append(("add", request))
 
     def abort(self, request_id: str) -> None:
@@ -156,7 +161,10 @@ class EngineCore:
         for kind, value in messages:
             if kind == "add":
                 self._add(value)
-                continue
+                adapter = value.params.adapter
+                if adapter is None or adapter in self.request_adapter_ids:
+                    continue
+                value = value.request_id  # its adapter was unloaded while it waited in the inbox: it ends ("abort")
             state = self.requests.get(value)
             if state is None:
                 continue  # finished already, or never added: nothing to drop
@@ -166,8 +174,9 @@ class EngineCore:
 
     def _add(self, request: EngineRequest) -> None:
         p = request.params
-        seq = Sequence(list(request.prompt_token_ids), p, request_id=request.request_id,
-                       adapter_id=self.request_adapter_ids.get(p.adapter, 0))
+        slot = self.request_adapter_ids.get(p.adapter, 0)
+        seq = Sequence(list(request.prompt_token_ids), p, request_id=request.request_id, adapter_id=slot,
+                       adapter_load=self.adapter_loads[slot], arrived_at=request.arrived_at)
         self.requests[request.request_id] = self.outputs.start(request.request_id, seq, request.incremental_text)
         self.prompt_tokens_total += len(seq)
         self.scheduler.add(seq)
@@ -186,6 +195,31 @@ class EngineCore:
         for seq in self.scheduler.take_forked():
             first = self.requests[seq.request_id]
             first.samples.append(self.outputs.start(seq.request_id, seq, first.incremental))
+
+    # ------------------------------------------------------------------ adapters at run time
+    def load_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT LoRA folder `path` per request as `name`, in a free slot (max_loras). Call it between
+        steps (`Driver.between_steps`); raises AdapterError naming what does not fit, and then nothing changed."""
+        self._check_open()
+        if name in self.request_adapter_ids:
+            raise AdapterError(f"an adapter named {name!r} is loaded already; unload it first or pick another name")
+        used = set(self.request_adapter_ids.values()) | {state.seq.adapter_id for state in self.requests.values()}
+        free = [slot for slot in range(1, self.max_loras + 1) if slot not in used]
+        if not free:
+            raise AdapterError(f"all {self.max_loras} adapter slots are taken (loaded, or used by requests still "
+                               "running); unload one, or restart with more slots (max_loras, --max-loras)")
+        try:
+            self.worker.load_adapter(free[0], AdapterSpec(path=path, name=name, merge=False))
+        except NotImplementedError as exc:
+            raise AdapterError(f"{exc}") from exc
+        self.adapter_loads[free[0]] += 1
+        self.request_adapter_ids[name] = free[0]
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter `name`: new requests for it are refused; those running finish with it."""
+        if self.request_adapter_ids.pop(name, None) is None:
+            loaded = ", ".join(map(repr, self.request_adapter_ids)) or "none"
+            raise AdapterError(f"no adapter named {name!r} is loaded (loaded: {loaded})")
 
     # ---------------------------------------------------------------------------- stepping
     def step(self) -> list[RequestUpdate]:
@@ -320,11 +354,16 @@ class EngineCore:
     # ------------------------------------------------------------------------------ the rest
     def stats(self) -> EngineStats:
         blocks = self.scheduler.blocks
+        running = waiting = []
+        if self.request_adapter_ids:  # only an engine serving adapters per request pays for the walk
+            names = {i: name for name, i in self.request_adapter_ids.items()}
+            running = sorted({names[s.adapter_id] for s in self.scheduler.running if s.adapter_id in names})
+            waiting = sorted({names[s.adapter_id] for s in self.scheduler.waiting if s.adapter_id in names})
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting) + len(self._inbox),
             kv_blocks_used=self.num_kv_blocks - blocks.num_free_blocks, kv_blocks_total=self.num_kv_blocks,
             num_preemptions=self.scheduler.num_preemptions, prompt_tokens_total=self.prompt_tokens_total,
-            generated_tokens_total=self.generated_tokens_total,
+            generated_tokens_total=self.generated_tokens_total, running_adapters=running, waiting_adapters=waiting,
             **(self.speculation.counters() if self.speculation is not None else {}),
         )
 

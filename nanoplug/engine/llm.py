@@ -67,6 +67,15 @@ class LLM:
         """One line per kind: what was asked, what was chosen, and why."""
         return self.engine.describe_plugins()
 
+    def load_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT LoRA folder `path` per request as `name` from now on (a free one of `max_loras` slots),
+        between two steps; raises AdapterError naming what does not fit, and then nothing changed."""
+        self.driver.between_steps(self.engine.load_adapter, name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Refuse new requests for adapter `name`; those running finish with it."""
+        self.driver.between_steps(self.engine.unload_adapter, name)
+
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """The conversation through the checkpoint's chat template, as token ids."""
         return self.engine.chat_prompt_ids(messages)

@@ -39,6 +39,7 @@ class RequestUpdate:
     index: int = 0  # which sample (0..n-1) token_ids, text, finish_reason and logprobs belong to
     # the prompt's logprobs (None first: the first token has none), once, in the first update with tokens
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    queue_time: float | None = None  # seconds from add_request to first scheduled, once, in the first update
 
 
 @dataclass
@@ -113,6 +114,7 @@ class RequestState:
     samples: list["RequestState"] = field(default_factory=list)  # the first sample's: every sample's state, in order
     final_sent: bool = False  # the update that ends this sample went out
     prompt_logprobs_sent: bool = False
+    queue_time_sent: bool = False
 
 
 class OutputProcessor:
@@ -163,6 +165,8 @@ class OutputProcessor:
         logits, state.logits = (state.logits, []) if state.logits else (None, state.logits)
         update = RequestUpdate(state.request_id, new, text, (seq.root or seq).request_finished, seq.finish_reason,
                                seq.num_prompt_tokens, seq.num_cached_tokens, logits=logits, index=seq.sample_index)
+        if not state.queue_time_sent and seq.scheduled_at is not None:
+            update.queue_time, state.queue_time_sent = seq.scheduled_at - seq.arrived_at, True
         if seq.params.logprobs is not None:
             update.logprobs, state.logprobs = state.logprobs, []
         if seq.prompt_logprobs is not None and not state.prompt_logprobs_sent and (new or done):

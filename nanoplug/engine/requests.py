@@ -160,6 +160,7 @@ class EngineRequest:
     # True: an update every step that adds tokens (streams); False: one update when it finishes, with all
     # of its tokens and text (vLLM's FINAL_ONLY: generate() needs no per-token traffic)
     incremental_text: bool = True
+    arrived_at: float = 0.0  # set by EngineCore.add_request: the start of its queue time
 
 
 class RequestMaker:

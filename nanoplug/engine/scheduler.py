@@ -13,6 +13,7 @@ penalized sequences (`penalty_slots`, given back at `finish`).
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -108,6 +109,8 @@ class Scheduler:
             self.blocks.release_passed(seq)  # hits a sliding window has passed
             self.waiting.popleft()
             seq.status = Status.RUNNING
+            if seq.scheduled_at is None:
+                seq.scheduled_at = time.monotonic()
             self.running.append(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             batch.append(Scheduled(seq, n))

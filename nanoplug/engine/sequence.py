@@ -39,6 +39,10 @@ class Sequence:
     group_tables: list[list[int]] = field(default_factory=list)  # KV groups 1.. of a hybrid model (hybrid_blocks.py)
     finish_reason: str | None = None
     adapter_id: int = 0
+    adapter_load: int = 0  # which load of that adapter slot (a slot reused at run time must not share cached K/V)
+    # when it reached the engine (added) and was first scheduled: its queue time, reported once (metrics)
+    arrived_at: float = 0.0
+    scheduled_at: float | None = None
     num_pending: int = 0  # trailing PENDING placeholders in token_ids
     # n > 1: every sample is a Sequence; the request's first one (root None) forks the others when the
     # last token of its prompt is scheduled, and lists them all in `samples`, itself first
@@ -71,7 +75,7 @@ class Sequence:
             params = params.model_copy(update={"seed": params.seed + sample_index})
         child = Sequence(self.token_ids[:self.num_prompt_tokens], params, request_id=self.request_id, root=self,
                          sample_index=sample_index, num_prompt_tokens=self.num_prompt_tokens,
-                         adapter_id=self.adapter_id)
+                         adapter_id=self.adapter_id, adapter_load=self.adapter_load)
         self.samples.append(child)
         return child
 

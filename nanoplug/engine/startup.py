@@ -247,6 +247,7 @@ def start(config: EngineConfig, registry: Registry) -> Started:
         decode_attention=choices["attention"].cls,
         kv_cache=choices["kv_cache"].cls,
         adapters=[(r.cls, spec) for r, spec in zip(choices["adapters"], config.adapters)],
+        request_adapter=registry.resolve("adapter", "lora", target).cls if config.max_loras > len(adapter_ids) else None,
         weight_format=choices["weight_format"].cls,
         platform=choices["platform"].cls,
         platform_name=choices["platform"].name,

@@ -10,5 +10,9 @@ streams.py   one request's updates, coalesced per read     render.py    response
 engine_process.py  the engine core in a process of its own (the default), msgpack over a socket pair
 engine_loop.py  the engine core in this process (--single-process); both layouts step it with
              nanoplug.engine.driver, as LLM does
-metrics.py   Prometheus metrics    launch.py  uvicorn on our own socket, clean shutdown on signals
+metrics.py   Prometheus metrics (nanoplug's, and the gateway's under vLLM's names)
+launch.py    uvicorn on our own socket, clean shutdown on signals
+lora_routes.py  /v1/load_lora_adapter and /v1/unload_lora_adapter (--allow-runtime-lora)
+replicas.py  --data-parallel-size: engine processes behind one front end, prefix-affinity dispatch
+ray_serve.py a Ray Serve deployment (`serve run nanoplug.server.ray_serve:build ...`), imported only there
 """

@@ -31,11 +31,20 @@ from nanoplug.server.tools import ToolPlan, chat_messages
 CHAT_ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
 
 
-def check_model(state: Any, model: str | None) -> None:
-    served = state.settings.model_name
-    if model is not None and model != served:
-        raise APIError(404, f"the model {model!r} does not exist here; this server serves {served!r} (GET /v1/models)",
-                       param="model", code="model_not_found")
+def check_model(state: Any, model: str | None) -> str | None:
+    """The per-request adapter `model` names (None: the base model), or a 404 listing the served names."""
+    settings = state.settings
+    if model is None or model == settings.model_name:
+        return None
+    if model in state.adapters:
+        return model
+    served = ", ".join(repr(m) for m in [settings.model_name, *state.adapters])
+    raise APIError(404, f"the model {model!r} does not exist here; this server serves {served} (GET /v1/models)",
+                   param="model", code="model_not_found")
+
+
+def _with_adapter(params: Any, adapter: str | None) -> Any:
+    return params if adapter is None else params.model_copy(update={"adapter": adapter})
 
 
 def add_routes(app: FastAPI, state: Any) -> None:
@@ -72,7 +81,7 @@ def _parse(model: type[BaseModel], raw: bytes) -> Any:
 def _plan_completion(state: Any, raw: bytes) -> tuple:
     """`respond`'s arguments for a completions body; raises APIError."""
     body = _parse(CompletionRequest, raw)
-    check_model(state, body.model)
+    adapter = check_model(state, body.model)
     check_completion(body)
     prompts = body.prompts()
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -88,8 +97,8 @@ def _plan_completion(state: Any, raw: bytes) -> tuple:
         raise bad_request("the prompt's logprobs (echo with logprobs, prompt_logprobs) come in a whole response; "
                           "send stream=false", param="stream")
     constraint = constraint_of(body)
-    responder = Responder(chat=False, model=state.settings.model_name, token_text=engine.token_text)
-    params = sampling_params(body, max(max_tokens, 1), 0, body.logprobs, constraint)
+    responder = Responder(chat=False, model=adapter or state.settings.model_name, token_text=engine.token_text)
+    params = _with_adapter(sampling_params(body, max(max_tokens, 1), 0, body.logprobs, constraint), adapter)
     plp = body.prompt_logprobs if body.prompt_logprobs is not None else body.logprobs if echo_logprobs else None
     if plp is not None:
         params = params.model_copy(update={"prompt_logprobs": plp})
@@ -105,7 +114,7 @@ def _plan_completion(state: Any, raw: bytes) -> tuple:
 def _plan_chat(state: Any, raw: bytes) -> tuple:
     """`respond`'s arguments for a chat body; raises APIError."""
     body = _parse(ChatRequest, raw)
-    check_model(state, body.model)
+    adapter = check_model(state, body.model)
     check_chat(body)
     n = body.n or 1
     max_tokens = body.max_completion_tokens or body.max_tokens
@@ -120,8 +129,8 @@ def _plan_chat(state: Any, raw: bytes) -> tuple:
                               "leave out response_format (or the other constraint)", param="tool_choice")
         constraint = plan.constraint()
     prompt = {"messages": messages, "tools": plan.tools} if plan is not None else messages
-    responder = Responder(chat=True, model=state.settings.model_name, token_text=state.engine.token_text)
-    params = sampling_params(body, max_tokens or 1, 0, logprobs, constraint)
+    responder = Responder(chat=True, model=adapter or state.settings.model_name, token_text=state.engine.token_text)
+    params = _with_adapter(sampling_params(body, max_tokens or 1, 0, logprobs, constraint), adapter)
     items = [(prompt, [(f"{responder.id}-{j}", params if body.seed is None else
                         params.model_copy(update={"seed": body.seed + j})) for j in range(n)])]
     return responder, items, n, bool(body.stream), body.include_usage, max_tokens is None, None, plan

@@ -11,14 +11,14 @@ import asyncio
 import logging
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from nanoplug.server import api
+from nanoplug.server import api, lora_routes
 from nanoplug.server.errors import APIError, install_handlers
 from nanoplug.server.guard import Guard
 from nanoplug.server.metrics import Metrics, StatusCounter
@@ -30,6 +30,8 @@ log = logging.getLogger("nanoplug.server")
 @dataclass
 class ServerSettings:
     model_name: str  # what /v1/models lists and requests must name
+    adapters: dict[str, str] = field(default_factory=dict)  # per-request LoRA adapters at start: model name -> folder
+    allow_runtime_lora: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     api_key: str | None = None
     max_waiting: int = 1024  # requests queued beyond the engine's max_num_seqs before 503
     max_body_bytes: int = 4 << 20  # a larger body is a 413 before it is read whole
@@ -55,6 +57,8 @@ class ServerState:
         self.on_ready = lambda: None
         self.request_exit = lambda code: None  # set by launch.py: stop serving, exit with `code`
         self.restarts = 0
+        self.adapters = dict(settings.adapters)  # the adapters served now (model name -> folder)
+        self.adapter_lock = asyncio.Lock()
         engine.on_death = self.engine_died
 
     def engine_died(self, reason: str | None) -> None:
@@ -121,8 +125,9 @@ class _Reservation:
 
 def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     streams = engine.streams
-    metrics = Metrics(lambda: engine.stats, lambda: len(streams))
-    streams.on_tokens, streams.on_finish = metrics.on_tokens, metrics.on_finish
+    metrics = Metrics(lambda: engine.stats, lambda: len(streams), settings.model_name,
+                      lambda: getattr(engine, "max_lora", 0))
+    streams.on_tokens, streams.on_finish, streams.on_first = metrics.on_tokens, metrics.on_finish, metrics.on_first
     state = ServerState(engine, streams, metrics, settings)
 
     @asynccontextmanager
@@ -152,6 +157,9 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
             return JSONResponse({"status": "error", "error": engine.failure}, status_code=503)
         if state.closing:  # load balancers stop sending here
             return JSONResponse({"status": "shutting_down"}, status_code=503)
+        if hasattr(engine, "health"):  # data-parallel replicas: one dead is a degraded server, still serving
+            replicas = engine.health()
+            return {"status": "ok" if all(r["status"] == "ok" for r in replicas) else "degraded", "replicas": replicas}
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -160,8 +168,11 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": int(state.started),
-                                            "owned_by": "nanoplug", "max_model_len": engine.max_model_len}]}
+        """The base model, then each adapter with its `parent` (vLLM's shape: `root` is the adapter's folder)."""
+        card = dict(object="model", created=int(state.started), owned_by="nanoplug", max_model_len=engine.max_model_len)
+        base = settings.model_name
+        return {"object": "list", "data": [{"id": base, "root": base, "parent": None, **card}] + [
+            {"id": name, "root": path, "parent": base, **card} for name, path in state.adapters.items()]}
 
     page = resources.files("nanoplug.server").joinpath("static/chat.html").read_text(encoding="utf-8")
 
@@ -170,4 +181,5 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         return HTMLResponse(page)
 
     api.add_routes(app, state)
+    lora_routes.add_routes(app, state)
     return app

@@ -34,6 +34,7 @@ class EngineLoop:
         self.config = self.core.config
         self.max_model_len, self.max_num_seqs = self.config.max_model_len, self.config.max_num_seqs
         self.vocab_size = self.core.facts.vocab_size
+        self.max_lora = self.core.max_loras  # per-request adapter slots
         self.streams = Streams()
         self.tokenizer = self.core.tokenizer
         self.token_text = token_texts(self.tokenizer)  # for logprobs
@@ -80,6 +81,15 @@ class EngineLoop:
         """The engine frees the request's blocks at its next step and reports it finished."""
         if request_id in self.streams.open:
             self._driver.abort(request_id)
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Between two steps (the driver's wheel), beside the event loop; raises the engine's AdapterError."""
+        await asyncio.get_running_loop().run_in_executor(self._prepare, self._driver.between_steps,
+                                                         self.core.load_adapter, name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._prepare, self._driver.between_steps,
+                                                         self.core.unload_adapter, name)
 
     def _check_alive(self) -> None:
         if self.failure is not None:

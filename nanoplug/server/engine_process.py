@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 import struct
@@ -37,7 +38,7 @@ from typing import Any, Union
 import msgspec
 
 from nanoplug.config import EngineConfig, SamplingParams
-from nanoplug.errors import ModelLoadError, RequestError
+from nanoplug.errors import AdapterError, ModelLoadError, NanoplugError, RequestError
 from nanoplug.server.errors import APIError
 from nanoplug.server.prepare import PromptChoices, prepare_all
 from nanoplug.server.render import token_texts
@@ -61,6 +62,8 @@ class Stats(msgspec.Struct, array_like=True):
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_verifications: int = 0
+    running_adapters: list[str] = []
+    waiting_adapters: list[str] = []
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -82,6 +85,7 @@ class Update(msgspec.Struct, array_like=True):
     num_cached_tokens: int
     logprobs: Union[list[TokenLogprobs], None] = None
     prompt_logprobs: Union[list[Union[TokenLogprobs, None]], None] = None
+    queue_time: Union[float, None] = None
 
 
 class Start(msgspec.Struct, tag="start", array_like=True):
@@ -93,6 +97,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     max_num_seqs: int
     vocab_size: int
     stats: Stats
+    max_lora: int = 0  # adapters served per request
 
 
 class Prompt(msgspec.Struct, array_like=True):
@@ -140,6 +145,14 @@ class Abort(msgspec.Struct, tag="abort", array_like=True):
     request_id: str
 
 
+class LoadAdapter(msgspec.Struct, tag="load_adapter", array_like=True):
+    """Load (path given) or unload (path None) a per-request adapter; answered by Accepted or Rejected."""
+
+    token: int
+    name: str
+    path: Union[str, None] = None
+
+
 class Stepped(msgspec.Struct, tag="stepped", array_like=True):
     updates: list[Update]
     stats: Stats
@@ -149,7 +162,7 @@ class Failed(msgspec.Struct, tag="failed", array_like=True):
     message: str
 
 
-Message = Union[Start, Ready, Add, Accepted, Rejected, Abort, Stepped, Failed]
+Message = Union[Start, Ready, Add, Accepted, Rejected, Abort, LoadAdapter, Stepped, Failed]
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
@@ -162,7 +175,7 @@ def frame(message: Any) -> bytes:
 def _stats(s: Any) -> Stats:
     return Stats(s.num_running, s.num_waiting, s.kv_blocks_used, s.kv_blocks_total, s.num_preemptions,
                  s.prompt_tokens_total, s.generated_tokens_total, s.spec_draft_tokens, s.spec_accepted_tokens,
-                 s.spec_verifications)
+                 s.spec_verifications, s.running_adapters, s.waiting_adapters)
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
@@ -190,11 +203,17 @@ def recv_message(sock: socket.socket) -> Any | None:
 
 # ------------------------------------------------------------------------------ the front end
 class EngineProcess:
-    """Starts the engine process and waits until its model is loaded (a load error is raised here)."""
+    """Starts the engine process and waits until its model is loaded (a load error is raised here).
 
-    def __init__(self, config: EngineConfig, startup_timeout: float = 1800):
+    As one replica of several (server/replicas.py): `streams` is the front end's, shared, `owner` marks this
+    replica's streams, `label` names it in errors, `env` is what its process gets on top of ours (its GPU, its
+    cores); when it dies only its own requests fail, with a 503 naming it."""
+
+    def __init__(self, config: EngineConfig, startup_timeout: float = 1800, streams: Streams | None = None,
+                 owner: int = 0, label: str | None = None, env: dict[str, str] | None = None):
         self.config, self.startup_timeout = config, startup_timeout
-        self.streams = Streams()
+        self.owner, self.label, self.env = owner, label, env
+        self.streams = streams if streams is not None else Streams()
         self.failure: str | None = None
         self.on_death = lambda reason: None  # the app's: restart or exit (app.py)
         self._pending: dict[int, asyncio.Future] = {}
@@ -212,7 +231,7 @@ class EngineProcess:
         """A new engine process, its model loaded (blocking)."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.proc = subprocess.Popen([sys.executable, "-m", "nanoplug.server.engine_process", str(child.fileno())],
-                                     pass_fds=[child.fileno()])
+                                     pass_fds=[child.fileno()], env={**os.environ, **self.env} if self.env else None)
         child.close()
         self._sock = parent
         parent.sendall(frame(Start(self.config.model_dump(mode="json", exclude_unset=True))))
@@ -226,7 +245,7 @@ class EngineProcess:
             self.stop()
             raise RuntimeError(f"the engine process exited during start-up (exit code {self.proc.poll()})")
         self.max_model_len, self.max_num_seqs, self.stats = first.max_model_len, first.max_num_seqs, first.stats
-        self.vocab_size = first.vocab_size
+        self.vocab_size, self.max_lora = first.vocab_size, first.max_lora
 
     async def restart(self) -> None:
         """After the engine process died: a new one, serving again once its model is loaded."""
@@ -274,9 +293,13 @@ class EngineProcess:
         if self.failure is not None:
             return
         self.failure = reason
-        log.error("engine process failed: %s", reason)
-        error = APIError(500, f"the engine failed: {reason}", type="server_error", code="engine_error")
-        self.streams.fail_all(error)
+        log.error("%s failed: %s", self.label or "engine process", reason)
+        if self.label is None:
+            self.streams.fail_all(APIError(500, f"the engine failed: {reason}", type="server_error", code="engine_error"))
+        else:  # one replica of several: only its requests end, and the client may retry at once
+            self.streams.fail_all(APIError(503, f"{self.label} died while serving this request ({reason}); the "
+                                           "other replicas serve on: retry", type="server_error", code="replica_dead"),
+                                  owner=self.owner)
         for future in self._pending.values():
             if not future.done():
                 future.set_result(Rejected(-1, reason))
@@ -300,7 +323,7 @@ class EngineProcess:
         token = next(self._tokens)
         data = frame(Add(token, wire, fill_context, want_prompt_ids))  # raises before anything is registered (checks.py should
         ready = asyncio.Event()  # have refused what the wire cannot carry; this keeps a slip from leaking)
-        streams = [self.streams.register(rid, ready) for _, choices in items for rid, _ in choices]
+        streams = [self.streams.register(rid, ready, self.owner) for _, choices in items for rid, _ in choices]
         future = self._pending[token] = asyncio.get_running_loop().create_future()
         try:
             self._write(data)
@@ -334,6 +357,24 @@ class EngineProcess:
         if request_id in self.streams.open and self._writer is not None:
             self._send(Abort(request_id))
 
+    async def load_adapter(self, name: str, path: str) -> None:
+        await self._adapter(LoadAdapter(next(self._tokens), name, path))
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._adapter(LoadAdapter(next(self._tokens), name, None))
+
+    async def _adapter(self, message: LoadAdapter) -> None:
+        """Ask the engine process to change its adapters; raises its AdapterError as one."""
+        if self.failure is not None:
+            raise APIError(503, f"the engine stopped after an error: {self.failure}", type="server_error",
+                           code="engine_dead")
+        await self._started.wait()
+        future = self._pending[message.token] = asyncio.get_running_loop().create_future()
+        self._send(message)
+        answer = await future
+        if isinstance(answer, Rejected):
+            raise AdapterError(answer.message)
+
     def stop(self) -> None:
         """Ask the engine process to exit, and make sure it does (idempotent)."""
         self._closing = True
@@ -364,6 +405,12 @@ def main(fd: int) -> int:
     from nanoplug.engine.engine_core import EngineCore
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front end decides
+    cpus = os.environ.get("NANOPLUG_REPLICA_CPUS")  # a data-parallel replica on the CPU: its share of the cores
+    if cpus:
+        import torch
+
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+        torch.set_num_threads(len(cpus.split(",")))
     sock = socket.socket(fileno=fd)
     send_lock = threading.Lock()
 
@@ -394,7 +441,8 @@ def main(fd: int) -> int:
     wire = Wire()
     driver = Driver(core, on_idle=lambda stats: send(Stepped([], _stats(stats))), on_failure=failed,
                     stop_on_failure=True)
-    send(Ready(core.config.max_model_len, core.config.max_num_seqs, core.facts.vocab_size, _stats(core.stats())))
+    send(Ready(core.config.max_model_len, core.config.max_num_seqs, core.facts.vocab_size, _stats(core.stats()),
+               core.max_loras))
     prepare = ThreadPoolExecutor(1, thread_name_prefix="nanoplug-prepare")
 
     def add(message: Add) -> None:
@@ -419,6 +467,21 @@ def main(fd: int) -> int:
             ids = firsts
         send(Accepted(message.token, ids))
 
+    def change_adapter(message: LoadAdapter) -> None:
+        try:
+            if message.path is None:
+                driver.between_steps(core.unload_adapter, message.name)
+            else:
+                driver.between_steps(core.load_adapter, message.name, message.path)
+        except NanoplugError as exc:  # a folder that does not fit: nothing changed
+            send(Rejected(message.token, str(exc)))
+            return
+        except Exception as exc:  # noqa: BLE001 (the front end must hear an answer)
+            log.exception("changing adapter %r failed", message.name)
+            send(Rejected(message.token, f"{type(exc).__name__}: {exc}"))
+            return
+        send(Accepted(message.token))
+
     try:
         while True:
             message = recv_message(sock)
@@ -428,6 +491,8 @@ def main(fd: int) -> int:
                 prepare.submit(add, message)
             elif isinstance(message, Abort):  # through the same queue, so it never overtakes its request's Add
                 prepare.submit(driver.abort, message.request_id)
+            elif isinstance(message, LoadAdapter):  # after the Adds before it, between two steps
+                prepare.submit(change_adapter, message)
     finally:
         driver.stop()
         prepare.shutdown(wait=False, cancel_futures=True)
@@ -444,7 +509,7 @@ def _update(u: Any) -> Update:
     logprobs = None if u.logprobs is None else [_logprobs(e) for e in u.logprobs]
     prompt = None if u.prompt_logprobs is None else [_logprobs(e) for e in u.prompt_logprobs]
     return Update(u.request_id, list(u.token_ids), u.text, u.finished, u.finish_reason, u.num_prompt_tokens,
-                  u.num_cached_tokens, logprobs, prompt)
+                  u.num_cached_tokens, logprobs, prompt, u.queue_time)
 
 
 if __name__ == "__main__":

@@ -35,12 +35,14 @@ class RequestStream:
     Several streams may share one `ready` event: a response with several choices (n > 1, a list of
     prompts) waits on one event and then takes whatever each of its streams gained."""
 
-    __slots__ = ("request_id", "arrived", "first_token_at", "last_token_at", "_pending", "ready", "error",
+    __slots__ = ("request_id", "owner", "arrived", "heard", "first_token_at", "last_token_at", "_pending", "ready", "error",
                  "finished", "done", "num_tokens", "prompt_token_ids")
 
-    def __init__(self, request_id: str, ready: asyncio.Event | None = None):
+    def __init__(self, request_id: str, ready: asyncio.Event | None = None, owner: int = 0):
         self.request_id = request_id
+        self.owner = owner  # the engine replica serving it (data parallelism; 0 with one engine)
         self.arrived = time.monotonic()
+        self.heard = False  # an update of it arrived (its first carries the queue time and cache hits)
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self._pending: list[Any] = []
@@ -110,14 +112,20 @@ class Streams:
     def __init__(self, on_tokens: Callable[[RequestStream, int, float], None] | None = None,
                  on_finish: Callable[[RequestStream, str | None], None] | None = None):
         self.open: dict[str, RequestStream] = {}
+        self.load: dict[int, int] = {}  # open streams per owner (engine replica)
         self.on_tokens, self.on_finish = on_tokens, on_finish
+        self.on_first: Callable[[RequestStream, Any], None] | None = None  # a stream's first update
 
     def __len__(self) -> int:
         return len(self.open)
 
-    def register(self, request_id: str, ready: asyncio.Event | None = None) -> RequestStream:
-        stream = self.open[request_id] = RequestStream(request_id, ready)
+    def register(self, request_id: str, ready: asyncio.Event | None = None, owner: int = 0) -> RequestStream:
+        stream = self.open[request_id] = RequestStream(request_id, ready, owner)
+        self.load[owner] = self.load.get(owner, 0) + 1
         return stream
+
+    def _closed(self, stream: RequestStream) -> None:
+        self.load[stream.owner] -= 1
 
     def deliver(self, updates: list[Any]) -> None:
         now = time.monotonic()
@@ -125,6 +133,10 @@ class Streams:
             stream = self.open.get(u.request_id)
             if stream is None:
                 continue  # its handler gave up (abort on its way)
+            if not stream.heard:
+                stream.heard = True
+                if self.on_first:
+                    self.on_first(stream, u)
             if u.token_ids:
                 stream.num_tokens += len(u.token_ids)
                 if self.on_tokens:
@@ -134,14 +146,20 @@ class Streams:
             if u.finished:
                 stream.finished = True
                 del self.open[u.request_id]
+                self._closed(stream)
                 if self.on_finish:
                     self.on_finish(stream, u.finish_reason)
             stream.push(u)
 
     def forget(self, request_id: str) -> None:
-        self.open.pop(request_id, None)
+        stream = self.open.pop(request_id, None)
+        if stream is not None:
+            self._closed(stream)
 
-    def fail_all(self, error: APIError) -> None:
-        streams, self.open = list(self.open.values()), {}
+    def fail_all(self, error: APIError, owner: int | None = None) -> None:
+        """End every open stream (or only those `owner` serves) with `error`."""
+        streams = [s for s in self.open.values() if owner is None or s.owner == owner]
         for stream in streams:
+            del self.open[stream.request_id]
+            self._closed(stream)
             stream.fail(error)

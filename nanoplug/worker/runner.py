@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nanoplug.api import (AttentionMetadata, AttentionSpec, GraphCaptureError, KVCacheSpec, Layers, LinearMethod,
+from nanoplug.api import (AdapterError, AttentionMetadata, AttentionSpec, GraphCaptureError, KVCacheSpec, Layers, LinearMethod,
                           LogprobsTensors, ModelFacts, PagedAttention, ProcessGroup, PromptLogprobsBatch, SamplingBatch,
                           StartupTimes, StepBatch, StepContext, StepInputs, StepLimits, StepResult, StepStats, Target,
                           Worker, WorkerReport, to_device)
@@ -50,6 +50,7 @@ class PluginClasses:
     platform_name: str
     platform_options: Any  # an instance of the platform's Options, validated by the engine
     weight_format: Any = None  # None: the platform's dense method (as the `dense` format gives)
+    request_adapter: Any = None  # the adapter class of adapters loaded per request at run time (max_loras)
 
 
 @dataclass
@@ -83,6 +84,7 @@ class ModelRunner(Worker):
         started = self._clock = time.perf_counter()
         config, plugins, facts = spec.config, spec.plugins, spec.facts
         self.config, self.group, self.facts = config, group, facts
+        self._adapter_context = (plugins, facts, spec.hf_config)  # for adapters loaded at run time
         self.platform = plugins.platform(plugins.platform_options, spec.target)
         self.device = device = self.platform.worker_device(spec.target.device, group)
         self.dtype = dtype = spec.target.dtype
@@ -131,9 +133,10 @@ class ModelRunner(Worker):
             if getattr(module, "linear_method", None) is method:
                 method.process_after_loading(module)
         per_request = [a for a in adapters if not a.spec.merge]  # ids 1..K in config order, as the engine numbers them
-        self.request_adapters = type(per_request[0]).serve_per_request(
-            self.model, per_request, group, max(config.max_num_batched_tokens, config.max_num_seqs)
-        ) if per_request else None
+        adapter_class = type(per_request[0]) if per_request else plugins.request_adapter
+        self.request_adapters = adapter_class.serve_per_request(
+            self.model, per_request, group, max(config.max_num_batched_tokens, config.max_num_seqs),
+            config.max_loras, config.max_lora_rank) if per_request or config.max_loras else None
         self.model.eval()
         self.sampler = Sampler(device, config.seed, greedy=self.platform.greedy_sampler(),
                                temperature=self.platform.temperature_sampler())
@@ -442,6 +445,13 @@ class ModelRunner(Worker):
             self.platform.wait(extra_handle)
             result.logprobs, result.prompt_logprobs = _unpack_logprobs(flat, step)
         return result
+
+    def load_adapter(self, adapter_id: int, spec: Any) -> None:
+        if self.request_adapters is None:
+            raise AdapterError("this engine serves no adapters per request; start it with max_loras > 0")
+        plugins, facts, hf_config = self._adapter_context
+        cls = plugins.request_adapter or next(c for c, a in plugins.adapters if not a.merge)
+        self.request_adapters.load(adapter_id, cls(spec, facts, hf_config))
 
     def num_kv_blocks(self) -> int:
         return self.num_blocks

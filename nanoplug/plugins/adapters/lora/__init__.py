@@ -58,14 +58,14 @@ class LoraAdapter(WeightAdapter):
 
     @classmethod
     def serve_per_request(cls, model: torch.nn.Module, adapters: list[WeightAdapter], group: ProcessGroup,
-                          max_tokens: int):
+                          max_tokens: int, slots: int = 0, rank: int = 0):
         from nanoplug.plugins.adapters.lora.per_request import attach_multi_lora  # noqa: PLC0415
 
         others = [type(a).__name__ for a in adapters if not isinstance(a, LoraAdapter)]
         if others:
             raise AdapterError(f"per-request adapters must all be of kind 'lora' (got {', '.join(others)}); "
                                "merge the others (merge=True)")
-        return attach_multi_lora(model, [(a.lora, a.spec.scale) for a in adapters], max_tokens)
+        return attach_multi_lora(model, [(a.lora, a.spec.scale) for a in adapters], max_tokens, slots, rank)
 
 
 def check_base_model(lora: PeftLora, facts: ModelFacts, base_config: Any) -> None:

@@ -39,6 +39,11 @@ class LoraSlots(RequestAdapters):
         self.num_adapters, self.rank, self.max_tokens = num_adapters, rank, max_tokens
         self.active = False  # some token of this step uses an adapter
         self.cuda = device.type == "cuda"
+        self.layers: dict[str, tuple[MultiLoraLinear, list[Any]]] = {}  # wrapped layers by path, with their slices
+        self.packed: dict[str, tuple[str, Any]] = {}  # the model's packed modules (q_proj -> qkv_proj, "q")
+
+    def load(self, adapter_id: int, adapter: Any) -> None:
+        load_slot(self, adapter_id, adapter.lora, adapter.spec.scale)
 
     def _check(self, token_adapter_ids: torch.Tensor) -> int:
         n = token_adapter_ids.shape[0]
@@ -176,19 +181,28 @@ def _stack(base: LinearBase, parts: dict[tuple[int, Any], tuple[LoraModule, floa
     return a.reshape(-1, in_local), b.reshape(out_local, -1), rows
 
 
-def attach_multi_lora(model: nn.Module, loras: list[tuple[PeftLora, float]], max_tokens: int) -> LoraSlots:
+def attach_multi_lora(model: nn.Module, loras: list[tuple[PeftLora, float]], max_tokens: int, num_slots: int = 0,
+                      min_rank: int = 0) -> LoraSlots:
     """Wrap every linear layer any of `loras` (adapter ids 1..K, each with its scale) adapts: through the
-    Triton kernels where they can run, else the plain masked path."""
+    Triton kernels where they can run, else the plain masked path. With `num_slots` above K, ids K+1.. are
+    left empty for adapters loaded at run time (`LoraSlots.load`), of rank up to `min_rank`: then every
+    linear layer is wrapped, since a later adapter may target any of them."""
     packed = getattr(model, "packed_modules_mapping", {})
     targets: dict[str, dict[tuple[int, Any], tuple[LoraModule, float]]] = {}
     for k, (lora, scale) in enumerate(loras):
         for name, module in lora.modules.items():
             path, shard = _layer_of(name, packed)
             targets.setdefault(path, {})[(k, shard)] = (module, scale)
-    rank = max(m.rank for lora, _ in loras for m in lora.modules.values())
+    num_slots = max(num_slots, len(loras))
+    if num_slots > len(loras):
+        for path, module in model.named_modules():
+            if isinstance(module, LinearBase):
+                targets.setdefault(path, {})
+    rank = max([min_rank] + [m.rank for lora, _ in loras for m in lora.modules.values()])
     weight = next(model.parameters())
     slots_class = MaskedSlots if kernels.unavailable(weight.device, weight.dtype) else TiledSlots
-    slots = slots_class(len(loras), rank, weight.dtype, weight.device, max_tokens)
+    slots = slots_class(num_slots, rank, weight.dtype, weight.device, max_tokens)
+    slots.packed = packed
     for path, parts in targets.items():
         base = model.get_submodule(path)
         if not isinstance(base, LinearBase):
@@ -198,12 +212,52 @@ def attach_multi_lora(model: nn.Module, loras: list[tuple[PeftLora, float]], max
             )
         fused = path.rpartition(".")[2]
         shards = [shard for fused_name, shard in packed.values() if fused_name == fused] or [None]
-        a, b, rows = _stack(base, parts, shards, len(loras), rank)
+        a, b, rows = _stack(base, parts, shards, num_slots, rank)
         wrapped = MultiLoraLinear(base, slots, a.to(base.weight.device, base.weight.dtype),
                                   b.to(base.weight.device, base.weight.dtype), len(shards), rows)
         parent, _, child = path.rpartition(".")
         setattr(model.get_submodule(parent), child, wrapped)
+        slots.layers[path] = (wrapped, shards)
         if slots.kernels:  # compile its kernels at start-up, not in a request's step or inside a graph capture
             zeros = functools.partial(torch.zeros, dtype=weight.dtype, device=weight.device)
             slots.add(wrapped, zeros(1, base.input_size), zeros(1, base.output_size))  # no tiles yet: nothing runs
     return slots
+
+
+def load_slot(slots: LoraSlots, adapter_id: int, lora: PeftLora, scale: float) -> None:
+    """Adapter `lora` into slot `adapter_id` of every wrapped layer (zeros where it adapts nothing). Every
+    layer's factors are built before any is written, so an adapter that does not fit leaves the slot as it was."""
+    if not 1 <= adapter_id <= slots.num_adapters:
+        raise AdapterError(f"adapter slot {adapter_id} does not exist; this engine has {slots.num_adapters}")
+    rank = max(m.rank for m in lora.modules.values())
+    if rank > slots.rank:
+        raise AdapterError(f"adapter {str(lora.path)!r} has rank {rank}, above the {slots.rank} this engine's adapter "
+                           f"slots hold; restart it with a larger max_lora_rank (--max-lora-rank {rank})")
+    parts_of: dict[str, dict[tuple[int, Any], tuple[LoraModule, float]]] = {}
+    for name, module in lora.modules.items():
+        path, shard = _layer_of(name, slots.packed)
+        if path not in slots.layers:
+            raise AdapterError(f"adapter {str(lora.path)!r} targets {name}, which is not a linear projection of "
+                               "this model; per request only linear projections can be adapted")
+        parts_of.setdefault(path, {})[(0, shard)] = (module, scale)
+    staged = {}
+    for path, parts in parts_of.items():
+        layer, shards = slots.layers[path]
+        try:
+            a, b, _ = _stack(layer.base, parts, shards, 1, slots.rank)
+        except (RuntimeError, ValueError) as exc:
+            raise AdapterError(f"adapter {str(lora.path)!r} does not fit this model at {path}: {exc}; load it with "
+                               "the base model it was trained on") from exc
+        staged[path] = (a, b)
+    k, r = adapter_id - 1, slots.rank
+    for path, (layer, _) in slots.layers.items():
+        num_slices = layer.num_slices
+        a_slot = layer.lora_a.view(num_slices, slots.num_adapters, r, -1)[:, k]
+        b_slot = layer.lora_b.view(layer.lora_b.shape[0], num_slices, slots.num_adapters, r)[:, :, k]
+        if path in staged:
+            a, b = staged[path]
+            a_slot.copy_(a.view(num_slices, r, -1))
+            b_slot.copy_(b.view(-1, num_slices, r))
+        else:
+            a_slot.zero_()
+            b_slot.zero_()

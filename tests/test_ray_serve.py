@@ -1,0 +1,95 @@
+"""nanoplug on Ray Serve (nanoplug/server/ray_serve.py) on a local Ray cluster this test starts (2 CPUs).
+
+Two replicas of the tiny Qwen3 answer through Serve's HTTP proxy with the engine's greedy text, requests spread
+over both (the `x-nanoplug-replica` header), and when one replica's actor is killed Serve replaces it while the
+requests sent meanwhile all succeed on the other.
+"""
+from __future__ import annotations
+
+import socket
+import tempfile
+import threading
+import time
+
+import httpx
+import pytest
+
+from _checkpoints import checkpoint
+
+ENGINE = {"device": "cpu", "max_model_len": "256", "kv_block_size": "16", "num_kv_blocks": "64", "max_num_seqs": "8"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray
+    from ray import serve
+
+    # a short temp dir (Ray's socket paths must stay under 107 bytes) and a small object store (no /dev/shm need)
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 << 20, log_to_driver=False,
+             _temp_dir=tempfile.mkdtemp(prefix="ray-", dir="/tmp"), namespace="nanoplug-test")
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def _complete(url: str, prompt: str) -> tuple[str, str]:
+    r = httpx.post(f"{url}/v1/completions", json={"model": checkpoint("qwen3"), "prompt": prompt, "max_tokens": 4,
+                                                  "temperature": 0}, timeout=60)
+    r.raise_for_status()
+    return r.json()["choices"][0]["text"], r.headers["x-nanoplug-replica"]
+
+
+def _replicas() -> list[str]:
+    from ray import serve
+
+    deployment = serve.status().applications["nanoplug"].deployments["nanoplug"]
+    return [deployment.status, deployment.replica_states.get("RUNNING", 0)]
+
+
+@pytest.mark.slow
+def test_two_replicas_spread_and_a_killed_one_is_replaced(cluster):
+    import ray
+    from ray import serve
+
+    from nanoplug import LLM, SamplingParams
+    from nanoplug.server.ray_serve import build
+
+    serve.run(build({"model": checkpoint("qwen3"), "num_replicas": "2", "num_cpus": "0.5", **ENGINE}),
+              name="nanoplug", route_prefix="/")
+    llm = LLM(checkpoint("qwen3"), **{k: v if k == "device" else int(v) for k, v in ENGINE.items()})
+    want = llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].text
+    llm.close()
+
+    seen: list[tuple[str, str]] = []
+    threads = [threading.Thread(target=lambda: seen.append(_complete(cluster, "Hello there"))) for _ in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert {text for text, _ in seen} == {want}
+    before = {replica for _, replica in seen}
+    assert len(before) == 2, "the requests should spread over both replicas"
+
+    (victim,) = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["name"].startswith("SERVE_REPLICA::") and a["name"].endswith(sorted(before)[0])]
+    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+    after = [_complete(cluster, "Hello there") for _ in range(6)]  # nothing lost while it is replaced
+    assert {text for text, _ in after} == {want}
+    deadline = time.monotonic() + 40
+    while _replicas() != ["HEALTHY", 2] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _replicas() == ["HEALTHY", 2]
+    again: set[str] = set()
+    while not again - before and time.monotonic() < deadline + 30:  # once the proxy's router hears of it
+        text, replica = _complete(cluster, "Hello there")
+        assert text == want
+        again.add(replica)
+    assert again - before, "a new replica should serve in place of the killed one"
