@@ -210,20 +210,20 @@ struct QAct {
   const int32_t* isum2 = nullptr;
 };
 
-// Quantize one block's residual r (32 floats) to q2, its scale and the sum of q2 (every path's last step).
-inline void residual_block(const float* r, int8_t* q2, float* d2, int32_t* isum2) {
+// Quantize one block of 32 floats to int8 (scale amax/127, round to nearest even): q, its scale, the sum of q.
+inline void quantize_block(const float* x, int8_t* q, float* d, int32_t* isum) {
   float amax = 0.f;
-  for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(r[k]));
+  for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(x[k]));
   const float db = amax / 127.f;
   const float id = db != 0.f ? 1.f / db : 0.f;
   int32_t sum = 0;
   for (int k = 0; k < 32; ++k) {
-    const int32_t v = static_cast<int32_t>(std::nearbyint(r[k] * id));
-    q2[k] = static_cast<int8_t>(v);
+    const int32_t v = static_cast<int32_t>(std::nearbyint(x[k] * id));
+    q[k] = static_cast<int8_t>(v);
     sum += v;
   }
-  *d2 = db;
-  *isum2 = sum;
+  *d = db;
+  *isum = sum;
 }
 
 // int8x2's second pass, portable: the residual of each block after q, d (quantize_rows' output)
@@ -239,7 +239,7 @@ void residual_rows_portable(const float* x, int64_t x_stride, int64_t M, int64_t
         r[k] = xb[k] - d[m * nsub + b] * static_cast<float>(qb[k]);
         sum += xb[k];
       }
-      residual_block(r, q2 + m * K + b * SB, d2 + m * nsub + b, isum2 + m * nsub + b);
+      quantize_block(r, q2 + m * K + b * SB, d2 + m * nsub + b, isum2 + m * nsub + b);
       s[m * nsub + b] = sum;
     }
 }
@@ -249,20 +249,9 @@ void quantize_rows_portable(const float* x, int64_t x_stride, int64_t M, int64_t
   const int64_t nsub = K / SB;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < nsub; ++b) {
-      const float* xb = x + m * x_stride + b * SB;
-      float amax = 0.f;
-      for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(xb[k]));
-      const float db = amax / 127.f;
-      const float id = db != 0.f ? 1.f / db : 0.f;
-      int32_t sum = 0;
-      for (int k = 0; k < 32; ++k) {
-        const int32_t v = static_cast<int32_t>(std::nearbyint(xb[k] * id));
-        q[m * K + b * SB + k] = static_cast<int8_t>(v);
-        sum += v;
-      }
-      d[m * nsub + b] = db;
-      isum[m * nsub + b] = sum;
-      s[m * nsub + b] = db * static_cast<float>(sum);
+      const int64_t i = m * nsub + b;
+      quantize_block(x + m * x_stride + b * SB, q + m * K + b * SB, d + i, isum + i);
+      s[i] = d[i] * static_cast<float>(isum[i]);
     }
 }
 
@@ -680,7 +669,7 @@ T_AVX2 void residual_rows_256(const float* x, int64_t x_stride, int64_t M, int64
         _mm256_storeu_ps(r + 8 * i, _mm256_fnmadd_ps(qv, db, xv));
         sum = _mm256_add_ps(sum, xv);
       }
-      residual_block(r, q2 + m * K + b * SB, d2 + m * nsub + b, isum2 + m * nsub + b);
+      quantize_block(r, q2 + m * K + b * SB, d2 + m * nsub + b, isum2 + m * nsub + b);
       float lanes[8];
       _mm256_storeu_ps(lanes, sum);
       s[m * nsub + b] = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
