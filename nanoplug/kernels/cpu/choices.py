@@ -33,6 +33,7 @@ GGUF_ROWS = (1, 2, 4, 8, 16, 64)
 SHAPES = ((3072, 576), (576, 1536))
 ALWAYS = 1 << 30  # switch_rows when one mode serves every size
 NOISE = 1.25  # two timings of one thing further apart than this: the machine was too busy to measure
+NOISY_ATTEMPTS = 3  # disturbed measurements before their safe answer is kept (each costs start-up time)
 
 
 def _key() -> str:
@@ -59,13 +60,15 @@ def cached() -> dict[str, Any]:
 def choice(name: str, measure: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], str]:
     """The cached answer of `name`, or `measure()`'s, stored; and where it came from ("cached"/"measured")."""
     known = cached()
-    if name in known:
-        return known[name], "cached"
+    before = known.get(name)
+    if before is not None and (not before.get("noisy") or before.get("attempts", 1) >= NOISY_ATTEMPTS):
+        return before, "cached"
     answer = measure()
-    if answer.get("noisy"):  # a busy machine: use it this once, measure again at the next start
-        log.warning("cpu: the %s measurement was disturbed (repeats differ by more than %.0f%%): %s kept for this "
-                    "engine only, not cached; the next start measures again", name, 100 * (NOISE - 1), name)
-        return answer, "measured, noisy"
+    if answer.get("noisy"):  # a busy machine: its safe answer, measured again at the next starts (a few)
+        answer["attempts"] = (before or {}).get("attempts", 0) + 1
+        log.warning("cpu: the %s measurement was disturbed (repeats differ by more than %.0f%%; attempt %d of %d): "
+                    "the safe choice is used and the next start measures again", name, 100 * (NOISE - 1),
+                    answer["attempts"], NOISY_ATTEMPTS)
     known = {**cached(), name: answer}  # another process may have stored others meanwhile
     target = path()
     try:
@@ -75,7 +78,7 @@ def choice(name: str, measure: Callable[[], dict[str, Any]]) -> tuple[dict[str, 
         os.replace(tmp, target)
     except OSError as exc:
         log.warning("cpu: could not cache the measured %s in %s: %s", name, target, exc)
-    return answer, "measured"
+    return answer, "measured, noisy" if answer.get("noisy") else "measured"
 
 
 def _best_s(fn: Callable[[], Any], repeats: int = 15) -> float:
