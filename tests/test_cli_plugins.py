@@ -54,7 +54,7 @@ def check_listing(data: dict) -> None:
     assert {"dense", "gguf", "gguf_triton", "fp8"} <= set(by_name["weight_format"])
     for kind, plugins in by_name.items():
         for p in plugins.values():
-            assert set(p) == {"name", "source", "available", "reasons", "description", "priority"}
+            assert set(p) == {"name", "source", "available", "reasons", "description", "priority", "notes"}
             assert p["available"] == (p["reasons"] == []), p
     for name in ("manual", "sdpa"):
         p = by_name["attention"][name]
@@ -64,6 +64,7 @@ def check_listing(data: dict) -> None:
     assert data["kinds"]["attention"]["auto"] == max(available, key=lambda p: p["priority"])["name"]
     platforms = by_name["platform"]  # listed with their reasons like every kind
     assert {"cpu", "cuda"} <= set(platforms) and data["kinds"]["platform"]["auto"] == expected_device
+    assert any("weight_packing" in n or "not measured yet" in n for n in platforms["cpu"]["notes"])  # choices per CPU
     other = "cpu" if expected_device == "cuda" else "cuda"
     assert platforms[other]["reasons"] == [f"serves {other} devices, not {expected_device}"]
 

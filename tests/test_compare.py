@@ -72,11 +72,17 @@ def test_backend_matches_reference(tiny_qwen3, manual_outcome, kind, name, optio
         assert rel_diff < 1e-5 and abs_diff < 1e-4, (case, abs_diff, rel_diff)
 
 
-def test_cpu_decode_kernel_matches_reference(tmp_path_factory):
-    """The `cpu` backend's C++ decode kernel (head size 64, 3 query heads per KV head, like SmolLM2's)
-    on the NaN-filled cache: it must read only the slots the scenario wrote."""
-    path = str(write_random_checkpoint(tmp_path_factory.mktemp("compare") / "q3h64", head_dim=64,
+@pytest.fixture(scope="session")
+def head64(tmp_path_factory):
+    """Head size 64, 3 query heads per KV head, like SmolLM2's: a shape the `cpu` backend serves."""
+    return str(write_random_checkpoint(tmp_path_factory.mktemp("compare") / "q3h64", head_dim=64,
                                        num_attention_heads=6, num_key_value_heads=2))
+
+
+def test_cpu_decode_kernel_matches_reference(head64):
+    """The `cpu` backend's C++ decode kernel on the NaN-filled cache: it must read only the slots the
+    scenario wrote."""
+    path = head64
     reference = compare.run_backend(path, "manual", device="cpu", dtype="float32", block_size=16)
     outcome = compare.run_backend(path, "cpu", device="cpu", dtype="float32", block_size=16)
     assert reference.error is None and outcome.error is None, (reference.error, outcome.error)
@@ -94,3 +100,24 @@ def test_cli_table_names_reasons(tiny_qwen3, capsys):
     out = capsys.readouterr().out
     assert "sdpa       decode" in out and "flash      cannot serve" in out and "needs CUDA" in out
     assert torch.isfinite(torch.tensor([float(line.split()[2]) for line in out.splitlines() if line.startswith("sdpa")])).all()
+    assert "verdict: AGREE: sdpa, manual within the relative logits difference against 'manual' at most 1e-04, " \
+           "the tolerance for float32 compute with dense weights (flash could not run)" in out
+
+
+def test_the_verdict_states_the_tolerance_of_the_dtype_and_weight_format():
+    reference = compare.Outcome("manual", {"decode": [torch.ones(4)]}, dtype="float32", weights="gguf")
+    close = compare.Outcome("cpu", {"decode": [torch.ones(4) * (1 + 5e-4)]}, dtype="float32", weights="gguf")
+    far = compare.Outcome("sdpa", {"decode": [torch.ones(4) * (1 + 5e-3)]}, dtype="float32", weights="gguf")
+    agree, line = compare.verdict([close, reference], reference)
+    assert agree and "at most 1e-03, the tolerance for float32 compute with gguf weights" in line
+    agree, line = compare.verdict([close, far, reference], reference)
+    assert not agree and line.startswith("verdict: DIFFERENT: sdpa decode 5.00e-03 over")
+    dense = compare.Outcome("manual", {"decode": [torch.ones(4)]}, dtype="float32", weights="dense")
+    assert not compare.verdict([compare.Outcome("cpu", close.logits, dtype="float32", weights="dense")], dense)[0]
+
+
+def test_by_default_every_backend_that_serves_the_device_is_compared(head64):
+    names, skipped = compare.serving_backends(head64, "cpu", "float32")
+    assert {"cpu", "sdpa", "manual"} <= set(names) and {"flash", "xformers"} <= set(skipped)
+    args = __import__("nanoplug.cli", fromlist=["build_parser"]).build_parser().parse_args(["compare"])
+    assert args.attention is None and args.model is None  # -> serving_backends on the default model

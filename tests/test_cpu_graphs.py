@@ -23,6 +23,7 @@ CHECKPOINTS.setdefault("head64", ("Qwen3ForCausalLM", dict(head_dim=64, num_atte
                                                            num_key_value_heads=2, seed=5)))
 ENGINE = dict(kv_block_size=16, kv_cache="torch", num_kv_blocks=96, max_model_len=256, attention="cpu",
               cpu={"kernels": True})
+AHEAD = dict(ENGINE, cpu={"kernels": True, "record_ahead": True})  # every size recorded (and checked) at start-up
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +53,11 @@ def count_replays(monkeypatch) -> list[int]:
     return sizes
 
 
-def test_each_batch_size_is_recorded(engines):
+def test_each_batch_size_is_planned_and_recorded_when_first_needed(engines):
     eager, graphs = engines
     assert eager.engine.worker.graphs is None
-    assert tuple(graphs.engine.worker.graphs.graphs) == GRAPH_BATCH_SIZES
+    recorded = graphs.engine.worker.graphs
+    assert recorded.sizes == GRAPH_BATCH_SIZES and set(recorded.graphs) <= set(GRAPH_BATCH_SIZES)
 
 
 @pytest.mark.parametrize("num_prompts", [1, 3, 13])  # a recorded size, padded to 4, padded to 16
@@ -103,11 +105,16 @@ def test_a_computation_the_recording_cannot_see_is_caught_at_start_up(path, engi
 
     monkeypatch.setattr(VocabParallelEmbedding, "forward", numpy_embedding)
     with caplog.at_level(logging.WARNING, logger="nanoplug"):
-        llm = LLM(path, **ENGINE)
+        llm = LLM(path, **AHEAD)
     assert llm.engine.worker.graphs is None
     assert "decode steps run eager" in caplog.text and "differs from the eager one" in caplog.text
     assert outputs(llm) == outputs(engines[0])
     llm.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="nanoplug"), LLM(path, **ENGINE) as lazy:  # caught at first use
+        assert outputs(lazy) == outputs(engines[0])
+        assert lazy.engine.worker.graphs.failed and not lazy.engine.worker.graphs.graphs
+    assert "rows run eager" in caplog.text and "differs from the eager one" in caplog.text
 
 
 def test_a_cache_write_the_recording_cannot_see_is_caught_at_start_up(path, engines, monkeypatch, caplog):
@@ -120,7 +127,7 @@ def test_a_cache_write_the_recording_cannot_see_is_caught_at_start_up(path, engi
 
     monkeypatch.setattr(TorchStore, "store", numpy_store)
     with caplog.at_level(logging.WARNING, logger="nanoplug"):
-        llm = LLM(path, **ENGINE)
+        llm = LLM(path, **AHEAD)
     assert llm.engine.worker.graphs is None
     assert "differs from the eager one" in caplog.text
     assert outputs(llm) == outputs(engines[0])
@@ -137,7 +144,7 @@ def test_a_value_read_back_into_python_is_caught_at_start_up(path, engines, monk
 
     monkeypatch.setattr(VocabParallelEmbedding, "forward", checked)
     with caplog.at_level(logging.WARNING, logger="nanoplug"):
-        llm = LLM(path, **ENGINE)
+        llm = LLM(path, **AHEAD)
     assert llm.engine.worker.graphs is None
     assert "depends on the data" in caplog.text
     assert outputs(llm) == outputs(engines[0])

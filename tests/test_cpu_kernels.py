@@ -86,8 +86,8 @@ def test_rope_in_place_on_the_qkv_views(kernels, head_dim):
 
 @pytest.mark.parametrize("n,k", [(960, 576), (7, 5), (48, 48), (1000, 33), (3 * 48 + 1, 130)])
 def test_linear_through_the_packed_weight(kernels, n, k):
-    """Whole and partial 48-column panels, k-blocks of 64 and a remainder, 1-64 rows (8-row tiles and
-    every remainder), with and without bias."""
+    """Whole and partial column panels (48 wide with AVX-512, 16 else), k-blocks of 64 and a remainder, 1-64
+    rows (8- or 6-row tiles and every remainder), with and without bias."""
     weight, bias = torch.randn(n, k, generator=gen()), torch.randn(n, generator=gen(1))
     packed = kernels.pack_weight(weight)
     for rows in (1, 2, 3, 5, 7, 8, 9, 15, 16, 31, 33, 64):
@@ -151,8 +151,7 @@ def test_paged_decode_matches_gathered_attention(kernels, head_dim, heads, kv_he
 
 
 @pytest.mark.parametrize("head_dim,heads,kv_heads,block_size", [(64, 9, 3, 16), (128, 16, 2, 7)])
-def test_the_decode_kernel_reads_a_float16_cache(head_dim, heads, kv_heads, block_size):
-    kernels = cpu_kernels.kernels()
+def test_the_decode_kernel_reads_a_float16_cache(kernels, head_dim, heads, kv_heads, block_size):
     g = torch.Generator().manual_seed(0)
     batch = 5
     seq_lens = torch.tensor([1, block_size + 1, 3 * block_size - 1, 37, 5], dtype=torch.int32)

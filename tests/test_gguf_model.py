@@ -6,14 +6,16 @@ references no one here wrote:
   bit for bit;
 - the engine on the default GGUF, with float32 activations, gives the float32 engine's greedy tokens on
   gguf-py's dequantized weights (the default model's float32 folder) and its logits to float32 rounding;
-  with int8 activations (the default, as llama.cpp) its per-token log-probabilities on a fixed text of
-  2,224 tokens (benchmarks/data/apache-2.0.txt) stay within mean KL 0.005 nats and 0.5% perplexity of the
-  float32 engine's, and of llama.cpp's on the same file when llama-cpp-python is installed;
+  with its default activations (float32 or int8x2 by rows, as measured on this CPU) its per-token
+  log-probabilities on a slice of a fixed text (benchmarks/data/apache-2.0.txt) stay within mean KL
+  0.002 nats of the float32 engine's (float32 compute's quality); with llama.cpp's int8 activations
+  within 0.005 nats of llama.cpp's on the same file when llama-cpp-python is installed;
 - `LLM("file.gguf")`, a file mixing every block format (fused layers whose parts differ, an F16
   embedding), and the float32 flag.
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import gguf
@@ -26,8 +28,10 @@ from _gguf_files import MIXED, requantize
 from nanoplug import LLM, SamplingParams
 from nanoplug.api.errors import PluginUnavailableError
 from nanoplug.checkpoint.gguf_file import GGUFFile, unpermute_rows
+from nanoplug.kernels.gguf.cpu_linear import Activations
 
 TEXT = Path(__file__).parent.parent / "benchmarks" / "data" / "apache-2.0.txt"
+QUESTIONS = TEXT.with_name("questions.txt")
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 OPTIONS = dict(device="cpu", kv_block_size=16, max_model_len=2560, cpu={"kv_cache_gb": 0.3},
                enable_prefix_caching=False)
@@ -55,15 +59,24 @@ def engines(folders):
     dense.close()
 
 
-@pytest.fixture
-def float_activations(engines):
-    worker = engines[0].engine.worker
+@contextlib.contextmanager
+def activations(llm, acts: Activations):
+    worker = llm.engine.worker
     method = worker.model.lm_head.linear_method
     graphs, worker.graphs = worker.graphs, None  # recorded decode steps keep the path they recorded
-    method.int8_activations = False
-    yield
-    method.int8_activations = True
-    worker.graphs = graphs
+    saved = method.activations
+    method.set_activations(acts)
+    try:
+        yield
+    finally:
+        method.set_activations(saved)
+        worker.graphs = graphs
+
+
+@pytest.fixture
+def float_activations(engines):
+    with activations(engines[0], Activations("float", 0, "float")):
+        yield
 
 
 def greedy(llm, prompt, n=32):
@@ -141,13 +154,19 @@ def test_float_activations_give_the_float32_engines_tokens_and_logits(engines, f
     torch.testing.assert_close(got, ref, rtol=0, atol=2e-3)  # log-probs of 49,152 tokens after 576-wide sums
 
 
-def test_int8_activations_stay_close_to_float32_on_a_fixed_text(engines):
+def test_the_default_activations_give_float32_computes_quality_on_a_fixed_text(engines):
+    """The issue's target is mean KL <= 0.002 on the whole text (benchmarks/cpu_gguf.py --quality measures
+    it); a slice here, in both of the default's modes (the prefill's rows and the decode GEMV's)."""
     quant, dense = engines
-    ids = quant.tokenizer.encode(TEXT.read_text())
-    assert len(ids) > 2000
-    kl, ppl = compare(prompt_logprobs(dense, ids), prompt_logprobs(quant, ids), ids)
-    print(f"int8 activations vs float32 on {len(ids)} tokens: mean KL {kl:.5f} nats, perplexity {100 * ppl:+.3f}%")
-    assert kl <= 0.005 and abs(ppl) <= 0.005
+    method = quant.engine.worker.model.lm_head.linear_method
+    assert "int8" not in method.activations  # float32 or int8x2, never llama.cpp's int8
+    ids = quant.tokenizer.encode(TEXT.read_text())[:400]
+    ref = prompt_logprobs(dense, ids)
+    for mode in {method.activations.small, method.activations.large}:
+        with activations(quant, Activations(mode, 0, mode)):
+            kl, ppl = compare(ref, prompt_logprobs(quant, ids), ids)
+        print(f"{mode} activations vs float32 on {len(ids)} tokens: mean KL {kl:.6f} nats, perplexity {100 * ppl:+.4f}%")
+        assert kl <= 0.002 and abs(ppl) <= 0.002, mode
 
 
 def test_int8_activations_match_llama_cpp_on_the_same_file(engines, gguf_path):
@@ -159,9 +178,29 @@ def test_int8_activations_match_llama_cpp_on_the_same_file(engines, gguf_path):
                           verbose=False)
     llm.eval(ids)
     ref = torch.log_softmax(torch.from_numpy(np.array(llm.scores[: len(ids) - 1])).double(), dim=-1)
-    kl, ppl = compare(ref, prompt_logprobs(quant, ids), ids)
-    print(f"nanoplug vs llama.cpp on {len(ids)} tokens: mean KL {kl:.5f} nats, perplexity {100 * ppl:+.3f}%")
+    with activations(quant, Activations("int8", 0, "int8")):  # llama.cpp's own activations
+        kl, ppl = compare(ref, prompt_logprobs(quant, ids), ids)
+    print(f"nanoplug (int8 activations) vs llama.cpp on {len(ids)} tokens: mean KL {kl:.5f} nats, "
+          f"perplexity {100 * ppl:+.3f}%")
     assert kl <= 0.005 and abs(ppl) <= 0.005
+
+
+@pytest.mark.slow
+def test_the_defaults_chat_answers_are_float32s(engines):
+    """20 short factual questions (benchmarks/data/questions.txt), greedy chat answers with the template's own
+    system prompt: the default's equal the float32 engine's on the same weights for at least 18 (llama.cpp's
+    int8 activations answer the first with a loop); and the first asked alone (the batch-1 decode GEMV)."""
+    quant, dense = engines
+    questions = QUESTIONS.read_text().splitlines()
+    assert len(questions) == 20
+    prompts = [quant.chat_prompt_ids([{"role": "user", "content": q}]) for q in questions]
+    params = SamplingParams(temperature=0, max_tokens=32)
+    got = [o.text for o in quant.generate(prompts, params, use_tqdm=False)]
+    ref = [o.text for o in dense.generate(prompts, params, use_tqdm=False)]
+    differ = [(q, a, b) for q, a, b in zip(questions, got, ref) if a != b]
+    assert len(differ) <= 2, differ
+    alone = quant.generate(prompts[:1], params, use_tqdm=False)[0].text
+    assert alone == dense.generate(prompts[:1], params, use_tqdm=False)[0].text and "Paris" in alone, alone
 
 
 def test_llm_of_a_gguf_file(engines, gguf_path):
@@ -186,7 +225,7 @@ def test_every_format_in_one_file(tmp_path, gguf_path):
         assert [s[2] for s in quant.engine.worker.model.model.layers[0].mlp.down_proj.weight.gguf.segments] == ["Q4_K"]
         assert [s[2] for s in quant.engine.worker.model.lm_head.weight.gguf.segments] == [None]
         method = quant.engine.worker.model.lm_head.linear_method
-        method.int8_activations = False
+        method.set_activations(Activations("float", 0, "float"))
         for prompt in PROMPTS[:2]:
             assert greedy(quant, prompt, 16) == greedy(dense, prompt, 16), prompt
     finally:

@@ -1,6 +1,7 @@
 """The start-up guarantees on the CPU (recorded decode steps, `cpu.graphs`): `LLM(...)` logs one line splitting
-its start-up into phases; after it returns nothing is recorded or compiled again, and every decode step that a
-recorded size serves replays one (the worker's `StepStats`, checked against the steps it launched). A recording
+its start-up into phases; with `cpu.record_ahead`, after it returns nothing is recorded or compiled again, and
+every decode step that a recorded size serves replays one; by default a size is recorded when a step first
+needs it, and the tokens are the eager engine's (the worker's `StepStats`, checked against the steps it launched). A recording
 that fails is recorded (`graphs_error`), its eager decode steps counted as such, and `cpu.require_graphs` makes
 it an error that names the cause and the fix. The CUDA version is tests/gpu/test_gpu_startup.py."""
 from __future__ import annotations
@@ -21,7 +22,7 @@ CHECKPOINTS.setdefault("head64", ("Qwen3ForCausalLM", dict(head_dim=64, num_atte
                                                            num_key_value_heads=2, seed=5)))
 # room for 40 sequences at once (more than the largest recorded size, 32) of up to 100 + 24 tokens
 ENGINE = dict(device="cpu", kv_block_size=16, kv_cache="torch", num_kv_blocks=400, max_model_len=256,
-              max_num_seqs=48, attention="cpu", cpu={"kernels": True, "graphs": True})
+              max_num_seqs=48, attention="cpu", cpu={"kernels": True, "graphs": True, "record_ahead": True})
 LARGEST = GRAPH_BATCH_SIZES[-1]
 
 
@@ -73,6 +74,23 @@ def test_nothing_is_recorded_or_compiled_after_start_up_and_every_decode_step_re
     assert stats.graph_replays == sum(n <= LARGEST for n in decodes) > 0, stats
     assert stats.eager_decode_steps_by_design == sum(n > LARGEST for n in decodes) > 0, stats  # the 40 at once
     assert stats.decode_steps == len(decodes)
+
+
+def test_by_default_a_size_is_recorded_when_first_needed_with_the_eager_engines_tokens(path):
+    params = SamplingParams(max_tokens=5, ignore_eos=True, temperature=0)
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    with LLM(path, **{**ENGINE, "cpu": {"kernels": True, "graphs": False}}) as eager:
+        want = [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+        want_one = eager.generate(prompts[:1], params, use_tqdm=False)[0].token_ids
+    with LLM(path, **{**ENGINE, "cpu": {"kernels": True}}) as llm:
+        worker = llm.engine.worker
+        assert worker.report().graph_captures == 0 and worker.graph_limit == LARGEST  # nothing recorded yet
+        assert llm.generate(prompts[:1], params, use_tqdm=False)[0].token_ids == want_one
+        assert worker.report().graph_captures == 1 and list(worker.graphs.graphs) == [1]
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+        report = worker.report()
+    assert report.graph_captures == 2  # size 1, then 4 (three sequences decode together)
+    assert report.stats.eager_decode_steps == 0 and report.stats.graph_replays == report.stats.decode_steps
 
 
 def test_decode_steps_with_graphs_off_are_eager_by_design(path):

@@ -9,6 +9,9 @@
   equals the float64 product with those quantized activations within float32 rounding, and the
   product with the exact activations within its own derived bound (each activation is off by at most
   half its block's scale: |error| <= sum_k |w_k| d_block(k) / 2, plus rounding);
+- the int8x2-activation GEMM (int8 blocks of x and of its residual, the default): within 1/254 of that
+  bound of the exact product (the residual's scale is at most half the first scale over 127), which is
+  float32 compute's quality;
 
 on every dispatch path this CPU runs (the portable one always), odd shapes (rows not a multiple of a
 panel, one row, more rows than a tile or a task), strided activations and a bias. The tensors of the
@@ -124,14 +127,16 @@ def test_linear_on_every_path(qk, fmt, n, k):
         bound_q = k * EPS32 * (np.abs(xq) @ np.abs(w).T + np.abs(bias.numpy())) + 1e-30
         derived = (np.abs(w).reshape(n, -1, 32).sum(-1) @ (d.astype(np.float64) / 2).T).T  # [rows, n]
         for isa in qk.isas:
-            got = qk.linear(x, fmt, packed, n, k, bias, int8=False, isa=isa).numpy()
+            got = qk.linear(x, fmt, packed, n, k, bias, act="float", isa=isa).numpy()
             assert np.all(np.abs(got - exact) <= bound_exact), (isa, rows, np.abs(got - exact).max())
             got_q, got_d, _, got_sum = qk.quantize_activations(x, isa=isa)
             assert np.array_equal(got_q.numpy(), q) and np.array_equal(got_d.numpy(), d), (isa, rows)
             assert np.array_equal(got_sum.numpy(), q.reshape(rows, -1, 32).astype(np.int32).sum(-1))
-            got8 = qk.linear(x, fmt, packed, n, k, bias, int8=True, isa=isa).numpy()
+            got8 = qk.linear(x, fmt, packed, n, k, bias, act="int8", isa=isa).numpy()
             assert np.all(np.abs(got8 - with_xq) <= bound_q), (isa, rows, np.abs(got8 - with_xq).max())
             assert np.all(np.abs(got8 - exact) <= derived + bound_exact), (isa, rows)
+            got2 = qk.linear(x, fmt, packed, n, k, bias, act="int8x2", isa=isa).numpy()
+            assert np.all(np.abs(got2 - exact) <= derived / 254 + 2 * bound_exact), (isa, rows, np.abs(got2 - exact).max())
 
 
 def test_zero_rows_and_zero_activations(qk):
@@ -139,8 +144,8 @@ def test_zero_rows_and_zero_activations(qk):
     packed = qk.pack("Q4_1", torch.from_numpy(raw), 32, 64)
     for isa in qk.isas:
         assert qk.linear(torch.zeros(0, 64), "Q4_1", packed, 32, 64, isa=isa).shape == (0, 32)
-        for int8 in (True, False):  # an all-zero block quantizes to scale 0, not NaN
-            assert torch.equal(qk.linear(torch.zeros(3, 64), "Q4_1", packed, 32, 64, int8=int8, isa=isa),
+        for act in ("int8", "int8x2", "float"):  # an all-zero block quantizes to scale 0, not NaN
+            assert torch.equal(qk.linear(torch.zeros(3, 64), "Q4_1", packed, 32, 64, act=act, isa=isa),
                                torch.zeros(3, 32))
 
 
@@ -153,9 +158,9 @@ def test_threads_give_the_same_result(qk):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = [qk.linear(x, "Q4_1", packed, 3072, 576, int8=i8) for i8 in (True, False)]
+        one = [qk.linear(x, "Q4_1", packed, 3072, 576, act=act) for act in ("int8", "int8x2", "float")]
         torch.set_num_threads(max(2, threads))
-        two = [qk.linear(x, "Q4_1", packed, 3072, 576, int8=i8) for i8 in (True, False)]
+        two = [qk.linear(x, "Q4_1", packed, 3072, 576, act=act) for act in ("int8", "int8x2", "float")]
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(one, two))

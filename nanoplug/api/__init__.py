@@ -6,27 +6,34 @@ against, the linear-method seam, the worker protocol, and the layer library mode
 (`layers`). It imports nothing else of nanoplug: the engine depends on it, never the other way.
 Its public names are pinned by tests/test_api.py, so a change to the SDK is a visible decision.
 """
+# the errors and the hook specs are light (no torch): a command line can check its arguments and refuse
+# within a second. The rest loads on first use of one of its names (PEP 562).
 from nanoplug.api.errors import (AdapterError, GraphCaptureError, ModelLoadError, NanoplugError, PluginLoadError,
                                  PluginUnavailableError, RequestError, UnknownPluginError, WeightShapeError)
 from nanoplug.api.hookspecs import KIND_HOOKS, PLUGIN_API_VERSION, hookimpl, hookspec
-from nanoplug.api.interfaces import (AdapterOptions, AttentionBackend, KVCacheStore, ModelArchitecture,
-                                     ParallelStrategy, Platform, Plugin, PrefillGraphs, ProcessGroup, RequestAdapters,
-                                     StepGraphs, WeightAdapter, WeightFormat)
-from nanoplug.api.layers import (FusedOps, Layers, LinearBase, PagedAttention, ParallelLMHead, RMSNorm,
-                                 RotaryEmbedding, SiluAndMul, StepContext, VocabParallelEmbedding, add_rms_norm,
-                                 apply_rope, install_fused_ops, rms_norm, rope_inv_freq, silu_and_mul)
-from nanoplug.api.linear import DenseLinearMethod, LinearMethod, check_shape, copy_weight
-from nanoplug.api.triton_support import import_triton, interpreting, triton_reasons
-from nanoplug.api.step import (AttentionMetadata, AttentionSpec, KVCacheSpec, KVLayer, LogitsProcessingBatch,
-                               DraftBatch, LogprobsTensors, PromptLogprobsBatch, SamplingBatch, SlotInit, StepBatch, StepInputs,
-                               StepLimits, StepResult, to_device)
-from nanoplug.api.speculator import DraftModel, Speculator, SpeculatorSpec
-from nanoplug.api.structured import (CONSTRAINT_KINDS, Constraint, ConstraintError, GrammarMatcher,
-                                     StructuredOutputBackend, bitmask_words, unpack_bitmask)
-from nanoplug.api.tool_calls import (HERMES_TOOL_CALLS, LLAMA3_JSON_TOOL_CALLS, MISTRAL_TOOL_CALLS, ToolCallFormat,
-                                     pick_tool_call_format)
-from nanoplug.api.target import ModelFacts, Target
-from nanoplug.api.worker import StartupTimes, StepStats, Worker, WorkerMethod, WorkerReport
+
+# each lazy name -> the module of the SDK that defines it
+_LAZY = {name: f"nanoplug.api.{module}" for module, names in {
+    "interfaces": ("AdapterOptions AttentionBackend KVCacheStore ModelArchitecture ParallelStrategy "
+                   "Platform Plugin PrefillGraphs ProcessGroup RequestAdapters StepGraphs "
+                   "WeightAdapter WeightFormat"),
+    "layers": ("FusedOps Layers LinearBase PagedAttention ParallelLMHead RMSNorm RotaryEmbedding "
+               "SiluAndMul StepContext VocabParallelEmbedding add_rms_norm apply_rope "
+               "install_fused_ops rms_norm rope_inv_freq silu_and_mul"),
+    "linear": "DenseLinearMethod LinearMethod check_shape copy_weight",
+    "triton_support": "import_triton interpreting triton_reasons",
+    "step": ("AttentionMetadata AttentionSpec KVCacheSpec KVLayer LogitsProcessingBatch "
+             "LogprobsTensors PromptLogprobsBatch SamplingBatch SlotInit StepBatch StepInputs "
+             "StepLimits StepResult to_device DraftBatch"),
+    "structured": ("CONSTRAINT_KINDS Constraint ConstraintError GrammarMatcher StructuredOutputBackend "
+                   "bitmask_words unpack_bitmask"),
+    "tool_calls": ("ToolCallFormat HERMES_TOOL_CALLS LLAMA3_JSON_TOOL_CALLS MISTRAL_TOOL_CALLS "
+                   "pick_tool_call_format"),
+    "speculator": "DraftModel Speculator SpeculatorSpec",
+    "target": "ModelFacts Target",
+    "worker": "StartupTimes StepStats Worker WorkerMethod WorkerReport",
+}.items() for name in names.split()}
+
 
 __all__ = [
     # the plugin protocol
@@ -55,3 +62,18 @@ __all__ = [
     "NanoplugError", "AdapterError", "ModelLoadError", "PluginLoadError", "PluginUnavailableError",
     "RequestError", "UnknownPluginError", "WeightShapeError", "GraphCaptureError",
 ]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nanoplug.api' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -31,6 +31,11 @@ class Plugin:
         """Reasons this plugin cannot serve `target`; empty when it can. Name the fix in each."""
         return []
 
+    @classmethod
+    def notes(cls, target: Target) -> list[str]:
+        """Facts `nanoplug plugins` shows under this plugin (e.g. choices measured on this machine); cheap."""
+        return []
+
 
 # ----------------------------------------------------------------------------------------- attention
 class AttentionBackend(Plugin, ABC):

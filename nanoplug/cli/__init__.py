@@ -31,6 +31,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def unknown_plugin(args: argparse.Namespace) -> str | None:
+    """Why a plugin named on the command line is certainly unknown (`--attention`, `--kv-cache`; compare
+    takes comma-separated lists), or None: checked against registry.toml, nothing imported."""
+    from nanoplug.engine.plugin_names import unknown_name
+
+    for kind in ("attention", "kv_cache"):
+        value = getattr(args, kind, None)
+        for name in value.split(",") if isinstance(value, str) else ():
+            why = unknown_name(kind, name.strip()) if name.strip() else None
+            if why:
+                return why
+    return None
+
+
 def one_line(exc: BaseException) -> str:
     """An error's message on one line (a wrapped library message may span several)."""
     return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
@@ -41,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     `nanoplug: error: ...`, with exit code 2; Ctrl-C exits with 130. Anything else is a bug: a traceback."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    unknown = unknown_plugin(args)
+    if unknown:  # refused before the engine (and torch) load: at once
+        print(f"nanoplug: error: {unknown}", file=sys.stderr)
+        return 2
     from pydantic import ValidationError
 
     from nanoplug.errors import NanoplugError

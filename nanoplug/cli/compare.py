@@ -5,21 +5,30 @@ The steps are fed straight to the model runner with fixed block tables and teach
 every backend sees exactly the same inputs (a sampled token that differs cannot change what follows).
 The scenario covers plain prefill, decode, prefix-cache hits mixed with fresh prompts, chunked
 prefill and a final mixed-length decode.
+
+By default every attention backend that can serve the device runs (on a CPU: cpu, sdpa, manual) on the
+embedded default model, and the verdict compares each one's relative logits difference with the tolerance
+of the run's compute dtype and weight format (`TOLERANCES`); the exit code is 1 when one exceeds it.
 """
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from nanoplug.api.step import kv_groups
 
 REFERENCE = "manual"
+# The relative logits difference ||a - b|| / ||b|| a backend may show against the oracle on the same inputs:
+# float32 attention differs in summation order only (~1e-6 through a small model's layers); quantized
+# weights with quantized activations can turn such a difference into a flipped rounding; float16 and
+# bfloat16 round every intermediate to 11 and 8 bits.
+TOLERANCES = {("float32", False): 1e-4, ("float32", True): 1e-3, ("float16", False): 1e-2, ("float16", True): 1e-2,
+              ("bfloat16", False): 5e-2, ("bfloat16", True): 5e-2}
 
 
 @dataclass
@@ -39,6 +48,8 @@ class Outcome:
     seconds: dict[str, float] = field(default_factory=dict)
     peak_bytes: int | None = None
     error: str | None = None
+    dtype: str = ""
+    weights: str = ""  # the weight format's name: "dense", "gguf", ...
 
 
 def scenario(block_size: int) -> tuple[list[int], list[Step]]:
@@ -61,6 +72,8 @@ class ScenarioState:
     """Token ids, positions and block tables of the scenario's sequences (same for every backend)."""
 
     def __init__(self, block_size: int, vocab: int, seed: int = 0):
+        import torch
+
         self.bs = block_size
         gen = torch.Generator().manual_seed(seed)
         self.prompt_lens, self.steps = scenario(block_size)
@@ -106,6 +119,8 @@ def blocks_needed(block_size: int) -> int:
 def run_backend(model: str, name: str, kind: str = "attention", device: str = "auto", dtype: str = "auto",
                 block_size: int | None = None, **options: Any) -> Outcome:
     """Run the whole scenario through one backend; a backend that cannot serve returns its reasons."""
+    import torch
+
     from nanoplug import LLM
     from nanoplug.errors import NanoplugError
 
@@ -121,6 +136,8 @@ def run_backend(model: str, name: str, kind: str = "attention", device: str = "a
     except NanoplugError as exc:
         outcome.error = str(exc)
         return outcome
+    outcome.dtype = str(llm.dtype).removeprefix("torch.")
+    outcome.weights = llm.choices["weight_format"].name
     facts = llm.engine.facts
     if kv_groups(facts.sliding_windows, facts.num_layers).hybrid:
         llm.close()
@@ -151,6 +168,8 @@ def run_backend(model: str, name: str, kind: str = "attention", device: str = "a
 
 def differences(outcome: Outcome, reference: Outcome) -> dict[str, tuple[float, float]]:
     """Per case: (max abs difference, relative difference ||a - b|| / ||b||) of the logits."""
+    import torch
+
     result = {}
     for case, ref_rows in reference.logits.items():
         a = torch.stack(outcome.logits[case]).double()
@@ -160,10 +179,47 @@ def differences(outcome: Outcome, reference: Outcome) -> dict[str, tuple[float, 
 
 
 def default_model() -> str:
-    from nanoplug.bench.checkpoints import write_random_checkpoint
+    """The embedded default model (what `nanoplug generate` runs), installed on first use."""
+    from nanoplug.checkpoint.default_model import default_model_path
 
-    folder = Path(tempfile.gettempdir()) / "nanoplug-compare" / "tiny-qwen3"
-    return str(write_random_checkpoint(folder))
+    return str(default_model_path(progress=True))
+
+
+def serving_backends(model: str, device: str, dtype: str, kind: str = "attention") -> tuple[list[str], dict[str, list[str]]]:
+    """The plugins of `kind` that can serve `model` on `device` in `dtype` (by priority), and why each other cannot."""
+    from nanoplug.cli.plugins import build_target
+    from nanoplug.engine.registry import Registry
+
+    registry = Registry()
+    target = build_target(model, device, dtype, registry)
+    names, skipped = [], {}
+    for name in registry.by_priority(kind):
+        reasons = [str(r) for r in registry.reasons(kind, name, target)]
+        if reasons:
+            skipped[name] = reasons
+        else:
+            names.append(name)
+    return names, skipped
+
+
+def tolerance(outcome: Outcome) -> float:
+    """The largest relative logits difference allowed for the run's dtype and weight format."""
+    return TOLERANCES.get((outcome.dtype, outcome.weights != "dense"), 5e-2)
+
+
+def verdict(outcomes: list[Outcome], reference: Outcome) -> tuple[bool, str]:
+    """(every backend that ran is within the tolerance, the verdict line)."""
+    tol = tolerance(reference)
+    over = [f"{o.name} {case} {rel:.2e}" for o in outcomes if not o.error
+            for case, (_, rel) in differences(o, reference).items() if not rel <= tol]
+    failed = [o.name for o in outcomes if o.error]
+    basis = (f"relative logits difference against {reference.name!r} at most {tol:.0e}, the tolerance for "
+             f"{reference.dtype} compute with {reference.weights} weights")
+    if over:
+        return False, f"verdict: DIFFERENT: {', '.join(over)} over the {basis}"
+    ran = [o.name for o in outcomes if not o.error]
+    note = f" ({', '.join(failed)} could not run)" if failed else ""
+    return True, f"verdict: AGREE: {', '.join(ran)} within the {basis}{note}"
 
 
 def table(outcomes: list[Outcome], reference: Outcome) -> str:
@@ -183,10 +239,10 @@ def table(outcomes: list[Outcome], reference: Outcome) -> str:
 def add_parser(sub) -> None:
     p = sub.add_parser("compare", help="A/B attention backends (or KV stores) against the manual oracle",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--attention", default="flash,xformers,sdpa,manual",
-                   help="comma-separated attention backends (default: %(default)s)")
+    p.add_argument("--attention", default=None,
+                   help="comma-separated attention backends (default: every one that can serve the device)")
     p.add_argument("--kv-cache", default=None, help="comma-separated KV stores to compare instead (vs 'torch')")
-    p.add_argument("--model", default=None, help="checkpoint folder (default: a tiny random Qwen3 in a temp folder)")
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded default model)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--kv-block-size", type=int, default=None, help="default: 256 on CUDA, 16 on CPU")
@@ -197,8 +253,13 @@ def run(args) -> int:
     model = args.model or default_model()
     if args.kv_cache:
         kind, names, ref_name, fixed = "kv_cache", args.kv_cache.split(","), "torch", {"attention": REFERENCE}
-    else:
+    elif args.attention:
         kind, names, ref_name, fixed = "attention", args.attention.split(","), REFERENCE, {}
+    else:
+        kind, ref_name, fixed = "attention", REFERENCE, {}
+        names, skipped = serving_backends(model, args.device, args.dtype)
+        for name, reasons in skipped.items():
+            print(f"{name}: cannot serve here: {'; '.join(reasons)}")
     names = [n.strip() for n in names if n.strip()]
     reference = run_backend(model, ref_name, kind, args.device, args.dtype, args.kv_block_size, **fixed)
     if reference.error:
@@ -208,4 +269,6 @@ def run(args) -> int:
                                                             args.kv_block_size, **fixed) for n in names]
     print(f"{kind} backends against {ref_name!r} on {model} (device {args.device}, dtype {args.dtype})")
     print(table(outcomes, reference))
-    return 0
+    agree, line = verdict(outcomes, reference)
+    print(line)
+    return 0 if agree else 1

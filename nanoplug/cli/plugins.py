@@ -10,10 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nanoplug.api.hookspecs import KIND_HOOKS
-from nanoplug.engine.registry import Registry
+
+if TYPE_CHECKING:
+    from nanoplug.engine.registry import Registry
 
 
 def add_parser(sub: Any) -> None:
@@ -90,16 +92,18 @@ def _describe(registry: Registry, kind: str, name: str, target) -> dict[str, Any
     """One plugin's row; the registry checked its attributes at registration, and anything that still
     raises here becomes its reason rather than ending the listing."""
     entry = registry.entries[kind][name]
-    row = {"name": name, "source": entry.source, "available": False, "reasons": [], "description": "", "priority": None}
+    row = {"name": name, "source": entry.source, "available": False, "reasons": [], "description": "", "priority": None,
+           "notes": []}
     try:
         reasons = [str(r) for r in registry.reasons(kind, name, target)]
         cls = entry.cls
         description = getattr(cls, "description", "") if cls is not None else ""
         priority = getattr(cls, "priority", None) if cls is not None else None
+        notes = [str(n) for n in cls.notes(target)] if cls is not None and hasattr(cls, "notes") else []
     except Exception as exc:
         row["reasons"] = [f"listing it raised {type(exc).__name__}: {exc}"]
         return row
-    row.update(available=not reasons, reasons=reasons, description=str(description),
+    row.update(available=not reasons, reasons=reasons, description=str(description), notes=notes,
                priority=priority if isinstance(priority, int) and not isinstance(priority, bool) else None)
     return row
 
@@ -115,6 +119,7 @@ def format_table(data: dict[str, Any]) -> str:
             status = "available  " if p["available"] else "unavailable"
             lines.append(f"  {p['name']:<{width}}  {status}  [{p['source']}]  {p['description']}".rstrip())
             lines += [f"  {'':<{width}}    - {r}" for r in p["reasons"]]
+            lines += [f"  {'':<{width}}    * {n}" for n in p.get("notes", [])]
     if data["broken"]:
         lines.append("\nbroken plugins (failed to load)")
         lines += [f"  {b['name']}  [{b['source']}]  {b['error']}" for b in data["broken"]]
@@ -125,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     try:
+        from nanoplug.engine.registry import Registry
+
         registry = Registry()
         target = build_target(args.model, args.device, args.dtype, registry)
     except (ValidationError, RuntimeError) as exc:  # a bad --device/--dtype, or cuda asked on a CPU machine

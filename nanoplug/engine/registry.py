@@ -13,10 +13,7 @@ import importlib
 import importlib.metadata
 import inspect
 import logging
-import os
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pluggy
@@ -28,11 +25,8 @@ from nanoplug.api.errors import PluginLoadError, PluginUnavailableError, Unknown
 from nanoplug.api.hookspecs import KIND_HOOKS, PLUGIN_API_VERSION
 from nanoplug.api.speculator import Speculator
 from nanoplug.api.structured import StructuredOutputBackend
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from nanoplug.engine.plugin_names import (DISABLE_ENTRY_POINTS_ENV, ENTRY_POINT_GROUP,  # noqa: F401 (re-exported)
+                                          builtins, entry_points_enabled)
 
 log = logging.getLogger("nanoplug")
 
@@ -47,10 +41,7 @@ KIND_BASES = {
     "structured_output": StructuredOutputBackend,
     "speculator": Speculator,
 }
-ENTRY_POINT_GROUP = "nanoplug"
-DISABLE_ENTRY_POINTS_ENV = "NANOPLUG_DISABLE_ENTRY_POINTS"
 BUILTIN_SOURCE = "built-in"
-BUILTIN_TOML = Path(__file__).resolve().parent.parent / "registry.toml"
 
 
 @dataclass
@@ -170,11 +161,6 @@ class Resolution:
         return f"{self.kind}: asked {self.asked!r}, chose {self.name!r} ({why})"
 
 
-def entry_points_enabled() -> bool:
-    """False when NANOPLUG_DISABLE_ENTRY_POINTS is 1/true/yes: only built-ins are seen."""
-    return os.environ.get(DISABLE_ENTRY_POINTS_ENV, "").strip().lower() not in ("1", "true", "yes")
-
-
 class Registry:
     """All plugins this process can see. Cheap to build: built-ins stay unimported until needed."""
 
@@ -183,10 +169,9 @@ class Registry:
         self.pm.add_hookspecs(hookspecs)
         self.entries: dict[str, dict[str, PluginEntry]] = {kind: {} for kind in KIND_HOOKS}
         self.broken: list[BrokenPlugin] = []
-        with open(BUILTIN_TOML, "rb") as f:
-            for kind, table in tomllib.load(f).items():
-                for name, target in table.items():
-                    self.entries[kind][name] = PluginEntry(kind, name, BUILTIN_SOURCE, target=target)
+        for kind, table in builtins().items():
+            for name, target in table.items():
+                self.entries[kind][name] = PluginEntry(kind, name, BUILTIN_SOURCE, target=target)
         if load_entry_points if load_entry_points is not None else entry_points_enabled():
             self._load_entry_points()
 

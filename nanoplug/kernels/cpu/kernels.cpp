@@ -1,7 +1,9 @@
 // nanoplug's CPU kernels for float32 steps: the small ops of a decoder layer fused into one pass each
 // (RMSNorm with the residual add, SiLU-and-mul, RoPE) and decode attention that reads the paged KV
-// cache in place. Plain C++ with GCC/Clang vector extensions (16 floats), so the compiler lowers it to
-// the SIMD of the machine it is built on; OpenMP splits the rows over torch's own threads (the library
+// cache in place. Plain C++ with GCC/Clang vector extensions as wide as the machine's registers (16
+// floats with AVX-512, 8 with AVX2, 4 with NEON or SSE), so the compiler lowers it to the SIMD of the
+// machine it is built on (a vector wider than the registers is lowered through memory: 64-byte vectors on
+// an AVX2 build made its packed GEMM 4-30x slower than MKL's); OpenMP splits the rows over torch's own threads (the library
 // links the libgomp that torch has already loaded). Built and loaded by build.py, called through ops.py.
 #include <algorithm>
 #include <cmath>
@@ -14,16 +16,20 @@
 
 namespace {
 
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef float vf8 __attribute__((vector_size(32)));
-typedef float vf4 __attribute__((vector_size(16)));
+#if defined(__AVX512F__)
 constexpr int W = 16;
+#elif defined(__AVX__)
+constexpr int W = 8;
+#else
+constexpr int W = 4;
+#endif
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
 constexpr int64_t PARALLEL_MIN = 32768;  // fewer elements than this: one thread (a fork-join costs more)
 
 inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof(v)); return v; }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
-// 16 float16 values (IEEE half, as torch.float16 stores them) widened to float32
+// float16 values (IEEE half, as torch.float16 stores them) widened to float32
 inline float half_to_float(uint16_t h) {
   const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
   uint32_t bits;
@@ -43,30 +49,21 @@ inline float half_to_float(uint16_t h) {
 inline vf load(const uint16_t* p) {
 #if defined(__AVX512F__)
   return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#elif defined(__F16C__)
-  vf v;
-  __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
-  std::memcpy(&v, &lo, 32);
-  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
-  return v;
+#elif defined(__F16C__) && defined(__AVX__)
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #else
   vf v;
-  for (int i = 0; i < 16; ++i) v[i] = half_to_float(p[i]);
+  for (int i = 0; i < W; ++i) v[i] = half_to_float(p[i]);
   return v;
 #endif
 }
-inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+inline vf splat(float x) { return vf{} + x; }
+// the sum of n lanes from p, halves first (a tree, as the SIMD reductions add)
+inline float hsum_tree(const float* p, int n) { return n == 1 ? p[0] : hsum_tree(p, n / 2) + hsum_tree(p + n / 2, n / 2); }
 inline float hsum(vf v) {
-  vf8 a, b;
-  std::memcpy(&a, &v, 32);
-  std::memcpy(&b, reinterpret_cast<const char*>(&v) + 32, 32);
-  a += b;
-  vf4 c, d;
-  std::memcpy(&c, &a, 16);
-  std::memcpy(&d, reinterpret_cast<const char*>(&a) + 16, 16);
-  c += d;
-  return (c[0] + c[2]) + (c[1] + c[3]);
+  float lanes[W];
+  std::memcpy(lanes, &v, sizeof(v));
+  return hsum_tree(lanes, W);
 }
 inline float hmax(vf v) {
   float m = v[0];
@@ -135,7 +132,7 @@ inline void for_each_token(const T* cache, const int32_t* table, int64_t L, int6
   }
 }
 
-// One sequence's decode query heads that share KV head `kh` (G of them, head size NV * 16) against its
+// One sequence's decode query heads that share KV head `kh` (G of them, head size NV * W) against its
 // L cached tokens: scores, softmax, weighted sum of values. K and V rows are read where they lie.
 template <int NV, int G, class T>
 void decode_group(const float* qb, const T* k_cache, const T* v_cache, const int32_t* table, int64_t L,
@@ -225,9 +222,9 @@ int paged_decode(const float* q, int64_t q_stride, const T* k_cache, const T* v_
                  int64_t D, int64_t block_size, float scale) {
   if (Hkv <= 0 || H % Hkv || H / Hkv > 16) return -1;
   switch (D) {
-    case 64: decode_all<4>(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, B, H, Hkv, block_size, scale); return 0;
-    case 128: decode_all<8>(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, B, H, Hkv, block_size, scale); return 0;
-    case 256: decode_all<16>(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, B, H, Hkv, block_size, scale); return 0;
+    case 64: decode_all<64 / W>(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, B, H, Hkv, block_size, scale); return 0;
+    case 128: decode_all<128 / W>(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, B, H, Hkv, block_size, scale); return 0;
+    case 256: decode_all<256 / W>(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, B, H, Hkv, block_size, scale); return 0;
     default: return -1;
   }
 }
@@ -237,31 +234,41 @@ int paged_decode(const float* q, int64_t q_stride, const T* k_cache, const T* v_
 // streams from memory front to back. A decode step's GEMMs are as much memory as compute: while the
 // rows of one k-block are multiplied, the next k-block is prefetched, so the two overlap (MKL's packed
 // sgemm leaves them mostly in sequence here: 185 vs 225 GFLOPS on SmolLM2's 121 GEMMs at 32 rows).
-constexpr int64_t NR = 48, MR = 8, KB = 64, MAX_GEMM_ROWS = 64;
+// The tile is sized to the register file: MR rows x NR columns of accumulators, the NR weights of one k
+// and a broadcast. AVX-512's 32 zmm hold 8 x 48 (24 + 3 + 1); AVX2's 16 ymm hold 6 x 16 (12 + 2 + 1: an
+// 8 x 48 tile there spills most of its accumulators to the stack, and packing then halved batch-16 decode
+// on an AVX2 EPYC); NEON's 32 q registers hold 6 x 16 too (24 + 4 + 1).
+#if defined(__AVX512F__)
+constexpr int64_t NR = 48, MR = 8;
+#else
+constexpr int64_t NR = 16, MR = 6;
+#endif
+static_assert(NR % W == 0, "a panel is whole vectors");
+constexpr int64_t KB = 64, MAX_GEMM_ROWS = 64;
+constexpr int NV = NR / W;  // vectors per row of a tile
 
 template <int R>
 void gemm_tile(const float* x, int64_t x_stride, const float* w, float* y, int64_t ldy, int64_t k0, int64_t k1,
                const float* bias, const float* prefetch, int64_t prefetch_first, int64_t prefetch_lines) {
-  vf acc[R][3];
+  vf acc[R][NV];
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < 3; ++j) acc[i][j] = k0 == 0 ? vf{} : load(y + i * ldy + j * W);
+    for (int j = 0; j < NV; ++j) acc[i][j] = k0 == 0 ? vf{} : load(y + i * ldy + j * W);
   for (int64_t k = k0; k < k1; ++k) {
     const int64_t line = prefetch_first + (k - k0);
     if (line < prefetch_lines) __builtin_prefetch(prefetch + line * W);
     const float* wk = w + k * NR;
-    vf w0 = load(wk), w1 = load(wk + W), w2 = load(wk + 2 * W);
+    vf wv[NV];
+    for (int j = 0; j < NV; ++j) wv[j] = load(wk + j * W);
     for (int i = 0; i < R; ++i) {
       vf b = splat(x[i * x_stride + k]);
-      acc[i][0] += b * w0;
-      acc[i][1] += b * w1;
-      acc[i][2] += b * w2;
+      for (int j = 0; j < NV; ++j) acc[i][j] += b * wv[j];
     }
   }
   if (bias)
     for (int i = 0; i < R; ++i)
-      for (int j = 0; j < 3; ++j) acc[i][j] += load(bias + j * W);
+      for (int j = 0; j < NV; ++j) acc[i][j] += load(bias + j * W);
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < 3; ++j) store(y + i * ldy + j * W, acc[i][j]);
+    for (int j = 0; j < NV; ++j) store(y + i * ldy + j * W, acc[i][j]);
 }
 
 void gemm_rows(int64_t rows, const float* x, int64_t x_stride, const float* w, float* y, int64_t ldy, int64_t k0,
@@ -340,7 +347,8 @@ void np_argmax_rows(const float* x, int64_t stride, int64_t rows, int64_t n, int
 #pragma omp parallel for if (rows * n >= 16 * PARALLEL_MIN)
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * stride;
-    vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    vi lane;
+    for (int i = 0; i < W; ++i) lane[i] = i;
     vf best = splat(-INFINITY);
     vi at = lane;
     int64_t j = 0;

@@ -10,13 +10,16 @@
 // lanes, with no horizontal sum. The bytes per weight stay the file's (Q4_K: 148 bytes per 256 instead
 // of 144), so a decode step streams the quantized weights, not float32 copies.
 //
-// Activations are used in float32 (each sub-block dequantized in registers) or quantized on the fly to
+// Activations are used in float32 (each sub-block dequantized in registers), or quantized on the fly to
 // int8 per 32 values as llama.cpp's Q8_1 does (scale amax/127, round to nearest even, the block sum kept
-// for the formats with an offset or minimum).
+// for the formats with an offset or minimum), or "int8x2": int8 blocks of x and of its residual, two
+// integer dot products per weight group, which is float32 compute's quality (llama.cpp's int8 is not: it
+// turns the default model's answer to "What is the capital of France?" into a loop) at int8's speed.
 //
-// Dispatch. Built without -march flags; the AVX-512 (VNNI) and AVX2 paths are compiled for their
-// targets with function attributes and chosen at run time from what the CPU reports, and a portable
-// C++ path serves everywhere else. Every entry point takes the path to use, so tests can run each one.
+// Dispatch. Built without -march flags; the AVX-512 (VNNI), AVX2 and (aarch64) NEON dot-product paths of
+// the integer GEMM are compiled for their targets with function attributes and chosen at run time from what
+// the CPU reports, and a portable C++ path serves everywhere else (and Arm's float32-activation GEMM).
+// Every entry point takes the path to use, so tests can run each one.
 // Dequantization is exact: it equals gguf-py's (float32 d*q+m etc.; the products are exact in
 // float32, so the order of operations cannot change a bit).
 #include <algorithm>
@@ -31,11 +34,17 @@
 #define T_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 #define T_AVX2 __attribute__((target("avx2,fma,f16c")))
 #endif
+#if defined(__aarch64__)
+#define NP_ARM 1
+#include <arm_neon.h>
+#include <sys/auxv.h>
+#define T_DOT __attribute__((target("arch=armv8.2-a+dotprod")))
+#endif
 
 namespace {
 
 enum Format : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12 };
-enum Isa : int { PORTABLE = 0, AVX2 = 1, AVX512 = 2 };
+enum Isa : int { PORTABLE = 0, AVX2 = 1, AVX512 = 2, NEON_DOT = 3 };
 constexpr int64_t PR = 16;  // rows per panel
 constexpr int64_t SB = 32;  // weights per sub-block
 
@@ -190,30 +199,59 @@ void dequant_row(int fmt, const uint8_t* panel, int64_t K, int lane, float* out)
 struct QAct {
   const int8_t* q;       // [M][K]
   const float* d;        // [M][nsub] scale
-  const float* s;        // [M][nsub] d * sum(q)
+  const float* s;        // [M][nsub] d * sum(q) (int8x2: the float sum of the block's x)
   const int32_t* isum;   // [M][nsub] sum(q)
   int64_t K, nsub;
+  // int8x2 only (else nullptr): the residual x - d * q quantized again, the same way. x = d*q + d2*q2 to
+  // about 1/64,000 of a block's largest value (16 bits, as float32 compute on these weights needs), for
+  // twice the integer dot products over weights unpacked once.
+  const int8_t* q2 = nullptr;
+  const float* d2 = nullptr;
+  const int32_t* isum2 = nullptr;
 };
+
+// Quantize one block of 32 floats to int8 (scale amax/127, round to nearest even): q, its scale, the sum of q.
+inline void quantize_block(const float* x, int8_t* q, float* d, int32_t* isum) {
+  float amax = 0.f;
+  for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(x[k]));
+  const float db = amax / 127.f;
+  const float id = db != 0.f ? 1.f / db : 0.f;
+  int32_t sum = 0;
+  for (int k = 0; k < 32; ++k) {
+    const int32_t v = static_cast<int32_t>(std::nearbyint(x[k] * id));
+    q[k] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  *d = db;
+  *isum = sum;
+}
+
+// int8x2's second pass, portable: the residual of each block after q, d (quantize_rows' output)
+void residual_rows_portable(const float* x, int64_t x_stride, int64_t M, int64_t K, const int8_t* q, const float* d,
+                            int8_t* q2, float* d2, int32_t* isum2, float* s) {
+  const int64_t nsub = K / SB;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nsub; ++b) {
+      const float* xb = x + m * x_stride + b * SB;
+      const int8_t* qb = q + m * K + b * SB;
+      float r[32], sum = 0.f;
+      for (int k = 0; k < 32; ++k) {
+        r[k] = xb[k] - d[m * nsub + b] * static_cast<float>(qb[k]);
+        sum += xb[k];
+      }
+      quantize_block(r, q2 + m * K + b * SB, d2 + m * nsub + b, isum2 + m * nsub + b);
+      s[m * nsub + b] = sum;
+    }
+}
 
 void quantize_rows_portable(const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* q, float* d, float* s,
                             int32_t* isum) {
   const int64_t nsub = K / SB;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < nsub; ++b) {
-      const float* xb = x + m * x_stride + b * SB;
-      float amax = 0.f;
-      for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(xb[k]));
-      const float db = amax / 127.f;
-      const float id = db != 0.f ? 1.f / db : 0.f;
-      int32_t sum = 0;
-      for (int k = 0; k < 32; ++k) {
-        const int32_t v = static_cast<int32_t>(std::nearbyint(xb[k] * id));
-        q[m * K + b * SB + k] = static_cast<int8_t>(v);
-        sum += v;
-      }
-      d[m * nsub + b] = db;
-      isum[m * nsub + b] = sum;
-      s[m * nsub + b] = db * static_cast<float>(sum);
+      const int64_t i = m * nsub + b;
+      quantize_block(x + m * x_stride + b * SB, q + m * K + b * SB, d + i, isum + i);
+      s[i] = d[i] * static_cast<float>(isum[i]);
     }
 }
 
@@ -236,6 +274,13 @@ void panel_q8_portable(int fmt, const uint8_t* panel, const QAct& a, int64_t m0,
         if (fmt == Q4_0) sum -= 8 * a.isum[m * a.nsub + b];
         const float dx = a.d[m * a.nsub + b];
         acc[r * PR + lane] += static_cast<float>(sum) * (wa * dx);
+        if (a.q2) {
+          const int8_t* xq2 = a.q2 + m * a.K + b * SB;
+          int32_t sum2 = 0;
+          for (int k = 0; k < 32; ++k) sum2 += q[k] * xq2[k];
+          if (fmt == Q4_0) sum2 -= 8 * a.isum2[m * a.nsub + b];
+          acc[r * PR + lane] += static_cast<float>(sum2) * (wa * a.d2[m * a.nsub + b]);
+        }
         if (fmt == Q4_1 || fmt == Q4_K) acc[r * PR + lane] += wc * a.s[m * a.nsub + b];
       }
     }
@@ -295,7 +340,24 @@ inline void prefetch_share(const uint8_t* next, int64_t bytes, int64_t b, int64_
   for (int64_t l = b * lines; l < (b + 1) * lines && l * 64 < bytes; ++l) __builtin_prefetch(next + l * 64);
 }
 
+// The 16 rows' integer dot products with one activation block xb (w: the sub-block's unpacked weights)
 template <int F, int R>
+T_AVX512 inline __m512i dot_512(const __m512i* w, const int8_t* xb, int32_t isum) {
+  // w[i] holds weights k = 4i..4i+3 of each row (both formats' layouts give that order). One row or
+  // two: four independent chains, as a dot product's latency, not its throughput, would bound them;
+  // more rows give the core independent work already.
+  constexpr int C = R <= 2 ? 4 : 1;
+  __m512i ch[C];
+  for (int c = 0; c < C; ++c) ch[c] = _mm512_setzero_si512();
+  for (int i = 0; i < 8; ++i) ch[i % C] = _mm512_dpbusd_epi32(ch[i % C], w[i], _mm512_set1_epi32(bcast4(xb + 4 * i)));
+  __m512i s = ch[0];
+  for (int c = 1; c < C; ++c) s = _mm512_add_epi32(s, ch[c]);
+  if (F == Q4_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * isum));
+  if (F == Q8_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * isum));
+  return s;
+}
+
+template <int F, int R, bool X2>
 T_AVX512 void tile_q8_512(const uint8_t* panel, const QAct& a, int64_t m0, float* y, int64_t ldy, int64_t valid,
                           const float* bias, const uint8_t* next) {
   const int64_t pb = panel_bytes(F, a.K);
@@ -319,20 +381,13 @@ T_AVX512 void tile_q8_512(const uint8_t* panel, const QAct& a, int64_t m0, float
     }
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
-      const int8_t* xb = a.q + m * a.K + b * SB;
-      // w[i] holds weights k = 4i..4i+3 of each row (both formats' layouts give that order). One row or
-      // two: four independent chains, as a dot product's latency, not its throughput, would bound
-      // them; more rows give the core independent work already.
-      constexpr int C = R <= 2 ? 4 : 1;
-      __m512i ch[C];
-      for (int c = 0; c < C; ++c) ch[c] = _mm512_setzero_si512();
-      for (int i = 0; i < 8; ++i) ch[i % C] = _mm512_dpbusd_epi32(ch[i % C], w[i], _mm512_set1_epi32(bcast4(xb + 4 * i)));
-      __m512i s = ch[0];
-      for (int c = 1; c < C; ++c) s = _mm512_add_epi32(s, ch[c]);
       const int64_t i = m * a.nsub + b;
-      if (F == Q4_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * a.isum[i]));
-      if (F == Q8_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * a.isum[i]));
+      const __m512i s = dot_512<F, R>(w, a.q + m * a.K + b * SB, a.isum[i]);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(fa, _mm512_set1_ps(a.d[i])), acc[r]);
+      if (X2) {
+        const __m512i s2 = dot_512<F, R>(w, a.q2 + m * a.K + b * SB, a.isum2[i]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s2), _mm512_mul_ps(fa, _mm512_set1_ps(a.d2[i])), acc[r]);
+      }
       if (F == Q4_1 || F == Q4_K) acc[r] = _mm512_fmadd_ps(fc, _mm512_set1_ps(a.s[i]), acc[r]);
     }
   }
@@ -408,6 +463,29 @@ T_AVX512 void quantize_rows_512(const float* x, int64_t x_stride, int64_t M, int
     }
 }
 
+T_AVX512 void residual_rows_512(const float* x, int64_t x_stride, int64_t M, int64_t K, const int8_t* q, const float* d,
+                               int8_t* q2, float* d2, int32_t* isum2, float* s) {
+  const int64_t nsub = K / SB;
+  const __m512 signless = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nsub; ++b) {
+      const float* xb = x + m * x_stride + b * SB;
+      const int8_t* qb = q + m * K + b * SB;
+      const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16), db = _mm512_set1_ps(d[m * nsub + b]);
+      const __m512 r0 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)))), db, x0);
+      const __m512 r1 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 16)))), db, x1);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(r0, signless), _mm512_and_ps(r1, signless)));
+      const float d2b = amax / 127.f;
+      const __m512 iv = _mm512_set1_ps(d2b != 0.f ? 1.f / d2b : 0.f);
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(r0, iv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(r1, iv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + m * K + b * SB), _mm512_cvtsepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + m * K + b * SB + 16), _mm512_cvtsepi32_epi8(q1));
+      d2[m * nsub + b] = d2b;
+      isum2[m * nsub + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      s[m * nsub + b] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+    }
+}
+
 // ---- AVX2 (no VNNI: maddubs + madd) ----
 
 template <int F>
@@ -436,7 +514,29 @@ T_AVX2 inline __m256i dot4(__m256i u, __m256i s) {
 }
 
 // R rows x one half (8 output rows, h = 0/1) of a panel, int8 activations
-template <int F, int R>
+// The 8 rows' integer dot products with one activation block xb (w: the half sub-block's weights)
+template <int F>
+T_AVX2 inline __m256i dot_256(const __m256i* w, const int8_t* xb, int32_t isum) {
+  __m256i s = _mm256_setzero_si256();
+  if (F == Q8_0) {
+    for (int g = 0; g < 8; ++g) {
+      const __m256i xv = _mm256_set1_epi32(bcast4(xb + 4 * g));
+      s = _mm256_add_epi32(s, dot4(_mm256_sign_epi8(w[g], w[g]), _mm256_sign_epi8(xv, w[g])));
+    }
+  } else {  // the 8 products of 4-bit quants (0..15) and int8 (|x| <= 127) sum in int16 without overflow
+    // (8 x 2 x 15 x 127 = 30,480), so one widening a sub-block, as llama.cpp's AVX2 dot products do
+    __m256i p = _mm256_setzero_si256();
+    for (int g = 0; g < 4; ++g) {
+      p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(bcast4(xb + 4 * g))));
+      p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[g + 4], _mm256_set1_epi32(bcast4(xb + 16 + 4 * g))));
+    }
+    s = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+  }
+  if (F == Q4_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * isum));
+  return s;
+}
+
+template <int F, int R, bool X2>
 T_AVX2 void half_q8_256(const uint8_t* panel, const QAct& a, int64_t m0, int h, float* y, int64_t ldy, int64_t valid,
                         const float* bias) {
   __m256 acc[R];
@@ -459,20 +559,13 @@ T_AVX2 void half_q8_256(const uint8_t* panel, const QAct& a, int64_t m0, int h, 
     }
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
-      const int8_t* xb = a.q + m * a.K + b * SB;
-      __m256i s = _mm256_setzero_si256();
-      if (F == Q8_0) {
-        for (int g = 0; g < 8; ++g) {
-          const __m256i xv = _mm256_set1_epi32(bcast4(xb + 4 * g));
-          s = _mm256_add_epi32(s, dot4(_mm256_sign_epi8(w[g], w[g]), _mm256_sign_epi8(xv, w[g])));
-        }
-      } else {
-        for (int g = 0; g < 4; ++g) s = _mm256_add_epi32(s, dot4(w[g], _mm256_set1_epi32(bcast4(xb + 4 * g))));
-        for (int g = 0; g < 4; ++g) s = _mm256_add_epi32(s, dot4(w[g + 4], _mm256_set1_epi32(bcast4(xb + 16 + 4 * g))));
-      }
       const int64_t i = m * a.nsub + b;
-      if (F == Q4_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * a.isum[i]));
+      const __m256i s = dot_256<F>(w, a.q + m * a.K + b * SB, a.isum[i]);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(fa, _mm256_set1_ps(a.d[i])), acc[r]);
+      if (X2) {
+        const __m256i s2 = dot_256<F>(w, a.q2 + m * a.K + b * SB, a.isum2[i]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s2), _mm256_mul_ps(fa, _mm256_set1_ps(a.d2[i])), acc[r]);
+      }
       if (F == Q4_1 || F == Q4_K) acc[r] = _mm256_fmadd_ps(fc, _mm256_set1_ps(a.s[i]), acc[r]);
     }
   }
@@ -560,11 +653,91 @@ T_AVX2 void quantize_rows_256(const float* x, int64_t x_stride, int64_t M, int64
       s[m * nsub + b] = db * static_cast<float>(sum);
     }
 }
+T_AVX2 void residual_rows_256(const float* x, int64_t x_stride, int64_t M, int64_t K, const int8_t* q, const float* d,
+                              int8_t* q2, float* d2, int32_t* isum2, float* s) {
+  const int64_t nsub = K / SB;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nsub; ++b) {
+      const float* xb = x + m * x_stride + b * SB;
+      const int8_t* qb = q + m * K + b * SB;
+      const __m256 db = _mm256_set1_ps(d[m * nsub + b]);
+      __m256 sum = _mm256_setzero_ps();
+      float r[32];
+      for (int i = 0; i < 4; ++i) {
+        const __m256 xv = _mm256_loadu_ps(xb + 8 * i);
+        const __m256 qv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8 * i))));
+        _mm256_storeu_ps(r + 8 * i, _mm256_fnmadd_ps(qv, db, xv));
+        sum = _mm256_add_ps(sum, xv);
+      }
+      quantize_block(r, q2 + m * K + b * SB, d2 + m * nsub + b, isum2 + m * nsub + b);
+      float lanes[8];
+      _mm256_storeu_ps(lanes, sum);
+      s[m * nsub + b] = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    }
+}
 #endif  // NP_X86
+
+#ifdef NP_ARM
+// ---- Arm NEON with the dot-product extension (sdot: 4 int8 products per int32 lane) ----
+// One 64-byte group of a panel is 4 registers of 4 rows x 4 weights; sdot against 4 activation bytes
+// broadcast gives those 4 rows' partial dot products in its 4 lanes, as vpdpbusd does for 16 rows.
+// Weights are signed here (Q8_0's stored w ^ 0x80 flipped back; 4-bit quants 0..15 fit an int8), so
+// only Q4_0's offset of 8 is subtracted from the sums.
+T_DOT inline int32x4_t bcast4_neon(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return vdupq_n_s32(v); }
+
+template <int F>
+T_DOT void panel_q8_neon(const uint8_t* panel, const QAct& a, int64_t m0, int64_t rows, float* y, int64_t ldy,
+                         int64_t valid, const float* bias) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t m = m0 + r;
+    float32x4_t acc[4] = {vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f)};
+    for (int64_t b = 0; b < a.nsub; ++b) {
+      float fa[PR], fc[PR];
+      for (int lane = 0; lane < PR; ++lane) lane_factors(F, panel, b, lane, &fa[lane], &fc[lane]);
+      const uint8_t* qb = sub_qs(F, panel, b);
+      const int64_t i = m * a.nsub + b;
+      for (int pass = 0; pass < (a.q2 ? 2 : 1); ++pass) {
+        const int8_t* xb = (pass ? a.q2 : a.q) + m * a.K + b * SB;
+        int32x4_t s[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
+        if (F == Q8_0) {
+          for (int g = 0; g < 8; ++g) {
+            const int8x16_t xv = vreinterpretq_s8_s32(bcast4_neon(xb + 4 * g));
+            for (int q = 0; q < 4; ++q) {
+              const int8x16_t w = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(qb + g * 64 + q * 16), vdupq_n_u8(0x80)));
+              s[q] = vdotq_s32(s[q], w, xv);
+            }
+          }
+        } else {
+          for (int g = 0; g < 4; ++g) {
+            const int8x16_t xl = vreinterpretq_s8_s32(bcast4_neon(xb + 4 * g));
+            const int8x16_t xh = vreinterpretq_s8_s32(bcast4_neon(xb + 16 + 4 * g));
+            for (int q = 0; q < 4; ++q) {
+              const uint8x16_t v = vld1q_u8(qb + g * 64 + q * 16);
+              s[q] = vdotq_s32(s[q], vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(0x0F))), xl);
+              s[q] = vdotq_s32(s[q], vreinterpretq_s8_u8(vshrq_n_u8(v, 4)), xh);
+            }
+          }
+        }
+        const int32_t isum = pass ? a.isum2[i] : a.isum[i];
+        const float dx = pass ? a.d2[i] : a.d[i];
+        for (int q = 0; q < 4; ++q) {
+          if (F == Q4_0) s[q] = vsubq_s32(s[q], vdupq_n_s32(8 * isum));
+          acc[q] = vfmaq_f32(acc[q], vcvtq_f32_s32(s[q]), vmulq_n_f32(vld1q_f32(fa + 4 * q), dx));
+        }
+      }
+      if (F == Q4_1 || F == Q4_K)
+        for (int q = 0; q < 4; ++q) acc[q] = vfmaq_n_f32(acc[q], vld1q_f32(fc + 4 * q), a.s[i]);
+    }
+    float out[PR];
+    for (int q = 0; q < 4; ++q) vst1q_f32(out + 4 * q, acc[q]);
+    for (int64_t lane = 0; lane < valid; ++lane) y[r * ldy + lane] = out[lane] + (bias ? bias[lane] : 0.f);
+  }
+}
+#endif  // NP_ARM
 
 // ---- drivers: rows tiled, panels split over threads ----
 
-template <int F>
+template <int F, bool X2>
 void panel_q8(int isa, const uint8_t* panel, const QAct& a, int64_t m0, int64_t rows, float* y, int64_t ldy,
               int64_t valid, const float* bias, const uint8_t* next) {
 #ifdef NP_X86
@@ -574,14 +747,14 @@ void panel_q8(int isa, const uint8_t* panel, const QAct& a, int64_t m0, int64_t 
       float* yr = y + r * ldy;
       const uint8_t* pf = r == 0 ? next : nullptr;  // the first row tile fetches the next panel
       switch (n) {
-        case 8: tile_q8_512<F, 8>(panel, a, m0 + r, yr, ldy, valid, bias, pf); break;
-        case 7: tile_q8_512<F, 7>(panel, a, m0 + r, yr, ldy, valid, bias, pf); break;
-        case 6: tile_q8_512<F, 6>(panel, a, m0 + r, yr, ldy, valid, bias, pf); break;
-        case 5: tile_q8_512<F, 5>(panel, a, m0 + r, yr, ldy, valid, bias, pf); break;
-        case 4: tile_q8_512<F, 4>(panel, a, m0 + r, yr, ldy, valid, bias, pf); break;
-        case 3: tile_q8_512<F, 3>(panel, a, m0 + r, yr, ldy, valid, bias, pf); break;
-        case 2: tile_q8_512<F, 2>(panel, a, m0 + r, yr, ldy, valid, bias, pf); break;
-        default: tile_q8_512<F, 1>(panel, a, m0 + r, yr, ldy, valid, bias, pf);
+        case 8: tile_q8_512<F, 8, X2>(panel, a, m0 + r, yr, ldy, valid, bias, pf); break;
+        case 7: tile_q8_512<F, 7, X2>(panel, a, m0 + r, yr, ldy, valid, bias, pf); break;
+        case 6: tile_q8_512<F, 6, X2>(panel, a, m0 + r, yr, ldy, valid, bias, pf); break;
+        case 5: tile_q8_512<F, 5, X2>(panel, a, m0 + r, yr, ldy, valid, bias, pf); break;
+        case 4: tile_q8_512<F, 4, X2>(panel, a, m0 + r, yr, ldy, valid, bias, pf); break;
+        case 3: tile_q8_512<F, 3, X2>(panel, a, m0 + r, yr, ldy, valid, bias, pf); break;
+        case 2: tile_q8_512<F, 2, X2>(panel, a, m0 + r, yr, ldy, valid, bias, pf); break;
+        default: tile_q8_512<F, 1, X2>(panel, a, m0 + r, yr, ldy, valid, bias, pf);
       }
       r += n;
     }
@@ -593,15 +766,18 @@ void panel_q8(int isa, const uint8_t* panel, const QAct& a, int64_t m0, int64_t 
         const int64_t n = std::min<int64_t>(4, rows - r);
         float* yr = y + r * ldy;
         switch (n) {
-          case 4: half_q8_256<F, 4>(panel, a, m0 + r, h, yr, ldy, valid, bias); break;
-          case 3: half_q8_256<F, 3>(panel, a, m0 + r, h, yr, ldy, valid, bias); break;
-          case 2: half_q8_256<F, 2>(panel, a, m0 + r, h, yr, ldy, valid, bias); break;
-          default: half_q8_256<F, 1>(panel, a, m0 + r, h, yr, ldy, valid, bias);
+          case 4: half_q8_256<F, 4, X2>(panel, a, m0 + r, h, yr, ldy, valid, bias); break;
+          case 3: half_q8_256<F, 3, X2>(panel, a, m0 + r, h, yr, ldy, valid, bias); break;
+          case 2: half_q8_256<F, 2, X2>(panel, a, m0 + r, h, yr, ldy, valid, bias); break;
+          default: half_q8_256<F, 1, X2>(panel, a, m0 + r, h, yr, ldy, valid, bias);
         }
         r += n;
       }
     return;
   }
+#endif
+#ifdef NP_ARM
+  if (isa == NEON_DOT) return panel_q8_neon<F>(panel, a, m0, rows, y, ldy, valid, bias);
 #endif
   for (int64_t r = 0; r < rows; r += 64)
     panel_q8_portable(F, panel, a, m0 + r, std::min<int64_t>(64, rows - r), y + r * ldy, ldy, valid, bias);
@@ -655,11 +831,22 @@ void quantize_rows(int isa, const float* x, int64_t x_stride, int64_t M, int64_t
   quantize_rows_portable(x, x_stride, M, K, q, d, s, isum);
 }
 
+void residual_rows(int isa, const float* x, int64_t x_stride, int64_t M, int64_t K, const int8_t* q, const float* d,
+                   int8_t* q2, float* d2, int32_t* isum2, float* s) {
+#ifdef NP_X86
+  if (isa == AVX512) return residual_rows_512(x, x_stride, M, K, q, d, q2, d2, isum2, s);
+  if (isa == AVX2) return residual_rows_256(x, x_stride, M, K, q, d, q2, d2, isum2, s);
+#endif
+  residual_rows_portable(x, x_stride, M, K, q, d, q2, d2, isum2, s);
+}
+
 // Row tiles above this many rows per task: large inputs split over rows as well as panels.
 constexpr int64_t ROW_CHUNK = 64;
 
+enum Act : int { ACT_FLOAT = 0, ACT_INT8 = 1, ACT_INT8X2 = 2 };
+
 template <int F>
-void linear_fmt(int isa, int int8_act, const float* x, int64_t x_stride, int64_t M, const uint8_t* packed, int64_t N,
+void linear_fmt(int isa, int act, const float* x, int64_t x_stride, int64_t M, const uint8_t* packed, int64_t N,
                 int64_t K, const float* bias, float* y) {
   const int64_t panels = (N + PR - 1) / PR, pb = panel_bytes(F, K), nsub = K / SB;
   const int64_t chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK;
@@ -668,24 +855,30 @@ void linear_fmt(int isa, int int8_act, const float* x, int64_t x_stride, int64_t
   static thread_local std::vector<int8_t> q_buf;
   static thread_local std::vector<float> d_buf, s_buf;
   static thread_local std::vector<int32_t> isum_buf;
+  const bool x2 = act == ACT_INT8X2;
   QAct a{nullptr, nullptr, nullptr, nullptr, K, nsub};
-  if (int8_act) {
-    if (static_cast<int64_t>(q_buf.size()) < M * K) q_buf.resize(M * K);
-    if (static_cast<int64_t>(d_buf.size()) < M * nsub) {
-      d_buf.resize(M * nsub);
-      s_buf.resize(M * nsub);
-      isum_buf.resize(M * nsub);
-    }
+  if (act != ACT_FLOAT) {
+    const int64_t copies = x2 ? 2 : 1;
+    if (static_cast<int64_t>(q_buf.size()) < copies * M * K) q_buf.resize(copies * M * K);
+    if (static_cast<int64_t>(d_buf.size()) < copies * M * nsub) d_buf.resize(copies * M * nsub);
+    if (static_cast<int64_t>(isum_buf.size()) < copies * M * nsub) isum_buf.resize(copies * M * nsub);
+    if (static_cast<int64_t>(s_buf.size()) < M * nsub) s_buf.resize(M * nsub);
     int8_t* q = q_buf.data();
     float *d = d_buf.data(), *s = s_buf.data();
     int32_t* isum = isum_buf.data();
+    int8_t* q2 = x2 ? q + M * K : nullptr;
+    float* d2 = x2 ? d + M * nsub : nullptr;
+    int32_t* isum2 = x2 ? isum + M * nsub : nullptr;
 #pragma omp parallel for schedule(static) if (M >= 16)
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t m0 = c * ROW_CHUNK, rows = std::min(ROW_CHUNK, M - m0);
       quantize_rows(isa, x + m0 * x_stride, x_stride, rows, K, q + m0 * K, d + m0 * nsub, s + m0 * nsub,
                     isum + m0 * nsub);
+      if (x2)
+        residual_rows(isa, x + m0 * x_stride, x_stride, rows, K, q + m0 * K, d + m0 * nsub, q2 + m0 * K,
+                      d2 + m0 * nsub, isum2 + m0 * nsub, s + m0 * nsub);
     }
-    a = QAct{q, d, s, isum, K, nsub};
+    a = QAct{q, d, s, isum, K, nsub, q2, d2, isum2};
   }
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t c = 0; c < chunks; ++c)
@@ -696,8 +889,10 @@ void linear_fmt(int isa, int int8_act, const float* x, int64_t x_stride, int64_t
       const float* bp = bias ? bias + p * PR : nullptr;
       float* yp = y + m0 * N + p * PR;
       const uint8_t* next = p + 1 < panels ? panel + pb : nullptr;
-      if (int8_act)
-        panel_q8<F>(isa, panel, a, m0, rows, yp, N, valid, bp, next);
+      if (x2)
+        panel_q8<F, true>(isa, panel, a, m0, rows, yp, N, valid, bp, next);
+      else if (act == ACT_INT8)
+        panel_q8<F, false>(isa, panel, a, m0, rows, yp, N, valid, bp, next);
       else
         panel_f32<F>(isa, panel, K, x + m0 * x_stride, x_stride, rows, yp, N, valid, bp);
     }
@@ -714,6 +909,9 @@ bool isa_supported(int isa) {
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
            __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
 #endif
+#ifdef NP_ARM
+  if (isa == NEON_DOT) return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+#endif
   return false;
 }
 
@@ -721,7 +919,7 @@ bool isa_supported(int isa) {
 
 extern "C" {
 
-int np_q_abi_version() { return 1; }
+int np_q_abi_version() { return 2; }
 
 // 1 when this CPU can run path `isa` (0 portable, 1 AVX2, 2 AVX-512 VNNI)
 int np_q_isa_supported(int isa) { return isa_supported(isa) ? 1 : 0; }
@@ -773,18 +971,19 @@ int np_q_quantize_act(int isa, const float* x, int64_t x_stride, int64_t M, int6
 }
 
 // y [M, N] (dense) = x [M, K] (rows at x_stride floats) @ W^T (+ bias), W packed by np_q_pack.
-// int8_act: quantize x to int8 blocks first (VNNI dot products) or use it in float32.
+// act: 0 x in float32 (each weight sub-block dequantized in registers); 1 x quantized to int8 blocks first
+// (as llama.cpp: VNNI or maddubs dot products); 2 int8x2, x and its residual quantized (float32's quality).
 // Returns 0; -1 unknown format or shape; -2 path not supported by this CPU.
-int np_q_linear(int isa, int int8_act, int fmt, const float* x, int64_t x_stride, int64_t M, const uint8_t* packed,
+int np_q_linear(int isa, int act, int fmt, const float* x, int64_t x_stride, int64_t M, const uint8_t* packed,
                 int64_t N, int64_t K, const float* bias, float* y) {
-  if (np_q_packed_size(fmt, N, K) < 0 || M < 0) return -1;
+  if (np_q_packed_size(fmt, N, K) < 0 || M < 0 || act < ACT_FLOAT || act > ACT_INT8X2) return -1;
   if (!isa_supported(isa)) return -2;
   if (M == 0) return 0;
   switch (fmt) {
-    case Q4_0: linear_fmt<Q4_0>(isa, int8_act, x, x_stride, M, packed, N, K, bias, y); break;
-    case Q4_1: linear_fmt<Q4_1>(isa, int8_act, x, x_stride, M, packed, N, K, bias, y); break;
-    case Q8_0: linear_fmt<Q8_0>(isa, int8_act, x, x_stride, M, packed, N, K, bias, y); break;
-    default: linear_fmt<Q4_K>(isa, int8_act, x, x_stride, M, packed, N, K, bias, y);
+    case Q4_0: linear_fmt<Q4_0>(isa, act, x, x_stride, M, packed, N, K, bias, y); break;
+    case Q4_1: linear_fmt<Q4_1>(isa, act, x, x_stride, M, packed, N, K, bias, y); break;
+    case Q8_0: linear_fmt<Q8_0>(isa, act, x, x_stride, M, packed, N, K, bias, y); break;
+    default: linear_fmt<Q4_K>(isa, act, x, x_stride, M, packed, N, K, bias, y);
   }
   return 0;
 }

@@ -1,15 +1,16 @@
 """The GGUF-quantized weight kernels (quant.cpp) as torch functions: repack a weight's GGUF blocks once,
 dequantize rows of it exactly, and multiply activations by it with the blocks read directly.
 
-quant.cpp is built as its own library without `-march` flags: its AVX-512 (VNNI) and AVX2 paths are
-compiled for their targets inside it and chosen at run time from what this CPU reports, and the portable
-C++ path serves elsewhere (and in tests). `quant_kernels()` returns the loaded kernels or raises
+quant.cpp is built as its own library without `-march` flags: its AVX-512 (VNNI), AVX2 and Arm dot-product
+paths are compiled for their targets inside it and chosen at run time from what this CPU reports, and the
+portable C++ path serves elsewhere (and in tests). `quant_kernels()` returns the loaded kernels or raises
 `KernelsUnavailable` with the reason.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import pathlib
 from typing import Callable
 
@@ -18,7 +19,7 @@ import torch
 from nanoplug.kernels.cpu.record import RecordingLib
 from nanoplug.kernels.cpu.build import KernelsUnavailable, library_path
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 SOURCE = pathlib.Path(__file__).with_name("quant.cpp")
 LIBRARY_NAME = "libnanoplug_quant.so"
 # no -march: the SIMD paths carry their own target attributes; -ffp-contract=off keeps the portable
@@ -28,7 +29,11 @@ VARIANTS = (["-ffp-contract=off", "-fopenmp"], ["-ffp-contract=off"])
 # GGML type ids of the formats served, and (weights per block, bytes per block) in the file
 FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}
 BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144)}
-ISAS = ("portable", "avx2", "avx512")  # index = the id quant.cpp takes
+ISAS = ("portable", "avx2", "avx512", "neon_dot")  # index = the id quant.cpp takes
+ISA_ENV = "NANOPLUG_CPU_ISA"  # one of ISAS: the path used instead of the best this CPU runs
+# how the activations meet the weights (index = quant.cpp's id): in float32; quantized to int8 blocks (as
+# llama.cpp); int8 blocks of x and of its residual (float32 compute's quality at int8 dot products)
+ACTS = ("float", "int8", "int8x2")
 
 _P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
@@ -47,6 +52,13 @@ def format_id(fmt: int | str) -> int:
     if fid not in BLOCKS:
         raise ValueError(f"GGUF format {fmt!r} is not served by the CPU kernels; they serve {', '.join(FORMATS)}")
     return fid
+
+
+def act_id(act: str) -> int:
+    """quant.cpp's id of an activation mode; ValueError naming the modes."""
+    if act not in ACTS:
+        raise ValueError(f"activations {act!r}: the CPU kernels take one of {', '.join(ACTS)}")
+    return ACTS.index(act)
 
 
 def row_bytes(fmt: int | str, k: int) -> int:
@@ -69,6 +81,11 @@ class QuantKernels:
         self._lib, self.path = RecordingLib(lib, list(_SIGNATURES)), path  # calls a graph capture records
         self.isas = [name for i, name in enumerate(ISAS) if lib.np_q_isa_supported(i)]
         self.best = self.isas[-1]
+        forced = os.environ.get(ISA_ENV, "").strip()
+        if forced:  # the AVX2 or portable path on a machine that has more (tests, measurements)
+            if forced not in self.isas:
+                raise KernelsUnavailable(f"${ISA_ENV}={forced!r}: this CPU runs {', '.join(self.isas)}")
+            self.best = forced
 
     def _isa(self, isa: str | None) -> int:
         name = self.best if isa is None else isa
@@ -128,15 +145,15 @@ class QuantKernels:
         return q, d, s, isum
 
     def linear(self, x: torch.Tensor, fmt: int | str, packed: torch.Tensor, n: int, k: int,
-               bias: torch.Tensor | None = None, int8: bool = True, isa: str | None = None) -> torch.Tensor:
-        """`F.linear(x, W, bias)` for float32 x [M, k] and the packed weight W [n, k]: with x quantized to
-        int8 blocks on the fly (`int8`, VNNI dot products), or in float32."""
+               bias: torch.Tensor | None = None, act: str = "int8x2", isa: str | None = None) -> torch.Tensor:
+        """`F.linear(x, W, bias)` for float32 x [M, k] and the packed weight W [n, k], the activations
+        met as `act` says (one of ACTS)."""
         if x.stride(-1) != 1:
             x = x.contiguous()
         if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32:
             raise ValueError(f"the quantized linear takes float32 [rows, {k}], not {x.dtype} {list(x.shape)}")
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
-        rc = self._lib.np_q_linear(self._isa(isa), int(int8), format_id(fmt), x.data_ptr(), x.stride(0), x.shape[0],
+        rc = self._lib.np_q_linear(self._isa(isa), act_id(act), format_id(fmt), x.data_ptr(), x.stride(0), x.shape[0],
                                    packed.data_ptr(), n, k, 0 if bias is None else bias.data_ptr(), y.data_ptr())
         if rc != 0:
             raise ValueError(f"not a {fmt} weight of [{n}, {k}]")
@@ -144,22 +161,22 @@ class QuantKernels:
 
 
     def matmul(self, fmt: int | str, packed: torch.Tensor, n: int, k: int,
-               isa: str | None = None) -> Callable[[torch.Tensor, torch.Tensor | None, bool], torch.Tensor]:
-        """`mm(x, bias, int8)`: `linear` for this one packed weight, its format, shape and path checked once
-        here rather than on every call (a decode step makes ~120 of them)."""
+               isa: str | None = None) -> Callable[[torch.Tensor, torch.Tensor | None, int], torch.Tensor]:
+        """`mm(x, bias, act)`: `linear` for this one packed weight, its format, shape and path checked once
+        here rather than on every call (a decode step makes ~120 of them); `act` is an index of ACTS."""
         fn, isa_id, fid, ptr = self._lib.np_q_linear, self._isa(isa), format_id(fmt), packed.data_ptr()
         self.packed_size(fid, n, k)  # a shape the format cannot have raises here
         if packed.numel() < self.packed_size(fid, n, k) or packed.dtype != torch.uint8:
             raise ValueError(f"not a packed {fmt} weight of [{n}, {k}]")
         f32, empty = torch.float32, torch.empty
 
-        def mm(x: torch.Tensor, bias: torch.Tensor | None, int8: bool = True) -> torch.Tensor:
+        def mm(x: torch.Tensor, bias: torch.Tensor | None, act: int) -> torch.Tensor:
             if x.dim() != 2 or x.stride(-1) != 1:
                 x = x.reshape(-1, x.shape[-1]).contiguous()
             if x.shape[1] != k or x.dtype != f32:
                 raise ValueError(f"the quantized linear takes float32 [rows, {k}], not {x.dtype} {list(x.shape)}")
             y = empty(x.shape[0], n, dtype=f32)
-            fn(isa_id, int8, fid, x.data_ptr(), x.stride(0), x.shape[0], ptr, n, k,
+            fn(isa_id, act, fid, x.data_ptr(), x.stride(0), x.shape[0], ptr, n, k,
                None if bias is None else bias.data_ptr(), y.data_ptr())
             return y
 

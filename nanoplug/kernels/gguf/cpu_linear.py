@@ -1,10 +1,11 @@
 """The linear method of GGUF blocks on the CPU: a layer's parts (q, k and v; gate and up; one for the
 others) kept as loaded, packed once into the panels the C++ kernels read (kernels/cpu/quant.cpp for Q4_0,
-Q4_1, Q8_0 and Q4_K; kernels/cpu/kquants.cpp keeps the other types in the file's blocks; each AVX-512
-VNNI, AVX2 or portable, chosen at run time), multiplied with the activations quantized to int8 on the fly,
-as llama.cpp does (`int8_activations = False`: in float32, closer to the float32 engine and slower). The
-embedding and the tied LM head share one packed weight: rows are dequantized as they are gathered. Float
-parts (an F32 or F16 tensor, or a type the format does not keep) stay dense."""
+Q4_1, Q8_0 and Q4_K, kernels/cpu/kquants.cpp for the other types in the file's blocks with int8 activations
+as llama.cpp's; each AVX-512 VNNI, AVX2 or portable, chosen at run time), multiplied with the activations as
+`Activations` says: by default with float32 compute's quality (float32 activations, or int8 blocks of x and of its residual),
+never llama.cpp's plain int8 blocks, which loop the default model's answers. The embedding and the tied LM
+head share one packed weight: rows are dequantized as they are gathered. Float parts (an F32 or F16
+tensor, or a type the format does not keep) stay dense."""
 from __future__ import annotations
 
 import itertools
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoplug.api import LinearMethod, check_shape
+from nanoplug.kernels.cpu.quant_ops import ACTS, act_id
 
 PANEL_FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K"})  # quant.cpp
 BLOCK_FORMATS = frozenset({"Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_XS", "Q5_0", "Q5_1", "IQ4_NL"})  # kquants.cpp
@@ -53,6 +55,18 @@ class _ByFormat:
         return self._of(fmt).dequantize(fmt, packed, n, k, rows)
 
 
+class Activations(NamedTuple):
+    """How the activations meet the weights (modes of kernels/cpu/quant_ops.ACTS): `small` for inputs of
+    up to `switch_rows` rows (decode, memory-bound), `large` above (prefill, large batches: compute-bound)."""
+
+    small: str = "int8x2"
+    switch_rows: int = 0
+    large: str = "int8x2"
+
+    def mode(self, rows: int) -> str:
+        return self.small if rows <= self.switch_rows else self.large
+
+
 class Segment(NamedTuple):
     """Rows [offset, offset + rows) of a layer's weight: packed blocks of `fmt`, or float32 [rows, cols] (fmt None)."""
 
@@ -79,10 +93,14 @@ def _format(tensor: Any) -> str | None:
 
 
 class GGUFLinearMethod(LinearMethod):
-    int8_activations = True
-
-    def __init__(self, kernels: Any):
+    def __init__(self, kernels: Any, activations: Activations = Activations()):
         self.kernels = kernels
+        self.set_activations(activations)
+
+    def set_activations(self, activations: Activations) -> None:
+        """Use `activations` from the next call on (a recorded decode step keeps the mode it recorded)."""
+        self.activations = activations
+        self._small, self._switch, self._large = act_id(activations.small), activations.switch_rows, act_id(activations.large)
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
         weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
@@ -132,8 +150,10 @@ class GGUFLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         w: _Weight = layer.weight.gguf
+        rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
+        act = self._small if rows <= self._switch else self._large
         if w.mm is not None:
-            return w.mm(x, bias, self.int8_activations)
+            return w.mm(x, bias, act)
         outs = []
         for offset, rows, fmt, data in w.segments:
             part_bias = None if bias is None else bias[offset:offset + rows]
@@ -141,7 +161,7 @@ class GGUFLinearMethod(LinearMethod):
                 outs.append(F.linear(x, data, part_bias))
             else:
                 outs.append(self.kernels.linear(x.reshape(-1, w.cols), fmt, data, rows, w.cols, part_bias,
-                                                int8=self.int8_activations))
+                                                act=ACTS[act]))
         return torch.cat(outs, dim=-1)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:

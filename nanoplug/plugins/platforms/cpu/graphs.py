@@ -12,7 +12,12 @@ stops, with `cpu.require_graphs`).
 Each recording is checked before it is used: other token ids go through the model eagerly and through
 the replay (with an eager step on yet other ids between them), and the logits must be equal, so a call
 the recording could not see (another library's ctypes call, Triton's CPU interpreter writing the KV
-cache through numpy) shows up at start-up rather than as wrong tokens.
+cache through numpy) shows up before it is used rather than as wrong tokens.
+
+A size is recorded when a decode step first needs it (`lazy`, the default on one rank: a command that
+generates one answer records one size, a few tenths of a second, instead of every size before its first
+token), or every size at start-up (`cpu.record_ahead`, and always under tensor parallelism, where each
+rank must record in step). A lazy recording that fails leaves that size eager, with a warning.
 """
 from __future__ import annotations
 
@@ -115,17 +120,24 @@ def record(forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], ids: t
 
 class CpuDecodeGraphs(StepGraphs):
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], ctx: Any, limits: StepLimits,
-                 scratch_block: int):
+                 scratch_block: int, lazy: bool = False):
         self.forward, self.ctx, self.limits, self.scratch_block = forward, ctx, limits, scratch_block
+        self.lazy = lazy
         self.graphs: dict[int, tuple[list[Callable[[], Any]], list[Any], AttentionMetadata, torch.Tensor]] = {}
+        self.failed: dict[int, str] = {}  # lazily recorded sizes that could not be: they run eager
+
+    def size_for(self, num_seqs: int) -> int | None:
+        return next((size for size in self.sizes if size >= num_seqs), None)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Record a decode step for each batch size up to max_num_seqs, and check each replay."""
+        """Set up the static inputs; record and check a decode step for each batch size up to max_num_seqs
+        now, or (lazy) each when first needed."""
         limits = self.limits
         max_bs = min(limits.max_num_seqs, GRAPH_BATCH_SIZES[-1])
         max_blocks = (limits.max_model_len + limits.block_size - 1) // limits.block_size
         self.max_bs = max_bs
+        self.sizes = tuple(s for s in GRAPH_BATCH_SIZES if s <= max_bs)
         i64 = torch.zeros(5, max_bs, dtype=torch.int64)
         i32 = torch.zeros(2 * max_bs + 1 + max_bs * max_blocks, dtype=torch.int32)
         self._buffers = (i64, i32)
@@ -137,20 +149,39 @@ class CpuDecodeGraphs(StepGraphs):
         }
         self.static = st
         self._cu_q_host = st["cu_seqlens_q"].numpy()
-        for size in [s for s in GRAPH_BATCH_SIZES if s <= max_bs]:
-            self._reset()
-            meta = AttentionMetadata(
-                is_prefill=False, cu_seqlens_q=st["cu_seqlens_q"][: size + 1],
-                cu_seqlens_k=st["cu_seqlens_k"][: size + 1], seq_lens=st["seq_lens"][:size],
-                slot_mapping=st["slot_mapping"][:size], block_tables=st["block_tables"][:size], max_seqlen_q=1,
-                max_seqlen_k=limits.max_model_len, query_lens_host=[1] * size, seq_lens_host=[1] * size,
-            )
-            ids, pos = st["input_ids"][:size], st["positions"][:size]
-            self.ctx.set_step(meta)
-            plan, keep, logits = record(self.forward, ids, pos)
-            self.graphs[size] = (plan, keep, meta, logits)
-            self.captures += 1
+        if not self.lazy:
+            for size in self.sizes:
+                self._record(size)
+
+    def _record(self, size: int) -> None:
+        """Record the decode step of `size` rows on the static inputs (padding rows) and check its replay."""
+        st = self.static
+        self._reset()
+        meta = self._meta(size, self.limits.max_model_len, [1] * size, [1] * size)
+        ids, pos = st["input_ids"][:size], st["positions"][:size]
+        self.ctx.set_step(meta)
+        plan, keep, logits = record(self.forward, ids, pos)
+        self.graphs[size] = (plan, keep, meta, logits)
+        self.captures += 1
+        try:
             self._check(size, logits.shape[-1])
+        except CaptureError:
+            del self.graphs[size]
+            raise
+
+    def _record_now(self, size: int) -> None:
+        """Record `size` in the middle of serving: the inputs already planned into the static buffers are
+        kept aside meanwhile (the recording writes padding rows there and only to the scratch block)."""
+        saved = [b.clone() for b in self._buffers]
+        try:
+            self._record(size)
+            log.info("cpu: decode steps of %d rows recorded", size)
+        except CaptureError as exc:
+            self.failed[size] = str(exc)
+            log.warning("cpu: decode steps of %d rows run eager: %s", size, exc)
+        finally:
+            for buffer, copy in zip(self._buffers, saved):
+                buffer.copy_(copy)
 
     def _reset(self) -> None:
         """Every row padding: position 0, writing to the scratch block, context length 1."""
@@ -191,14 +222,35 @@ class CpuDecodeGraphs(StepGraphs):
         )
 
     def replay(self, size: int, inputs: StepInputs, previous_tokens: torch.Tensor | None) -> torch.Tensor:
-        plan, _, meta, logits = self.graphs[size]
+        graph = self.graphs.get(size)
+        if graph is None and size not in self.failed:
+            self._record_now(size)
+            graph = self.graphs.get(size)
         k = inputs.num_from_previous
         if k:
             i64 = self._buffers[0]
             i64[0].index_copy_(0, i64[3, :k], previous_tokens.index_select(0, i64[4, :k]))
+        if graph is None:  # its recording failed: the same step, eager, on the same buffers
+            return self._eager(size, inputs)
+        plan, _, meta, logits = graph
         meta.query_lens_host, meta.seq_lens_host = inputs.query_lens_host, inputs.seq_lens_host
         meta.max_seqlen_k = inputs.max_seqlen_k
         self.ctx.set_step(meta)
         for call in plan:
             call()
         return logits
+
+    def _eager(self, size: int, inputs: StepInputs) -> torch.Tensor:
+        st = self.static
+        self.ctx.set_step(self._meta(size, inputs.max_seqlen_k, inputs.query_lens_host, inputs.seq_lens_host))
+        return self.forward(st["input_ids"][:size], st["positions"][:size])
+
+    def _meta(self, size: int, max_seqlen_k: int, query_lens_host: list[int], seq_lens_host: list[int]):
+        """The decode metadata of `size` rows over the static inputs."""
+        st = self.static
+        return AttentionMetadata(
+            is_prefill=False, cu_seqlens_q=st["cu_seqlens_q"][: size + 1],
+            cu_seqlens_k=st["cu_seqlens_k"][: size + 1], seq_lens=st["seq_lens"][:size],
+            slot_mapping=st["slot_mapping"][:size], block_tables=st["block_tables"][:size], max_seqlen_q=1,
+            max_seqlen_k=max_seqlen_k, query_lens_host=query_lens_host, seq_lens_host=seq_lens_host,
+        )
