@@ -316,6 +316,7 @@ class EngineCore:
         self.last_step = (step.is_prefill, sum(step.query_lens), len(batch))
         logits_of, logprobs_of = launched.row_outputs(result)
         got, settled = launched.emitted(result)  # settled: a speculative step's accepted drafts per sample
+        drafted = {id(seq) for seq, _, _ in settled}  # their K/V past the accepted tokens is the rejected drafts'
         updates = []
         requests, outputs = self.requests, self.outputs
         with self._tokenizer_lock:
@@ -339,6 +340,8 @@ class EngineCore:
                         if state.detok is not None:
                             state.detok.flush()
                 if reason is not None:
+                    if id(seq) not in drafted:  # its full blocks stay reusable by later prompts (freed, not lost)
+                        self.scheduler.blocks.commit(seq)
                     self.scheduler.finish(seq, reason)
                     updates.append(self._sample_finished(state))
                 elif state.incremental and (i == len(got) - 1 or got[i + 1][0] is not seq):
