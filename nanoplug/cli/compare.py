@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-from nanoplug.api.step import kv_groups
 
 REFERENCE = "manual"
 # The relative logits difference ||a - b|| / ||b|| a backend may show against the oracle on the same inputs:
@@ -138,6 +137,8 @@ def run_backend(model: str, name: str, kind: str = "attention", device: str = "a
         return outcome
     outcome.dtype = str(llm.dtype).removeprefix("torch.")
     outcome.weights = llm.choices["weight_format"].name
+    from nanoplug.api.step import kv_groups  # (here: the CLI imports no torch before its arguments are checked)
+
     facts = llm.engine.facts
     if kv_groups(facts.sliding_windows, facts.num_layers).hybrid:
         llm.close()
