@@ -116,3 +116,32 @@ def library_path(source: pathlib.Path = SOURCE, name: str = LIBRARY_NAME,
             errors.append(f"{' '.join(cmd)}:\n{done.stderr.strip()[-1500:]}")
     raise KernelsUnavailable("the C++ compiler could not build nanoplug's CPU kernels; tried:\n" + "\n".join(errors)
                              + "\npass cpu={'kernels': False} and attention='sdpa' to run without them")
+
+
+class BuiltLibrary:
+    """One C++ library built on first use and wrapped (`wrap(path)`), or the reason it cannot run here: each
+    kernel module (quant_ops, kquant_ops, int_weights) keeps one."""
+
+    def __init__(self, wrap, source: pathlib.Path, name: str, variants: tuple[list[str], ...] | None):
+        self.wrap, self.source, self.name, self.variants = wrap, source, name, variants
+        self._loaded = None
+
+    def _load(self):
+        if self._loaded is None:
+            try:
+                self._loaded = self.wrap(library_path(self.source, self.name, self.variants))
+            except (KernelsUnavailable, OSError) as exc:
+                self._loaded = str(exc)
+        return self._loaded
+
+    def unavailable(self) -> str | None:
+        """Why the kernels cannot run here (building them if needed), or None."""
+        loaded = self._load()
+        return loaded if isinstance(loaded, str) else None
+
+    def get(self):
+        """The loaded kernels (built on first call); raises KernelsUnavailable with the reason."""
+        loaded = self._load()
+        if isinstance(loaded, str):
+            raise KernelsUnavailable(loaded)
+        return loaded

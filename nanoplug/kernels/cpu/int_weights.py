@@ -9,12 +9,11 @@ kernels or raises `KernelsUnavailable` with the reason.
 from __future__ import annotations
 
 import ctypes
-import functools
 import pathlib
 
 import torch
 
-from nanoplug.kernels.cpu.build import KernelsUnavailable, library_path
+from nanoplug.kernels.cpu.build import BuiltLibrary, KernelsUnavailable
 from nanoplug.kernels.cpu.record import RecordingLib
 
 ABI_VERSION = 1
@@ -85,23 +84,6 @@ class IntWeightKernels:
         return y
 
 
-@functools.lru_cache(maxsize=1)
-def _load() -> IntWeightKernels | str:
-    try:
-        return IntWeightKernels(library_path(SOURCE, LIBRARY_NAME, VARIANTS))
-    except (KernelsUnavailable, OSError) as exc:
-        return str(exc)
-
-
-def unavailable() -> str | None:
-    """Why the kernels cannot run here (building them if needed), or None."""
-    loaded = _load()
-    return loaded if isinstance(loaded, str) else None
-
-
-def kernels() -> IntWeightKernels:
-    """The loaded kernels (built on first call); raises KernelsUnavailable with the reason."""
-    loaded = _load()
-    if isinstance(loaded, str):
-        raise KernelsUnavailable(loaded)
-    return loaded
+_LIBRARY = BuiltLibrary(IntWeightKernels, SOURCE, LIBRARY_NAME, VARIANTS)
+unavailable = _LIBRARY.unavailable  # why the kernels cannot run here (building them if needed), or None
+kernels = _LIBRARY.get  # the loaded kernels (built on first call); raises KernelsUnavailable with the reason

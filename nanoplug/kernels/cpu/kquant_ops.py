@@ -10,13 +10,12 @@ at run time from what this CPU reports (the portable path serves elsewhere, and 
 from __future__ import annotations
 
 import ctypes
-import functools
 import pathlib
 from typing import Callable
 
 import torch
 
-from nanoplug.kernels.cpu.build import KernelsUnavailable, library_path
+from nanoplug.kernels.cpu.build import BuiltLibrary, KernelsUnavailable
 from nanoplug.kernels.cpu.record import RecordingLib
 
 ABI_VERSION = 1
@@ -144,23 +143,6 @@ class KQuantKernels:
         return mm
 
 
-@functools.lru_cache(maxsize=1)
-def _load() -> KQuantKernels | str:
-    try:
-        return KQuantKernels(library_path(SOURCE, LIBRARY_NAME, VARIANTS))
-    except (KernelsUnavailable, OSError) as exc:
-        return str(exc)
-
-
-def unavailable() -> str | None:
-    """Why the kernels cannot run here (building them if needed), or None."""
-    loaded = _load()
-    return loaded if isinstance(loaded, str) else None
-
-
-def kquant_kernels() -> KQuantKernels:
-    """The loaded kernels (built on first call); raises KernelsUnavailable with the reason."""
-    loaded = _load()
-    if isinstance(loaded, str):
-        raise KernelsUnavailable(loaded)
-    return loaded
+_LIBRARY = BuiltLibrary(KQuantKernels, SOURCE, LIBRARY_NAME, VARIANTS)
+unavailable = _LIBRARY.unavailable  # why the kernels cannot run here (building them if needed), or None
+kquant_kernels = _LIBRARY.get  # the loaded kernels (built on first call); raises KernelsUnavailable with the reason

@@ -9,7 +9,6 @@ portable C++ path serves elsewhere (and in tests). `quant_kernels()` returns the
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 import pathlib
 from typing import Callable
@@ -17,7 +16,7 @@ from typing import Callable
 import torch
 
 from nanoplug.kernels.cpu.record import RecordingLib
-from nanoplug.kernels.cpu.build import KernelsUnavailable, library_path
+from nanoplug.kernels.cpu.build import BuiltLibrary, KernelsUnavailable
 
 ABI_VERSION = 2
 SOURCE = pathlib.Path(__file__).with_name("quant.cpp")
@@ -183,23 +182,6 @@ class QuantKernels:
         return mm
 
 
-@functools.lru_cache(maxsize=1)
-def _load() -> QuantKernels | str:
-    try:
-        return QuantKernels(library_path(SOURCE, LIBRARY_NAME, VARIANTS))
-    except (KernelsUnavailable, OSError) as exc:
-        return str(exc)
-
-
-def unavailable() -> str | None:
-    """Why the kernels cannot run here (building them if needed), or None."""
-    loaded = _load()
-    return loaded if isinstance(loaded, str) else None
-
-
-def quant_kernels() -> QuantKernels:
-    """The loaded kernels (built on first call); raises KernelsUnavailable with the reason."""
-    loaded = _load()
-    if isinstance(loaded, str):
-        raise KernelsUnavailable(loaded)
-    return loaded
+_LIBRARY = BuiltLibrary(QuantKernels, SOURCE, LIBRARY_NAME, VARIANTS)
+unavailable = _LIBRARY.unavailable  # why the kernels cannot run here (building them if needed), or None
+quant_kernels = _LIBRARY.get  # the loaded kernels (built on first call); raises KernelsUnavailable with the reason
