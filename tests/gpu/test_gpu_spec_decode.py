@@ -17,7 +17,8 @@ from test_spec_decode import REPEATING, assert_same, oracle, registry_with  # no
 from nanoplug import LLM, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-OPTIONS = dict(device="cuda", dtype="bfloat16", kv_block_size=16, max_model_len=128, max_num_seqs=16)
+OPTIONS = dict(device="cuda", dtype="bfloat16", kv_block_size=16, max_model_len=128, max_num_seqs=16,
+               cuda={"memory_utilization": 0.2})  # three engines live at once, each sizing its cache from memory
 
 
 @pytest.mark.parametrize("attention", ["flash", "triton"])
