@@ -58,8 +58,9 @@ def engine(path: str, variant: str, args):
 
     options = dict(device=args.device, dtype=args.dtype, attention=args.attention, max_model_len=args.max_model_len,
                    max_num_seqs=max(int(b) for b in args.batches.split(",")))
-    if args.device == "cuda":  # every variant's engine lives at once (alternated), a draft model's beside it
-        options["cuda"] = {"memory_utilization": 0.8 / (2 * len(args.variants.split(",")))}
+    if args.device == "cuda":  # every variant's engine lives at once (alternated); memory_utilization caps the
+        variants = args.variants.split(",")  # process's whole use, so each next engine is given a larger cap
+        options["cuda"] = {"memory_utilization": 0.85 * (variants.index(variant) + 1) / len(variants)}
     if variant != "none":
         name = variant.removesuffix("-fixed")
         options.update(speculator=name, num_speculative_tokens=args.k, adaptive_speculation=not variant.endswith("-fixed"))
