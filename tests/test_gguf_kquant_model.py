@@ -14,6 +14,7 @@ from _gguf_files import with_random_blocks
 from _triton_interpreter import interpreted
 from nanoplug import LLM, SamplingParams
 from nanoplug.bench.checkpoints import write_gguf, write_random_checkpoint
+from nanoplug.kernels.gguf.cpu_linear import Activations
 
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
              tie_word_embeddings=True)
@@ -63,9 +64,9 @@ def test_cpu_kernels_match_the_dequantized_engine(kquant_gguf, dense):
         method = quant.engine.worker.model.lm_head.linear_method
         worker = quant.engine.worker
         graphs, worker.graphs = worker.graphs, None  # recorded decode steps keep the path they recorded
-        method.int8_activations = False
+        method.set_activations(Activations("float", 0, "float"))
         check_engine(quant, dense, "gguf", lambda layer: [s.fmt for s in layer.weight.gguf.segments])
-        method.int8_activations = True  # llama.cpp's int8 activations: close, not equal
+        method.set_activations(Activations("int8", 0, "int8"))  # llama.cpp's int8 activations: close, not equal
         ids = dense.tokenizer.encode("Once upon a time, in a small village, there lived")
         ref, got = prompt_logprobs(dense, ids), prompt_logprobs(quant, ids)
         kl = (ref.exp() * (ref - got)).sum(-1).mean().item()

@@ -45,11 +45,18 @@ class _ByFormat:
         return self._of(fmt).pack(fmt, raw, n, k)
 
     def matmul(self, fmt: str, packed: torch.Tensor, n: int, k: int) -> Callable:
-        return self._of(fmt).matmul(fmt, packed, n, k)
+        """`mm(x, bias, act)`, `act` an index of ACTS; the blocks library takes int8 (llama.cpp's Q8_K blocks) for
+        either int8 mode and float32 activations for "float"."""
+        mm = self._of(fmt).matmul(fmt, packed, n, k)
+        if fmt in PANEL_FORMATS:
+            return mm
+        return lambda x, bias, act: mm(x, bias, ACTS[act] != "float")
 
     def linear(self, x: torch.Tensor, fmt: str, packed: torch.Tensor, n: int, k: int, bias: torch.Tensor | None,
-               int8: bool = True) -> torch.Tensor:
-        return self._of(fmt).linear(x, fmt, packed, n, k, bias, int8=int8)
+               act: str = "int8x2") -> torch.Tensor:
+        if fmt in PANEL_FORMATS:
+            return self.panels.linear(x, fmt, packed, n, k, bias, act=act)
+        return self.blocks.linear(x, fmt, packed, n, k, bias, int8=act != "float")
 
     def dequantize(self, fmt: str, packed: torch.Tensor, n: int, k: int, rows: torch.Tensor | None = None):
         return self._of(fmt).dequantize(fmt, packed, n, k, rows)
