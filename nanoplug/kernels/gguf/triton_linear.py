@@ -18,9 +18,12 @@ from nanoplug.api import LinearMethod, Target, check_shape
 from nanoplug.kernels.gguf import triton_kernels as kernels
 from nanoplug.kernels.gguf import triton_kquants
 from nanoplug.kernels.gguf.blocks import Packed, repack
-from nanoplug.kernels.gguf.triton_kquants import RawBlocks, raw_blocks
+from nanoplug.kernels.gguf.triton_kquants import RawBlocks
 
-QUANTIZED = (Packed, RawBlocks)
+
+def _quantized(weight) -> bool:
+    """A weight in blocks (the classes looked up now: a test may reload triton_kquants under the interpreter)."""
+    return isinstance(weight, (Packed, triton_kquants.RawBlocks))
 
 
 def _module(weight: Packed | RawBlocks):
@@ -100,11 +103,11 @@ class TritonGGUFLinearMethod(LinearMethod):
             else:
                 blocks = torch.cat([t.blocks() for _, t in group])
                 blocks = blocks.to(device)
-                data = (raw_blocks if fmt in triton_kquants.FORMATS else repack)(fmt, blocks, rows, w.cols)
+                data = (triton_kquants.raw_blocks if fmt in triton_kquants.FORMATS else repack)(fmt, blocks, rows, w.cols)
             w.segments.append(Segment(group[0][0], rows, data))
         w.parts = []
         first = w.segments[0].weight  # the parameter holds the largest bytes (what memory accounting sees)
-        param.data = first.quants if isinstance(first, Packed) else first.data if isinstance(first, RawBlocks) else first
+        param.data = first.quants if isinstance(first, Packed) else first.data if isinstance(first, triton_kquants.RawBlocks) else first
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         w: _Weight = layer.weight.gguf
@@ -114,7 +117,7 @@ class TritonGGUFLinearMethod(LinearMethod):
         out = torch.empty(x2.shape[0], w.rows, dtype=x.dtype, device=x.device)
         for offset, rows, weight in w.segments:
             dst = out if rows == w.rows else out[:, offset:offset + rows]
-            if isinstance(weight, QUANTIZED):
+            if _quantized(weight):
                 _module(weight).linear(x2, weight, dst)
             else:
                 dst.copy_(F.linear(x2, weight))
@@ -126,7 +129,7 @@ class TritonGGUFLinearMethod(LinearMethod):
         w: _Weight = layer.weight.gguf
         if len(w.segments) == 1:
             weight = w.segments[0].weight
-            if not isinstance(weight, QUANTIZED):
+            if not _quantized(weight):
                 return F.embedding(ids, weight)
             flat = ids.reshape(-1)
             out = torch.empty(flat.numel(), w.cols, dtype=w.dtype, device=ids.device)
@@ -139,7 +142,7 @@ class TritonGGUFLinearMethod(LinearMethod):
         dtype = dtype or w.dtype
         outs = []
         for _, rows, weight in w.segments:
-            if isinstance(weight, QUANTIZED):
+            if _quantized(weight):
                 device = weight.quants.device if isinstance(weight, Packed) else weight.data.device
                 outs.append(_module(weight).dequantize(weight, torch.empty(rows, w.cols, dtype=dtype, device=device)))
             else:
