@@ -145,3 +145,18 @@ class BuiltLibrary:
         if isinstance(loaded, str):
             raise KernelsUnavailable(loaded)
         return loaded
+
+
+def open_library(path: pathlib.Path, prefix: str, abi_version: int, signatures: dict):
+    """The library at `path` opened with ctypes, its `{prefix}_abi_version()` checked against `abi_version` and
+    each of `signatures` (name -> (restype, argtypes)) declared: what every kernel module does first."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(path))
+    getattr(lib, f"{prefix}_abi_version").restype = ctypes.c_int
+    if getattr(lib, f"{prefix}_abi_version")() != abi_version:
+        raise KernelsUnavailable(f"{path} is a build of another version of the kernels; delete it to rebuild")
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib

@@ -13,7 +13,7 @@ import pathlib
 
 import torch
 
-from nanoplug.kernels.cpu.build import BuiltLibrary, KernelsUnavailable
+from nanoplug.kernels.cpu.build import BuiltLibrary, open_library
 from nanoplug.kernels.cpu.record import RecordingLib
 
 ABI_VERSION = 1
@@ -33,13 +33,7 @@ class IntWeightKernels:
     """CPU tensors in, a new float32 tensor out."""
 
     def __init__(self, path: pathlib.Path):
-        lib = ctypes.CDLL(str(path))
-        lib.np_iw_abi_version.restype = ctypes.c_int
-        if lib.np_iw_abi_version() != ABI_VERSION:
-            raise KernelsUnavailable(f"{path} is a build of another version of the kernels; delete it to rebuild")
-        for name, (restype, argtypes) in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = restype, argtypes
+        lib = open_library(path, "np_iw", ABI_VERSION, _SIGNATURES)
         self._lib, self.path = RecordingLib(lib, list(_SIGNATURES)), path
         self.isas = [name for i, name in enumerate(ISAS) if lib.np_iw_isa_supported(i)]
         self.best = self.isas[-1]

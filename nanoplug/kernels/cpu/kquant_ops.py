@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from nanoplug.kernels.cpu.build import BuiltLibrary, KernelsUnavailable
+from nanoplug.kernels.cpu.build import BuiltLibrary, open_library
 from nanoplug.kernels.cpu.record import RecordingLib
 
 ABI_VERSION = 1
@@ -58,13 +58,7 @@ class KQuantKernels:
     """Uses torch tensors: uint8 for the weights' blocks, float32 for activations and outputs."""
 
     def __init__(self, path: pathlib.Path):
-        lib = ctypes.CDLL(str(path))
-        lib.np_kq_abi_version.restype = ctypes.c_int
-        if lib.np_kq_abi_version() != ABI_VERSION:
-            raise KernelsUnavailable(f"{path} is a build of another version of the kernels; delete it to rebuild")
-        for name, (restype, argtypes) in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = restype, argtypes
+        lib = open_library(path, "np_kq", ABI_VERSION, _SIGNATURES)
         self._lib, self.path = RecordingLib(lib, list(_SIGNATURES)), path  # calls a graph capture records
         self.isas = [name for i, name in enumerate(ISAS) if lib.np_kq_isa_supported(i)]
         self.best = self.isas[-1]

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from nanoplug.kernels.cpu.record import RecordingLib
-from nanoplug.kernels.cpu.build import BuiltLibrary, KernelsUnavailable
+from nanoplug.kernels.cpu.build import BuiltLibrary, KernelsUnavailable, open_library
 
 ABI_VERSION = 2
 SOURCE = pathlib.Path(__file__).with_name("quant.cpp")
@@ -70,13 +70,7 @@ class QuantKernels:
     """Uses torch tensors: uint8 for packed weights, float32 for activations and outputs."""
 
     def __init__(self, path: pathlib.Path):
-        lib = ctypes.CDLL(str(path))
-        lib.np_q_abi_version.restype = ctypes.c_int
-        if lib.np_q_abi_version() != ABI_VERSION:
-            raise KernelsUnavailable(f"{path} is a build of another version of the kernels; delete it to rebuild")
-        for name, (restype, argtypes) in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = restype, argtypes
+        lib = open_library(path, "np_q", ABI_VERSION, _SIGNATURES)
         self._lib, self.path = RecordingLib(lib, list(_SIGNATURES)), path  # calls a graph capture records
         self.isas = [name for i, name in enumerate(ISAS) if lib.np_q_isa_supported(i)]
         self.best = self.isas[-1]
