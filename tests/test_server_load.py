@@ -2,7 +2,8 @@
 
 Every request streams the greedy text the engine streams for it alone (up to a near tie that batching
 may legitimately decide the other way); the requests really share batches (/metrics shows at least 32
-running at once); each stream's first chunk is sent before its request finished; after each round no
+running at once); in each round, at least three in four streams send their first chunk before their
+request finished (none would from a server that buffers answers); after each round no
 KV block is in use, and the server's memory stops growing.
 """
 from __future__ import annotations
@@ -132,15 +133,22 @@ def test_64_concurrent_streams(server, expected):
         t = time.monotonic()
         results, peak = asyncio.run(_round(server))
         seconds = time.monotonic() - t
+        streamed = 0
         for i, (got, want) in enumerate(zip(results, expected)):
             exact += want.assert_matches(got["text"], f"round {round_}, request {i}")
-            assert got["reasons"][-1] in ("length", "stop")
-            assert got["reasons"][0] is None and len(got["reasons"]) > 1, f"request {i} was not streamed: {got}"
+            assert got["reasons"][-1] in ("length", "stop"), got
+            streamed += got["reasons"][0] is None and len(got["reasons"]) > 1
+        # A stream's handler may wake only after its request finished (a loaded 2-core machine starves the
+        # server's event loop while the engine process spins; seen once: the first request, admitted alone,
+        # ran its 32 steps while the loop was still accepting the other 63) and then sends it all in one
+        # chunk. A server that buffers answers streams none of them.
+        assert streamed >= CLIENTS * 3 // 4, f"only {streamed} of {CLIENTS} requests were streamed: {results}"
         assert peak >= 32, f"at most {peak} requests ran at once"
         metrics = server.wait_idle()
         assert metrics["nanoplug_kv_blocks_used"] == 0
         rss.append(_rss(server.pid))
-        print(f"round {round_}: {CLIENTS} streams in {seconds:.1f} s, peak running {peak:.0f}, rss {rss[-1] >> 20} MiB")
+        print(f"round {round_}: {CLIENTS} streams ({streamed} in more than one chunk) in {seconds:.1f} s, "
+              f"peak running {peak:.0f}, rss {rss[-1] >> 20} MiB")
         if len(rss) > RSS_WINDOW and rss[-1] - rss[-1 - RSS_WINDOW] <= RSS_SLACK:
             break
     else:
