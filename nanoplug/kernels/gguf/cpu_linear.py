@@ -52,8 +52,8 @@ class _ByFormat:
             return mm
         return lambda x, bias, act: mm(x, bias, ACTS[act] != "float")
 
-    def linear(self, x: torch.Tensor, fmt: str, packed: torch.Tensor, n: int, k: int, bias: torch.Tensor | None,
-               act: str = "int8x2") -> torch.Tensor:
+    def linear(self, x: torch.Tensor, fmt: str, packed: torch.Tensor, n: int, k: int,
+               bias: torch.Tensor | None = None, act: str = "int8x2") -> torch.Tensor:
         if fmt in PANEL_FORMATS:
             return self.panels.linear(x, fmt, packed, n, k, bias, act=act)
         return self.blocks.linear(x, fmt, packed, n, k, bias, int8=act != "float")
