@@ -210,6 +210,8 @@ def main() -> None:
     parser.add_argument("--base-tree", default=None,
                         help="a checkout of another commit (e.g. 8c5112a): its float32 engine on the same 32-prompt "
                              "workload (its benchmarks/cpu_smollm2.py, in a subprocess) after nanoplug's figures")
+    parser.add_argument("--gguf-activations", default="auto", choices=["auto", "float", "int8x2", "int8"],
+                        help="cpu={'gguf_activations': ...} of the GGUF engine (int8: 40c35ae's default, for A/B runs)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time with the process's CPU clock, not the wall clock (with --threads 1 on a shared "
                              "machine: time the process was not running is not counted)")
@@ -236,7 +238,8 @@ def main() -> None:
     options = dict(device="cpu", kv_block_size=16, max_model_len=4096, cpu={"kv_cache_gb": 1.0},
                    enable_prefix_caching=False, max_num_batched_tokens=4096)
     rss0 = rss_mb()
-    quant = NanoplugEngine(gguf, "nanoplug (GGUF blocks)", **options, kv_cache=args.kv_cache)
+    quant = NanoplugEngine(gguf, "nanoplug (GGUF blocks)", **{**options, "cpu": {**options["cpu"], **(
+        {} if args.gguf_activations == "auto" else {"gguf_activations": args.gguf_activations})}}, kv_cache=args.kv_cache)
     rss_quant = rss_mb() - rss0
     method = next(m.linear_method for m in quant.model.modules() if hasattr(m, "linear_method"))
     acts = getattr(method, "activations", None)
