@@ -223,11 +223,15 @@ def test_every_route_fuzzed_never_500s_and_leaves_nothing_open(client):
     assert_serves(client)
 
 
-def test_health_answers_within_100ms_while_a_large_request_is_admitted():
+def test_health_answers_within_100ms_while_a_large_request_is_admitted(monkeypatch):
     """A request at the default body limit (4 MB of token ids, 1,024 prompts) is parsed, checked and
-    split into choices off the event loop: /health, polled meanwhile, keeps answering within 100 ms."""
+    split into choices off the event loop: /health, polled meanwhile, keeps answering within 100 ms. The
+    engine process computes on one thread (its prefills of the admitted prompts would otherwise spin both of a
+    2-core machine's cores, and the front end's loop, starved by the OS, once stalled 0.32 s in a full run):
+    what is measured is the front end's loop, not the scheduler of a busy machine."""
     import threading
 
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the server's processes inherit it
     engine = dict(kv_block_size=16, num_kv_blocks=256, max_model_len=1024, max_num_seqs=64, attention="sdpa",
                   kv_cache="torch", device="cpu")
     server = ServerProcess(engine=engine).wait_ready()

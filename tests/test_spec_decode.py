@@ -259,19 +259,27 @@ def test_metrics_report_acceptance_and_mean_accepted_length(oracle_llm, referenc
     assert length <= 2.0  # one draft kept at most (the second of each proposal is wrong), plus the target's token
 
 
-def test_adaptive_k_turns_speculation_off_when_steps_are_compute_bound():
+def test_adaptive_k_takes_the_k_that_measured_fastest_per_batch_size():
+    """Steps as a memory-bound batch 1 and a compute-bound batch 64 would time them: a step costs 1 ms plus
+    0.1 ms a row and gives each sequence 1 + 0.75 + 0.75^2 + ... of its k drafts (75% kept)."""
     from nanoplug.engine.speculation import AdaptiveK
 
-    policy = AdaptiveK(4)
-    assert policy.choose(64) == 4  # nothing measured yet: try
-    for rows in (1, 5, 64, 320):  # a step costs 1 ms plus 0.1 ms a row: batch 1 memory-bound, batch 64 compute-bound
-        policy.observe_step(rows, 1e-3 + 1e-4 * rows)
-    for _ in range(20):
-        policy.observe_drafts(4, 3)  # 75% of drafts kept
-    assert policy.choose(1) == 4 and policy.choose(64) == 0
-    for _ in range(40):
-        policy.observe_drafts(4, 0)  # nothing kept: never worth a wider step
-    assert policy.choose(1) == 0
+    def step(policy, num_seqs, accept=0.75):
+        k = policy.choose(num_seqs)
+        tokens = num_seqs * sum(accept ** i for i in range(k + 1))
+        policy.observe(num_seqs, k, tokens, 1e-3 + 1e-4 * num_seqs * (k + 1))
+        return k
+
+    policy = AdaptiveK(4, explore_every=32)
+    tried = [step(policy, 64) for _ in range(5 * 3)]
+    assert tried == [4] * 3 + [3] * 3 + [2] * 3 + [1] * 3 + [0] * 3  # each k a few times, the widest first
+    chosen = [step(policy, 64) for _ in range(200)]
+    assert chosen.count(0) >= 190 and set(chosen) <= {0, 1}  # compute-bound: off, a neighbour now and then
+    assert [step(policy, 1) for _ in range(15)][-1] == 0 and step(policy, 1) == 4  # batch 1 is its own: wide pays
+    for _ in range(200):  # the drafts stop being kept: the wide steps fall behind, and speculation goes off
+        step(policy, 1, accept=0.0)
+    assert [policy.choose(1) for _ in range(32)].count(0) == 31  # and one neighbour (k = 1) again
+    assert AdaptiveK.bucket(1) == 1 and AdaptiveK.bucket(63) == AdaptiveK.bucket(64) == 64 and AdaptiveK.bucket(65) == 128
 
 
 @pytest.mark.slow

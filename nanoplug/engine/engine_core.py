@@ -239,7 +239,8 @@ class EngineCore:
         started, before = time.perf_counter(), self.last_step
         updates += self._plain_step()
         if self.last_step is not before and not self.last_step[0]:  # a decode step's time teaches the adaptive k
-            self.speculation.policy.observe_step(self.last_step[1], time.perf_counter() - started)
+            seqs = self.last_step[2]
+            self.speculation.policy.observe(seqs, 0, seqs, time.perf_counter() - started)
         return updates
 
     def _plain_step(self) -> list[RequestUpdate]:
@@ -278,9 +279,11 @@ class EngineCore:
         if self.in_flight is not None:
             previous, self.in_flight = self.in_flight, None
             updates += self._apply(previous, self.worker.collect())
+        accepted_before = self.speculation.stats.accepted_tokens
         updates += self._step_to_end(k)
         if not self.last_step[0]:
-            self.speculation.policy.observe_step(self.last_step[1], time.perf_counter() - started)
+            seqs, accepted = self.last_step[2], self.speculation.stats.accepted_tokens - accepted_before
+            self.speculation.policy.observe(seqs, k, seqs + accepted, time.perf_counter() - started)
         return updates
 
     def _step_to_end(self, k: int = 0) -> list[RequestUpdate]:

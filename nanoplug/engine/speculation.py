@@ -1,19 +1,18 @@
 """Speculative decoding on the engine side: the speculator of this engine, how many drafts each step asks for,
 which sequences may take them, and the counters `/metrics` reports.
 
-A step speculates only where it pays (`AdaptiveK`): the expected tokens a verified sequence gains with k
-drafts at the measured acceptance rate a, (1 - a^(k+1)) / (1 - a), against what a step of that many rows
-costs, from a linear fit of the measured seconds of decode steps by their row count. When the batch is
-compute-bound a step of B (k + 1) rows costs about k + 1 steps of B rows and k falls to 0: speculation turns
-itself off (a row count never measured is assumed to cost no more than the largest measured, so each shape is
-tried once and then known).
+A step speculates only where it pays, as measured (`AdaptiveK`): for each batch size (in powers of two) the
+engine keeps the output tokens per second its decode steps reached with each number of drafts k (0: a plain,
+overlapped step), and asks for the k that gave the most. Each k is tried a few times first, and the best's
+neighbours again now and then, so the choice follows the workload: a compute-bound batch, where a step of
+B (k + 1) rows costs about what k + 1 plain steps cost, settles at k = 0, and a prompt whose drafts stop being
+accepted turns speculation off. Everything a choice costs is in the figure (the proposer's host time, a
+verification's rows, the overlap a speculative step gives up), which a model of acceptance and row costs missed.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-
-import numpy as np
 
 from nanoplug.api import SpeculatorSpec
 from nanoplug.config import EngineConfig
@@ -42,45 +41,39 @@ class SpecStats:
 
 
 class AdaptiveK:
-    """The number of drafts a step asks for, from measured acceptance and step cost (see the module)."""
+    """The number of drafts a step asks for: the k whose steps gave the most output tokens per second at this
+    batch size (see the module)."""
 
-    def __init__(self, k_max: int, prior_acceptance: float = 0.7, decay: float = 0.8):
-        self.k_max, self.decay = k_max, decay
-        self.acceptance = prior_acceptance  # exponential moving average of accepted / drafted, per step
-        self.seconds: dict[int, float] = {}  # decode rows -> moving average of a step's seconds
+    def __init__(self, k_max: int, decay: float = 0.8, tries: int = 3, explore_every: int = 32):
+        self.k_max, self.decay, self.tries, self.explore_every = k_max, decay, tries, explore_every
+        self.rate: dict[tuple[int, int], float] = {}  # (batch bucket, k) -> moving average of output tokens/s
+        self.samples: dict[tuple[int, int], int] = {}
+        self.steps: dict[int, int] = {}  # batch bucket -> choices made
 
-    def observe_step(self, rows: int, seconds: float) -> None:
-        old = self.seconds.get(rows)
-        self.seconds[rows] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+    @staticmethod
+    def bucket(num_seqs: int) -> int:
+        return 1 << max(num_seqs - 1, 0).bit_length()
 
-    def observe_drafts(self, drafted: int, accepted: int) -> None:
-        if drafted:
-            self.acceptance = self.decay * self.acceptance + (1 - self.decay) * accepted / drafted
-
-    def cost(self, rows: int) -> float:
-        """Predicted seconds of a decode step of `rows` rows: a least-squares line through the measured ones,
-        never below the largest measurement at fewer rows (optimistic past the largest measured)."""
-        n = np.fromiter(self.seconds, dtype=np.float64)
-        t = np.fromiter(self.seconds.values(), dtype=np.float64)
-        below = t[n <= rows]
-        floor = below.max() if len(below) else 0.0
-        if len(n) < 2:
-            return max(floor, float(t.mean()) if len(t) else 0.0)
-        slope, intercept = np.polyfit(n, t, 1)
-        fit = intercept + slope * rows if rows <= n.max() or slope <= 0 else intercept + slope * n.max()
-        return max(floor, float(fit))
+    def observe(self, num_seqs: int, k: int, tokens: int, seconds: float) -> None:
+        """A decode step of `num_seqs` sequences asked for `k` drafts each and gave `tokens` in `seconds`."""
+        if num_seqs <= 0 or seconds <= 0:
+            return
+        key = (self.bucket(num_seqs), k)
+        rate, old = tokens / seconds, self.rate.get(key)
+        self.rate[key] = rate if old is None else self.decay * old + (1 - self.decay) * rate
+        self.samples[key] = self.samples.get(key, 0) + 1
 
     def choose(self, num_seqs: int) -> int:
         """Drafts per sequence for a step of `num_seqs` decoding sequences (0: do not speculate)."""
-        if not self.seconds:
-            return self.k_max
-        a = min(self.acceptance, 0.999)
-        best, best_rate = 0, 1.0 / max(self.cost(num_seqs), 1e-9)
-        for k in range(1, self.k_max + 1):
-            gain = (1.0 - a ** (k + 1)) / (1.0 - a)
-            rate = gain / max(self.cost(num_seqs * (k + 1)), 1e-9)
-            if rate > best_rate:
-                best, best_rate = k, rate
+        b = self.bucket(num_seqs)
+        n = self.steps[b] = self.steps.get(b, 0) + 1
+        for k in range(self.k_max, -1, -1):  # each k measured a few times first, the widest first
+            if self.samples.get((b, k), 0) < self.tries:
+                return k
+        best = max(range(self.k_max + 1), key=lambda k: self.rate[(b, k)])
+        if n % self.explore_every == 0:  # now and then a neighbour again: the workload may have changed
+            up = best < self.k_max and (best == 0 or (n // self.explore_every) % 2 == 1)
+            return best + 1 if up else max(best - 1, 0)
         return best
 
 
@@ -200,4 +193,3 @@ class Speculation:
         self.stats.draft_tokens += drafted
         self.stats.accepted_tokens += accepted
         self.stats.verifications += verified
-        self.policy.observe_drafts(drafted, accepted)
