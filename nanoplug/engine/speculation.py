@@ -44,9 +44,12 @@ class AdaptiveK:
     """The number of drafts a step asks for: the k whose steps gave the most output tokens per second at this
     batch size (see the module)."""
 
-    def __init__(self, k_max: int, decay: float = 0.8, tries: int = 3, explore_every: int = 32):
+    def __init__(self, k_max: int, decay: float = 0.95, tries: int = 3, explore_every: int = 32):
         self.k_max, self.decay, self.tries, self.explore_every = k_max, decay, tries, explore_every
-        self.rate: dict[tuple[int, int], float] = {}  # (batch bucket, k) -> moving average of output tokens/s
+        # (batch bucket, k) -> [tokens, seconds], both decayed by `decay` a step of that kind: a rate over the last
+        # ~1 / (1 - decay) such steps, each weighed by its time (a mean of per-step rates is led by the lucky
+        # steps: whether a step found drafts to verify varies a lot from one to the next)
+        self.sums: dict[tuple[int, int], list[float]] = {}
         self.samples: dict[tuple[int, int], int] = {}
         self.steps: dict[int, int] = {}  # batch bucket -> choices made
 
@@ -59,9 +62,15 @@ class AdaptiveK:
         if num_seqs <= 0 or seconds <= 0:
             return
         key = (self.bucket(num_seqs), k)
-        rate, old = tokens / seconds, self.rate.get(key)
-        self.rate[key] = rate if old is None else self.decay * old + (1 - self.decay) * rate
+        sums = self.sums.setdefault(key, [0.0, 0.0])
+        sums[0] = self.decay * sums[0] + tokens
+        sums[1] = self.decay * sums[1] + seconds
         self.samples[key] = self.samples.get(key, 0) + 1
+
+    def rate(self, num_seqs: int, k: int) -> float:
+        """Output tokens per second measured for `k` drafts at this batch size (0 before any)."""
+        tokens, seconds = self.sums.get((self.bucket(num_seqs), k), (0.0, 0.0))
+        return tokens / seconds if seconds else 0.0
 
     def choose(self, num_seqs: int) -> int:
         """Drafts per sequence for a step of `num_seqs` decoding sequences (0: do not speculate)."""
@@ -70,7 +79,7 @@ class AdaptiveK:
         for k in range(self.k_max, -1, -1):  # each k measured a few times first, the widest first
             if self.samples.get((b, k), 0) < self.tries:
                 return k
-        best = max(range(self.k_max + 1), key=lambda k: self.rate[(b, k)])
+        best = max(range(self.k_max + 1), key=lambda k: self.rate(num_seqs, k))
         if n % self.explore_every == 0:  # now and then a neighbour again: the workload may have changed
             up = best < self.k_max and (best == 0 or (n // self.explore_every) % 2 == 1)
             return best + 1 if up else max(best - 1, 0)
