@@ -108,9 +108,9 @@ class EngineConfig(BaseModel):
                                           "(ngram, ...); None: no speculation")
     num_speculative_tokens: Int = Field(4, ge=1, le=16, description="the most draft tokens per sequence and step (the "
                                         "engine adapts it to acceptance and batch size)")
-    adaptive_speculation: Bool = Field(True, description="adapt the drafts per step to measured acceptance and "
-                                       "step cost (0 when the batch is compute-bound); False: always ask "
-                                       "num_speculative_tokens, as vLLM does")
+    adaptive_speculation: Bool = Field(True, description="drafts per step: the number whose steps measured the "
+                                       "most output tokens per second at this batch size (0 when the batch is "
+                                       "compute-bound); False: always ask num_speculative_tokens, as vLLM does")
     speculator_options: dict[str, Any] = Field(default_factory=dict, description="the speculator's own options, "
                                                "e.g. {'prompt_lookup_max': 5} for ngram")
     # every other keyword is a platform's options, under its name: cpu={"kernels": False}, cuda={...}, or a
