@@ -236,11 +236,15 @@ class EngineCore:
         k = self.speculation.num_drafts(self.scheduler)
         if k:
             return updates + self._speculative_step(k)
-        started, before = time.perf_counter(), self.last_step
+        started, before, launched_before = time.perf_counter(), self.last_step, self.in_flight
         updates += self._plain_step()
+        seconds = time.perf_counter() - started
+        launched = self.in_flight if self.in_flight is not launched_before else None
         if self.last_step is not before and not self.last_step[0]:  # a decode step's time teaches the adaptive k
             seqs = self.last_step[2]
-            self.speculation.policy.observe(seqs, 0, seqs, time.perf_counter() - started)
+            self.speculation.policy.observe(seqs, 0, seqs, seconds)
+        elif launched is not None and not launched.step.is_prefill:  # launched only (the first after drafts): its
+            self.speculation.policy.observe(len(launched.batch), 0, 0, seconds)  # tokens count when collected
         return updates
 
     def _plain_step(self) -> list[RequestUpdate]:
@@ -276,14 +280,19 @@ class EngineCore:
         before the next is scheduled: the drafts come from every token known, and the accepted count decides
         where the next step starts. A step launched before it (overlapped) is collected first."""
         started, updates = time.perf_counter(), []
-        if self.in_flight is not None:
+        policy = self.speculation.policy
+        if self.in_flight is not None:  # the plain step launched last, its wait its own (k = 0) figure
             previous, self.in_flight = self.in_flight, None
             updates += self._apply(previous, self.worker.collect())
+            now = time.perf_counter()
+            if not self.last_step[0]:
+                policy.observe(self.last_step[2], 0, self.last_step[2], now - started)
+            started = now
         accepted_before = self.speculation.stats.accepted_tokens
         updates += self._step_to_end(k)
         if not self.last_step[0]:
             seqs, accepted = self.last_step[2], self.speculation.stats.accepted_tokens - accepted_before
-            self.speculation.policy.observe(seqs, k, seqs + accepted, time.perf_counter() - started)
+            policy.observe(seqs, k, seqs + accepted, time.perf_counter() - started)
         return updates
 
     def _step_to_end(self, k: int = 0) -> list[RequestUpdate]:
