@@ -20,6 +20,8 @@ import shutil
 import subprocess
 import tempfile
 
+from nanoplug.kernels.cpu.record import RecordingLib
+
 log = logging.getLogger("nanoplug")
 
 SOURCE = pathlib.Path(__file__).with_name("kernels.cpp")
@@ -160,3 +162,22 @@ def open_library(path: pathlib.Path, prefix: str, abi_version: int, signatures: 
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
     return lib
+
+
+class IsaKernels:
+    """A kernel library whose entry points take an instruction-set path: opened (`open_library`), its calls made
+    recordable by a CPU graph capture (`RecordingLib`), the paths of `isas` this CPU runs found through
+    `{prefix}_isa_supported(i)`; `best` the last of them (the fastest), `_isa(name)` a path's id for a call."""
+
+    def __init__(self, path: pathlib.Path, prefix: str, abi_version: int, signatures: dict, isas: tuple[str, ...]):
+        lib = open_library(path, prefix, abi_version, signatures)
+        self._lib, self.path, self._isa_names = RecordingLib(lib, list(signatures)), path, isas
+        supported = getattr(lib, f"{prefix}_isa_supported")
+        self.isas = [name for i, name in enumerate(isas) if supported(i)]
+        self.best = self.isas[-1]
+
+    def _isa(self, isa: str | None) -> int:
+        name = self.best if isa is None else isa
+        if name not in self.isas:
+            raise ValueError(f"kernel path {name!r} does not run on this CPU; it runs {', '.join(self.isas)}")
+        return self._isa_names.index(name)

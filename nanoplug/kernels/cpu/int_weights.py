@@ -13,8 +13,7 @@ import pathlib
 
 import torch
 
-from nanoplug.kernels.cpu.build import BuiltLibrary, open_library
-from nanoplug.kernels.cpu.record import RecordingLib
+from nanoplug.kernels.cpu.build import BuiltLibrary, IsaKernels
 
 ABI_VERSION = 1
 SOURCE = pathlib.Path(__file__).with_name("int_weights.cpp")
@@ -29,20 +28,11 @@ _SIGNATURES = {
 }
 
 
-class IntWeightKernels:
+class IntWeightKernels(IsaKernels):
     """CPU tensors in, a new float32 tensor out."""
 
     def __init__(self, path: pathlib.Path):
-        lib = open_library(path, "np_iw", ABI_VERSION, _SIGNATURES)
-        self._lib, self.path = RecordingLib(lib, list(_SIGNATURES)), path
-        self.isas = [name for i, name in enumerate(ISAS) if lib.np_iw_isa_supported(i)]
-        self.best = self.isas[-1]
-
-    def _isa(self, isa: str | None) -> int:
-        name = self.best if isa is None else isa
-        if name not in self.isas:
-            raise ValueError(f"kernel path {name!r} does not run on this CPU; it runs {', '.join(self.isas)}")
-        return ISAS.index(name)
+        super().__init__(path, "np_iw", ABI_VERSION, _SIGNATURES, ISAS)
 
     def int4_linear(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                     isa: str | None = None) -> torch.Tensor:

@@ -15,8 +15,7 @@ from typing import Callable
 
 import torch
 
-from nanoplug.kernels.cpu.build import BuiltLibrary, open_library
-from nanoplug.kernels.cpu.record import RecordingLib
+from nanoplug.kernels.cpu.build import BuiltLibrary, IsaKernels
 
 ABI_VERSION = 1
 SOURCE = pathlib.Path(__file__).with_name("kquants.cpp")
@@ -54,20 +53,11 @@ def row_bytes(fmt: int | str, k: int) -> int:
     return k // block * size
 
 
-class KQuantKernels:
+class KQuantKernels(IsaKernels):
     """Uses torch tensors: uint8 for the weights' blocks, float32 for activations and outputs."""
 
     def __init__(self, path: pathlib.Path):
-        lib = open_library(path, "np_kq", ABI_VERSION, _SIGNATURES)
-        self._lib, self.path = RecordingLib(lib, list(_SIGNATURES)), path  # calls a graph capture records
-        self.isas = [name for i, name in enumerate(ISAS) if lib.np_kq_isa_supported(i)]
-        self.best = self.isas[-1]
-
-    def _isa(self, isa: str | None) -> int:
-        name = self.best if isa is None else isa
-        if name not in self.isas:
-            raise ValueError(f"kernel path {name!r} does not run on this CPU; it runs {', '.join(self.isas)}")
-        return ISAS.index(name)
+        super().__init__(path, "np_kq", ABI_VERSION, _SIGNATURES, ISAS)
 
     def packed_size(self, fmt: int | str, n: int, k: int) -> int:
         return n * row_bytes(fmt, k)

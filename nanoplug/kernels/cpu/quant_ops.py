@@ -15,8 +15,7 @@ from typing import Callable
 
 import torch
 
-from nanoplug.kernels.cpu.record import RecordingLib
-from nanoplug.kernels.cpu.build import BuiltLibrary, KernelsUnavailable, open_library
+from nanoplug.kernels.cpu.build import BuiltLibrary, IsaKernels, KernelsUnavailable
 
 ABI_VERSION = 2
 SOURCE = pathlib.Path(__file__).with_name("quant.cpp")
@@ -66,25 +65,16 @@ def row_bytes(fmt: int | str, k: int) -> int:
     return k // block * size
 
 
-class QuantKernels:
+class QuantKernels(IsaKernels):
     """Uses torch tensors: uint8 for packed weights, float32 for activations and outputs."""
 
     def __init__(self, path: pathlib.Path):
-        lib = open_library(path, "np_q", ABI_VERSION, _SIGNATURES)
-        self._lib, self.path = RecordingLib(lib, list(_SIGNATURES)), path  # calls a graph capture records
-        self.isas = [name for i, name in enumerate(ISAS) if lib.np_q_isa_supported(i)]
-        self.best = self.isas[-1]
+        super().__init__(path, "np_q", ABI_VERSION, _SIGNATURES, ISAS)
         forced = os.environ.get(ISA_ENV, "").strip()
         if forced:  # the AVX2 or portable path on a machine that has more (tests, measurements)
             if forced not in self.isas:
                 raise KernelsUnavailable(f"${ISA_ENV}={forced!r}: this CPU runs {', '.join(self.isas)}")
             self.best = forced
-
-    def _isa(self, isa: str | None) -> int:
-        name = self.best if isa is None else isa
-        if name not in self.isas:
-            raise ValueError(f"kernel path {name!r} does not run on this CPU; it runs {', '.join(self.isas)}")
-        return ISAS.index(name)
 
     def packed_size(self, fmt: int | str, n: int, k: int) -> int:
         size = self._lib.np_q_packed_size(format_id(fmt), n, k)
