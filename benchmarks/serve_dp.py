@@ -69,7 +69,8 @@ def run_config(args, model: str, replicas: int, routing: str, prompts, params) -
     tokens = max(sum(r.tokens for r in ok), 1)
     seconds = end - start
     return {"replicas": replicas, "routing": routing if replicas > 1 else "-", "requests": len(results),
-            "failed": len(results) - len(ok), "seconds": seconds, "output_tok_per_s": tokens / seconds,
+            "failed": len(results) - len(ok), "errors": sorted({r.error for r in results if not r.ok})[:3],
+            "seconds": seconds, "output_tok_per_s": tokens / seconds,
             "requests_per_s": len(ok) / seconds, "ttft_mean_ms": 1e3 * sum(r.ttft for r in ok) / max(len(ok), 1),
             "ttft_p50_ms": 1e3 * percentile([r.ttft for r in ok], 0.5),
             "front_end_cpu_us_per_token": 1e6 * front / tokens, "engine_cpu_us_per_token": 1e6 * engines / tokens,

@@ -185,3 +185,44 @@ def test_the_samplers_mask_is_masked_fill_of_the_unpacked_bits():
     assert torch.equal(logits, before)
     tokens = Sampler(torch.device("cpu"))(logits, batch)
     assert tokens.tolist() == want.argmax(dim=-1).tolist() and allowed[0, tokens[1]] and allowed[1, tokens[3]]
+    every = SamplingBatch.greedy(2)  # every row under a grammar: the one-pass path
+    every.mask_rows, every.bitmask = [0, 1], bitmask
+    assert torch.equal(Sampler.masked(logits[1::2], every), want[1::2])
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_steps_masks_filled_at_once_equal_the_masks_filled_row_by_row(llm, backend):
+    """The backends' batch fill (several threads) against their one-row fill, on matchers in different states,
+    one of them finished, written to rows out of order."""
+    from nanoplug.api import Constraint
+    from nanoplug.plugins.structured_output.llguidance import LLGuidanceBackend
+    from nanoplug.plugins.structured_output.xgrammar import XGrammarBackend
+
+    so = llm.engine.structured
+    cls = {"xgrammar": XGrammarBackend, "llguidance": LLGuidanceBackend}[backend]
+    b = cls(so.tokenizer, so.vocab_size, so.stop_token_ids)
+    kinds = [("json", json.dumps(PERSON)), ("json_object", ""), ("regex", r"\(\d{3}\) \d{3}-\d{4}"),
+             ("grammar", 'root ::= "one" ", " "two" ", " ("three" | "3")'), ("choice", json.dumps(["yes", "no"]))]
+    matchers = []
+    for i, (kind, text) in enumerate(kinds * 2):  # ten matchers, the i-th advanced by i tokens
+        m = b.matcher(b.compile(Constraint(kind, text)))
+        for _ in range(i):
+            row = np.zeros((1, so.words), dtype=np.int32)
+            m.fill_mask(row, 0)
+            allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
+            if m.terminated or not len(allowed):
+                break
+            assert m.accept(int(allowed[len(allowed) // 2]))
+        matchers.append(m)
+    done = b.matcher(b.compile(Constraint("choice", json.dumps(["yes"]))))
+    for token in so.tokenizer.encode("yes", add_special_tokens=False) + [so.stop_token_ids[0]]:
+        assert done.accept(token)
+    assert done.terminated
+    matchers.append(done)
+    rows = list(range(len(matchers)))[::-1]
+    want = np.zeros((len(matchers) + 1, so.words), dtype=np.int32)
+    for m, row in zip(matchers, rows):
+        m.fill_mask(want, row)
+    got = np.zeros_like(want)
+    b.fill_masks(matchers, got, rows)
+    assert np.array_equal(got, want)

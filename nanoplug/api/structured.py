@@ -83,6 +83,13 @@ class StructuredOutputBackend(Plugin, ABC):
     def matcher(self, compiled: Any) -> GrammarMatcher:
         """A fresh matcher at the start of `compiled`."""
 
+    def fill_masks(self, matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]) -> None:
+        """A step's masks at once: `matchers[i]` (this backend's) fills row `rows[i]` of `bitmask`. One call a
+        step, so a backend may fill the rows on several threads (the engine waits on it between a step's forward
+        and its sampling); by default, one row after another."""
+        for matcher, row in zip(matchers, rows):
+            matcher.fill_mask(bitmask, row)
+
 
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32

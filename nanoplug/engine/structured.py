@@ -101,12 +101,16 @@ class StructuredOutputs:
         complete allows the stop tokens (a row of an ended sequence runs ahead for nothing); one that is stuck
         allows every token."""
         bitmask = np.empty((len(seqs), self.words), dtype=np.int32)
+        matchers, rows = [], []
         for row, seq in enumerate(seqs):
             matcher = self._matcher(seq)
             if seq.grammar_failed:
                 bitmask[row] = -1
             else:
-                matcher.fill_mask(bitmask, row)
+                matchers.append(matcher)
+                rows.append(row)
+        if matchers:
+            self._backend().fill_masks(matchers, bitmask, rows)
         return bitmask
 
     def accept(self, seq: Sequence, token: int) -> str | None:

@@ -12,6 +12,7 @@ from nanoplug.api import Constraint, ConstraintError, GrammarMatcher, Structured
 
 # as the xgrammar backend: ", " and ": " between items, no free whitespace (the same language, the same tokens)
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+BATCH_FROM = 4  # rows from which a step's masks are filled by the executor, on several threads
 
 
 class _Matcher(GrammarMatcher):
@@ -45,6 +46,8 @@ class LLGuidanceBackend(StructuredOutputBackend):
 
         self.llg = llguidance
         self.fill = llguidance.numpy.fill_next_token_bitmask
+        self.fill_par = llguidance.numpy.fill_next_token_bitmask_par
+        self.executor = None  # llguidance's thread pool, made at the first step with several rows
         self.tokenizer_ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
                                                          eos_token=self.stop_token_ids or None)
 
@@ -98,6 +101,14 @@ class LLGuidanceBackend(StructuredOutputBackend):
         if m.is_error():
             raise ConstraintError(f"llguidance cannot compile this constraint: {_first_line(m.get_error())}")
         return _Matcher(m, self.fill)
+
+    def fill_masks(self, matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]) -> None:
+        """Several rows: llguidance's executor fills them on its own threads."""
+        if len(matchers) < BATCH_FROM:
+            return super().fill_masks(matchers, bitmask, rows)
+        if self.executor is None:
+            self.executor = self.llg.LLExecutor()
+        self.fill_par(self.executor, [(m.m, row) for m, row in zip(matchers, rows)], bitmask)
 
 
 def _first_line(exc: Any) -> str:

@@ -17,6 +17,7 @@ from nanoplug.api import Constraint, ConstraintError, GrammarMatcher, Structured
 
 JSON_SEPARATORS = (", ", ": ")  # one space after each, no free whitespace: llguidance is set alike (same tokens)
 _STDERR_LOCK = threading.Lock()
+BATCH_FROM = 4  # rows from which a step's masks are filled by the batch matcher, on several threads
 
 
 @contextmanager
@@ -75,6 +76,7 @@ class XGrammarBackend(StructuredOutputBackend):
                                                        stop_token_ids=self.stop_token_ids)
         # the engine caches compiled grammars itself (one owner), so xgrammar's own cache stays off
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+        self.batcher = None  # xgrammar's BatchGrammarMatcher, made at the first step with several rows
 
     def compile(self, constraint: Constraint) -> Any:
         kind, text, c = constraint.kind, constraint.text, self.compiler
@@ -131,6 +133,21 @@ class XGrammarBackend(StructuredOutputBackend):
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
         return _Matcher(self.xgr.GrammarMatcher(compiled))
+
+    def fill_masks(self, matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]) -> None:
+        """Several rows: xgrammar's batch matcher, on its own threads (a big batch's masks took the host longer
+        than the step's forward, one row after another)."""
+        live = [(m.m, row) for m, row in zip(matchers, rows) if not m.terminated]
+        for m, row in zip(matchers, rows):
+            if m.terminated:
+                bitmask[row] = -1
+        if len(live) < BATCH_FROM:
+            for m, row in live:
+                m.fill_next_token_bitmask(bitmask, row)
+        elif live:
+            if self.batcher is None:
+                self.batcher = self.xgr.BatchGrammarMatcher(max_threads="auto")
+            self.batcher.batch_fill_next_token_bitmask([m for m, _ in live], bitmask, indices=[r for _, r in live])
 
 
 def _required_without_properties(schema: Any) -> str | None:
