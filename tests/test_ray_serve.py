@@ -93,3 +93,47 @@ def test_two_replicas_spread_and_a_killed_one_is_replaced(cluster):
         assert text == want
         again.add(replica)
     assert again - before, "a new replica should serve in place of the killed one"
+
+
+@pytest.mark.slow
+def test_autoscaling_adds_a_replica_under_a_queue_and_removes_it_after(cluster):
+    """min 1, max 2, one ongoing request a replica as the target: a steady queue of 4 brings the second replica
+    (which then answers too), and once the queue is gone Serve goes back to one; every request succeeds."""
+    from ray import serve
+
+    from nanoplug.server.ray_serve import build
+
+    serve.delete("nanoplug")
+    serve.run(build({"model": checkpoint("qwen3"), "min_replicas": "1", "max_replicas": "2",
+                     "target_ongoing_requests": "1", "upscale_delay_s": "0", "downscale_delay_s": "2",
+                     "metrics_interval_s": "0.5", "look_back_period_s": "2", "num_cpus": "0.5", **ENGINE}),
+              name="nanoplug", route_prefix="/")
+    assert _replicas() == ["HEALTHY", 1]
+    stop, answered, errors = threading.Event(), set(), []
+
+    def client():
+        while not stop.is_set():
+            try:
+                r = httpx.post(f"{cluster}/v1/completions", json={"model": checkpoint("qwen3"), "prompt": "Hi",
+                                                                  "max_tokens": 48, "temperature": 0}, timeout=60)
+                r.raise_for_status()
+                answered.add(r.headers["x-nanoplug-replica"])
+            except Exception as exc:  # noqa: BLE001 (counted: none may fail)
+                errors.append(repr(exc))
+
+    clients = [threading.Thread(target=client) for _ in range(4)]
+    for t in clients:
+        t.start()
+    deadline = time.monotonic() + 60
+    while (_replicas()[1] < 2 or len(answered) < 2) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    scaled_up, served_by = _replicas(), set(answered)
+    stop.set()
+    for t in clients:
+        t.join()
+    assert scaled_up[1] == 2 and len(served_by) == 2, (scaled_up, served_by)
+    deadline = time.monotonic() + 60
+    while _replicas()[1] != 1 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _replicas()[1] == 1
+    assert not errors
