@@ -345,6 +345,18 @@ def to_device(values: Any, dtype: torch.dtype, device: torch.device) -> torch.Te
 
     A plain `torch.tensor(values, device="cuda")` copies from pageable memory, which blocks the host
     until all queued GPU work is done, and that would undo overlapped steps. Staging the copy through
-    pinned memory lets it queue behind that work instead."""
+    pinned memory lets it queue behind that work instead. A big array (a step's grammar bitmask) is copied into
+    the pinned buffer by numpy: torch's copy would wake its CPU thread pool, whose threads then spin on the host's
+    cores while the engine fills the next masks."""
     t = torch.as_tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+    if device.type != "cuda":
+        return t
+    if t.numel() < _BIG or dtype not in _NUMPY_DTYPES:
+        return t.pin_memory().to(device, non_blocking=True)
+    pinned = torch.empty(t.shape, dtype=dtype, pin_memory=True)
+    np.copyto(pinned.numpy(), t.numpy())
+    return pinned.to(device, non_blocking=True)
+
+
+_BIG = 16384  # elements from which torch's copy runs on its thread pool (its grain is 32768)
+_NUMPY_DTYPES = (torch.int32, torch.int64, torch.float32, torch.bool, torch.uint8)
