@@ -6,6 +6,7 @@ requests sent meanwhile all succeed on the other.
 """
 from __future__ import annotations
 
+import os
 import socket
 import tempfile
 import threading
@@ -30,6 +31,10 @@ def cluster():
     import ray
     from ray import serve
 
+    # replicas and handles report their ongoing requests every half second (the autoscaling test's pace)
+    pace = ("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S")
+    saved = {name: os.environ.get(name) for name in pace}
+    os.environ.update({name: "0.5" for name in pace})
     # a short temp dir (Ray's socket paths must stay under 107 bytes) and a small object store (no /dev/shm need)
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 << 20, log_to_driver=False,
              _temp_dir=tempfile.mkdtemp(prefix="ray-", dir="/tmp"), namespace="nanoplug-test")
@@ -38,6 +43,11 @@ def cluster():
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def _complete(url: str, prompt: str) -> tuple[str, str]:
@@ -106,7 +116,7 @@ def test_autoscaling_adds_a_replica_under_a_queue_and_removes_it_after(cluster):
     serve.delete("nanoplug")
     serve.run(build({"model": checkpoint("qwen3"), "min_replicas": "1", "max_replicas": "2",
                      "target_ongoing_requests": "1", "upscale_delay_s": "0", "downscale_delay_s": "2",
-                     "metrics_interval_s": "0.5", "look_back_period_s": "2", "num_cpus": "0.5", **ENGINE}),
+                     "look_back_period_s": "2", "num_cpus": "0.5", **ENGINE}),
               name="nanoplug", route_prefix="/")
     assert _replicas() == ["HEALTHY", 1]
     stop, answered, errors = threading.Event(), set(), []

@@ -11,7 +11,7 @@ queue length a nanoplug engine reports as waiting plus running. Imported only by
 `build(args)` takes the `serve run` key=value arguments (all strings): `model` (required), `name` (the
 served model name), `num_replicas` (fixed; else autoscaling from `min_replicas`, default 1, to
 `max_replicas`, default 2, at `target_ongoing_requests`, default 16, after `upscale_delay_s` (5) or
-`downscale_delay_s` (60); `metrics_interval_s` and `look_back_period_s` as Serve has them), `num_cpus` and
+`downscale_delay_s` (60); `look_back_period_s` as Serve has it), `num_cpus` and
 `num_gpus` per replica, and any EngineConfig field (`max_model_len=4096`, `kv_block_size=16`, ...), validated by EngineConfig.
 Each response carries `x-nanoplug-replica`, the Serve replica that answered. docs/serving.md has the recipe.
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 from ray import serve
 
-AUTOSCALING_KEYS = {"upscale_delay_s", "downscale_delay_s", "metrics_interval_s", "look_back_period_s"}
+AUTOSCALING_KEYS = {"upscale_delay_s", "downscale_delay_s", "look_back_period_s"}
 SERVE_KEYS = {"name", "num_replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "num_cpus",
               "num_gpus", "api_key"} | AUTOSCALING_KEYS
 
@@ -60,7 +60,8 @@ def deployment(num_replicas: int | None = None, min_replicas: int = 1, max_repli
                target_ongoing_requests: float = 16, num_cpus: float = 1, num_gpus: float = 0,
                upscale_delay_s: float = 5, downscale_delay_s: float = 60, **autoscaling: float):
     """The Serve deployment: a fixed `num_replicas`, or autoscaling on each replica's ongoing requests
-    (`autoscaling`: Serve's metrics_interval_s and look_back_period_s, where its defaults will not do)."""
+    (`autoscaling`: Serve's look_back_period_s, where its default will not do; how often replicas report is
+    Serve's RAY_SERVE_*_AUTOSCALING_METRIC_PUSH_INTERVAL_S environment)."""
     options: dict[str, Any] = {"ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus},
                                "max_ongoing_requests": max(int(target_ongoing_requests) * 4, 64),
                                "health_check_period_s": 2, "health_check_timeout_s": 30}
