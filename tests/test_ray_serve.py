@@ -32,7 +32,7 @@ def cluster():
     from ray import serve
 
     # replicas and handles report their ongoing requests every half second (the autoscaling test's pace)
-    pace = ("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S")
+    pace = [f"RAY_SERVE_{side}_AUTOSCALING_METRIC_PUSH_INTERVAL_S" for side in ("REPLICA", "HANDLE")]
     saved = {name: os.environ.get(name) for name in pace}
     os.environ.update({name: "0.5" for name in pace})
     # a short temp dir (Ray's socket paths must stay under 107 bytes) and a small object store (no /dev/shm need)
@@ -116,7 +116,7 @@ def test_autoscaling_adds_a_replica_under_a_queue_and_removes_it_after(cluster):
     serve.delete("nanoplug")
     serve.run(build({"model": checkpoint("qwen3"), "min_replicas": "1", "max_replicas": "2",
                      "target_ongoing_requests": "1", "upscale_delay_s": "0", "downscale_delay_s": "2",
-                     "look_back_period_s": "2", "num_cpus": "0.5", **ENGINE}),
+                     "look_back_period_s": "11", "num_cpus": "0.5", **ENGINE}),
               name="nanoplug", route_prefix="/")
     assert _replicas() == ["HEALTHY", 1]
     stop, answered, errors = threading.Event(), set(), []

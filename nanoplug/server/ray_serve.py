@@ -11,8 +11,8 @@ queue length a nanoplug engine reports as waiting plus running. Imported only by
 `build(args)` takes the `serve run` key=value arguments (all strings): `model` (required), `name` (the
 served model name), `num_replicas` (fixed; else autoscaling from `min_replicas`, default 1, to
 `max_replicas`, default 2, at `target_ongoing_requests`, default 16, after `upscale_delay_s` (5) or
-`downscale_delay_s` (60); `look_back_period_s` as Serve has it), `num_cpus` and
-`num_gpus` per replica, and any EngineConfig field (`max_model_len=4096`, `kv_block_size=16`, ...), validated by EngineConfig.
+`downscale_delay_s` (60); `look_back_period_s` as Serve has it), `num_cpus` and `num_gpus` per replica, and any
+EngineConfig field (`max_model_len=4096`, `kv_block_size=16`, ...), validated by EngineConfig.
 Each response carries `x-nanoplug-replica`, the Serve replica that answered. docs/serving.md has the recipe.
 """
 from __future__ import annotations

@@ -137,10 +137,12 @@ class XGrammarBackend(StructuredOutputBackend):
     def fill_masks(self, matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]) -> None:
         """Several rows: xgrammar's batch matcher, on its own threads (a big batch's masks took the host longer
         than the step's forward, one row after another)."""
-        live = [(m.m, row) for m, row in zip(matchers, rows) if not m.terminated]
+        live = []
         for m, row in zip(matchers, rows):
-            if m.terminated:
+            if m.terminated:  # (as fill_mask: the row of a finished sequence runs ahead for nothing)
                 bitmask[row] = -1
+            else:
+                live.append((m.m, row))
         if len(live) < BATCH_FROM:
             for m, row in live:
                 m.fill_next_token_bitmask(bitmask, row)
