@@ -137,16 +137,15 @@ class XGrammarBackend(StructuredOutputBackend):
     def fill_masks(self, matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]) -> None:
         """Several rows: xgrammar's batch matcher, on its own threads (a big batch's masks took the host longer
         than the step's forward, one row after another)."""
+        if len(matchers) < BATCH_FROM:
+            return super().fill_masks(matchers, bitmask, rows)
         live = []
         for m, row in zip(matchers, rows):
             if m.terminated:  # (as fill_mask: the row of a finished sequence runs ahead for nothing)
                 bitmask[row] = -1
             else:
                 live.append((m.m, row))
-        if len(live) < BATCH_FROM:
-            for m, row in live:
-                m.fill_next_token_bitmask(bitmask, row)
-        elif live:
+        if live:
             if self.batcher is None:
                 self.batcher = self.xgr.BatchGrammarMatcher(max_threads="auto")
             self.batcher.batch_fill_next_token_bitmask([m for m, _ in live], bitmask, indices=[r for _, r in live])
