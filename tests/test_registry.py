@@ -5,6 +5,7 @@ monkeypatched entry points, so every path runs without installing anything.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import logging
 import types
@@ -181,6 +182,42 @@ def test_auto_walks_the_priority_list_and_logs_one_line(cpu_target, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "nanoplug"]
     assert lines == ["attention: asked 'auto', chose 'second' (the highest priority (900) that can serve; "
                      "skipped best: needs an H100 (device is cpu))"]
+
+
+def test_auto_passes_over_a_plugin_that_asks_it_while_another_serves_and_takes_it_when_none_does(cpu_target, caplog):
+    """A plugin's `passed_over` (e.g. xformers while drafts are verified) sends "auto" to the next that can serve;
+    alone, it is still chosen, saying why it would have been passed over; by name it is taken with a warning."""
+    slow = type("Slow", (backend(1000),), {"passed_over": classmethod(
+        lambda cls, target: ["gathers keys"] if target.decode_query_len > 1 else [])})
+    reg = Registry(load_entry_points=False)
+    reg.entries["attention"].clear()
+    reg.add_plugin_module(fake_attention_module("fake_over", {
+        "slow": slow,
+        "plain": backend(900), "cuda": backend(950, ["needs CUDA"]),
+    }), "test")
+    assert reg.resolve("attention", "auto", cpu_target).name == "slow"
+    speculating = dataclasses.replace(cpu_target, decode_query_len=5)
+    res = reg.resolve("attention", "auto", speculating)
+    assert res.name == "plain"
+    assert res.skipped == {"slow": ["passed over: gathers keys"], "cuda": ["needs CUDA"]}
+    reg.entries["attention"].pop("plain")
+    with caplog.at_level(logging.INFO, logger="nanoplug"):
+        res = reg.resolve("attention", "auto", speculating)
+        assert reg.resolve("attention", "slow", speculating).name == "slow"
+    assert res.name == "slow" and res.skipped == {"cuda": ["needs CUDA"]}
+    lines = [r.getMessage() for r in caplog.records if r.name == "nanoplug"]
+    assert lines[0] == ("attention: asked 'auto', chose 'slow' (the only one that can serve, although gathers keys; "
+                        "skipped cuda: needs CUDA)")
+    assert lines[-1] == "attention plugin 'slow' serves this config, but gathers keys"
+
+
+def test_xformers_is_passed_over_for_an_engine_that_verifies_drafts():
+    from nanoplug.plugins.attention.xformers import XformersAttention
+
+    cuda = Target(device=torch.device("cuda"), dtype=torch.bfloat16, block_size=256)
+    assert XformersAttention.passed_over(cuda) == []
+    why = XformersAttention.passed_over(dataclasses.replace(cuda, decode_query_len=5))
+    assert len(why) == 1 and "attention='flash' or 'triton'" in why[0]
 
 
 def test_auto_with_no_candidate_raises_listing_every_reason(cpu_target):

@@ -32,6 +32,13 @@ class Plugin:
         return []
 
     @classmethod
+    def passed_over(cls, target: Target) -> list[str]:
+        """Reasons `"auto"` should choose another plugin that can serve `target` before this one, although this one
+        can (e.g. a path much slower for this engine); it is still chosen by name, or by `"auto"` when no other
+        can serve. Name the better choice in each."""
+        return []
+
+    @classmethod
     def notes(cls, target: Target) -> list[str]:
         """Facts `nanoplug plugins` shows under this plugin (e.g. choices measured on this machine); cheap."""
         return []

@@ -92,6 +92,8 @@ class Target:
     block_size: int = 256
     tensor_parallel_size: int = 1
     kv_cache_dtype: torch.dtype | None = None
+    # the most query rows one sequence brings to a decode step: 1, or 1 + k drafts to verify with a speculator
+    decode_query_len: int = 1
 
     @property
     def cache_dtype(self) -> torch.dtype:

@@ -150,12 +150,14 @@ class Resolution:
     name: str
     cls: Any
     skipped: dict[str, list[str]] = field(default_factory=dict)
+    caveats: list[str] = field(default_factory=list)  # why "auto" would have passed it over, had another served
 
     def describe(self) -> str:
         if self.asked != "auto":
             why = "asked by name"
         else:
-            why = f"the highest priority ({getattr(self.cls, 'priority', 0)}) that can serve"
+            why = (f"the only one that can serve, although {', '.join(self.caveats)}" if self.caveats else
+                   f"the highest priority ({getattr(self.cls, 'priority', 0)}) that can serve")
             if self.skipped:
                 why += "; skipped " + "; ".join(f"{n}: {', '.join(r)}" for n, r in self.skipped.items())
         return f"{self.kind}: asked {self.asked!r}, chose {self.name!r} ({why})"
@@ -303,6 +305,16 @@ class Registry:
         except Exception as exc:
             return [f"its availability check raised {type(exc).__name__}: {exc}"]
 
+    def passed_over(self, kind: str, name: str, target: Target) -> list[str]:
+        """Why `"auto"` should prefer another plugin that can serve (the plugin's `passed_over`; none by default)."""
+        check = getattr(self.get(kind, name), "passed_over", None)
+        if check is None:
+            return []
+        try:
+            return [str(r) for r in check(target)]
+        except Exception as exc:
+            return [f"its passed_over check raised {type(exc).__name__}: {exc}"]
+
     def resolve(self, kind: str, asked: str, target: Target, among: list[str] | None = None) -> Resolution:
         """Pick the plugin of `kind` for this engine: the named one if it can serve, or the best for "auto"
         (of `among`, best first, when given)."""
@@ -317,15 +329,28 @@ class Registry:
                 )
             res = Resolution(kind, asked, asked, cls)
             log.info(res.describe())
+            for why in self.passed_over(kind, asked, target):
+                log.warning("%s plugin %r serves this config, but %s", kind, asked, why)
             return res
         skipped: dict[str, list[str]] = {}
+        fallback = None  # the best that can serve but asked to be passed over, if no other can
         for name in self.by_priority(kind) if among is None else among:
             reasons = self.reasons(kind, name, target)
             if not reasons:
-                res = Resolution(kind, asked, name, self.get(kind, name), skipped)
-                log.info(res.describe())
-                return res
+                over = self.passed_over(kind, name, target)
+                if not over:
+                    res = Resolution(kind, asked, name, self.get(kind, name), skipped)
+                    log.info(res.describe())
+                    return res
+                fallback = fallback or (name, over)
+                reasons = [f"passed over: {r}" for r in over]
             skipped[name] = reasons
+        if fallback is not None:
+            name, caveats = fallback
+            res = Resolution(kind, asked, name, self.get(kind, name),
+                             {n: r for n, r in skipped.items() if n != name}, caveats)
+            log.info(res.describe())
+            return res
         detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in skipped.items()) or "none is installed"
         raise PluginUnavailableError(f"no {kind} plugin can serve this config: {detail}")
 

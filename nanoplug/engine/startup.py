@@ -7,7 +7,7 @@ Each decision is logged as asked, chosen and why (`Choices.describe`).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -192,13 +192,13 @@ def resolve_weight_format(registry: Registry, config: EngineConfig, checkpoint: 
 def resolve_plugins(registry: Registry, config: EngineConfig, checkpoint: Checkpoint) -> tuple[Choices, Target]:
     """Pick the plugin of each kind for this engine, and the Target they were judged against."""
     platform, device, dtype = platform_and_dtype(registry, config, checkpoint.hf_config)
+    rows = 1 + config.num_speculative_tokens if config.speculator is not None else 1
     target = Target(device=device, dtype=dtype, model=checkpoint.facts, block_size=config.kv_block_size,
-                    tensor_parallel_size=config.tensor_parallel_size)
+                    tensor_parallel_size=config.tensor_parallel_size, decode_query_len=rows)
     kv_cache = registry.resolve("kv_cache", config.kv_cache, target)
     cache_dtype = kv_cache.cls().cache_dtype(dtype)
     if cache_dtype != dtype:  # backends judge whether they can read a cache of another dtype
-        target = Target(device=device, dtype=dtype, model=checkpoint.facts, block_size=config.kv_block_size,
-                        tensor_parallel_size=config.tensor_parallel_size, kv_cache_dtype=cache_dtype)
+        target = replace(target, kv_cache_dtype=cache_dtype)
     by_kind = {
         "platform": platform,
         "kv_cache": kv_cache,

@@ -74,6 +74,15 @@ class XformersAttention(AttentionBackend):
                            "(flash-attn-4) is installed, run xformers in a process where it is not importable")
         return reasons
 
+    @classmethod
+    def passed_over(cls, target: Target) -> list[str]:
+        if target.decode_query_len > 1:
+            return [f"it verifies speculative drafts ({target.decode_query_len} query rows a sequence) by gathering "
+                    "each sequence's keys out of their pages (no xformers operator takes a paged mask for such "
+                    "queries), far slower than a plain decode step; attention='flash' or 'triton' read the pages "
+                    "directly"]
+        return []
+
     def __init__(self, spec):
         super().__init__(spec)
         (self.xops, self.bias_mod), _ = load_xformers()
