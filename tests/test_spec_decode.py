@@ -281,6 +281,13 @@ def test_adaptive_k_takes_the_k_that_measured_fastest_per_batch_size():
     assert [policy.choose(1) for _ in range(32)].count(0) == 31  # and one neighbour (k = 1) again
     assert AdaptiveK.bucket(1) == 1 and AdaptiveK.bucket(63) == AdaptiveK.bucket(64) == 64 and AdaptiveK.bucket(65) == 128
 
+    # a neighbour that measured far behind (here 10x slower: an eager verification) is tried 8x less often
+    slow = AdaptiveK(4, explore_every=4)
+    for _ in range(5 * 3 + 256):
+        k = slow.choose(64)
+        slow.observe(64, k, 64 * (1 + k), 1e-3 if k == 0 else 2e-2 * (k + 1))
+    assert [slow.choose(64) for _ in range(64)].count(0) == 62  # 2 tries in 64 steps, not 16
+
 
 @pytest.mark.slow
 def test_the_model_drafting_for_itself_keeps_every_draft(plain, reference):

@@ -137,6 +137,12 @@ class StepLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     block_size: int
+    max_decode_rows: int = 0  # rows a decode step may carry: max_num_seqs x (1 + k) where k drafts are verified
+
+    @property
+    def decode_rows(self) -> int:
+        """The most one-token rows of a decode step (what decode graphs are captured up to)."""
+        return max(self.max_num_seqs, self.max_decode_rows)
 
 
 @dataclass

@@ -44,8 +44,9 @@ class AdaptiveK:
     """The number of drafts a step asks for: the k whose steps gave the most output tokens per second at this
     batch size (see the module)."""
 
-    def __init__(self, k_max: int, decay: float = 0.95, tries: int = 3, explore_every: int = 32):
+    def __init__(self, k_max: int, decay: float = 0.95, tries: int = 3, explore_every: int = 32, far: float = 0.5):
         self.k_max, self.decay, self.tries, self.explore_every = k_max, decay, tries, explore_every
+        self.far = far
         # (batch bucket, k) -> [tokens, seconds], both decayed by `decay` a step of that kind: a rate over the last
         # ~1 / (1 - decay) such steps, each weighed by its time (a mean of per-step rates is led by the lucky
         # steps: whether a step found drafts to verify varies a lot from one to the next)
@@ -82,7 +83,11 @@ class AdaptiveK:
         best = max(range(self.k_max + 1), key=lambda k: self.rate(num_seqs, k))
         if n % self.explore_every == 0:  # now and then a neighbour again: the workload may have changed
             up = best < self.k_max and (best == 0 or (n // self.explore_every) % 2 == 1)
-            return best + 1 if up else max(best - 1, 0)
+            other = best + 1 if up else max(best - 1, 0)
+            # one that measured far behind (a wide verification of a compute-bound batch) is tried 8x less often
+            if (self.rate(num_seqs, other) >= self.far * self.rate(num_seqs, best)
+                    or n % (8 * self.explore_every) == 0):
+                return other
         return best
 
 

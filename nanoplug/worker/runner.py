@@ -89,8 +89,9 @@ class ModelRunner(Worker):
         self.device = device = self.platform.worker_device(spec.target.device, group)
         self.dtype = dtype = spec.target.dtype
         self.block_size = config.kv_block_size
+        drafts = config.num_speculative_tokens if config.speculator is not None else 0
         self.limits = StepLimits(config.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
-                                 config.kv_block_size)
+                                 config.kv_block_size, max_decode_rows=config.max_num_seqs * (1 + drafts))
         heads = facts.num_heads // group.world_size
         kv_heads = facts.num_kv_heads // group.world_size
         store = plugins.kv_cache()
@@ -199,7 +200,7 @@ class ModelRunner(Worker):
             if strict:
                 raise GraphCaptureError(f"{why}. {option} stops start-up on it; without it decode runs eager") from error
             self.graphs_error = why
-            self.graph_limit = self.limits.max_num_seqs
+            self.graph_limit = self.limits.decode_rows
             log.warning("decode steps run eager (%s makes this an error): %s", option, why)
             return
         if self.graphs is None:
@@ -207,7 +208,7 @@ class ModelRunner(Worker):
                 raise GraphCaptureError(f"{option} asks for decode graphs, but platform {platform_name!r} captured "
                                         "none (its other options turn them off); drop one of the two")
             return
-        self.graph_limit = max((n for n in range(1, self.limits.max_num_seqs + 1)
+        self.graph_limit = max((n for n in range(1, self.limits.decode_rows + 1)
                                 if self.graphs.size_for(n) is not None), default=0)
 
     def _linear_method(self, weight_format: Any) -> LinearMethod:

@@ -134,7 +134,7 @@ class CpuDecodeGraphs(StepGraphs):
         """Set up the static inputs; record and check a decode step for each batch size up to max_num_seqs
         now, or (lazy) each when first needed."""
         limits = self.limits
-        max_bs = min(limits.max_num_seqs, GRAPH_BATCH_SIZES[-1])
+        max_bs = min(limits.decode_rows, GRAPH_BATCH_SIZES[-1])
         max_blocks = (limits.max_model_len + limits.block_size - 1) // limits.block_size
         self.max_bs = max_bs
         self.sizes = tuple(s for s in GRAPH_BATCH_SIZES if s <= max_bs)

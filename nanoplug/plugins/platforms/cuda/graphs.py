@@ -39,7 +39,7 @@ class DecodeGraphs(StepGraphs):
     @torch.inference_mode()
     def capture(self) -> None:
         limits, dev = self.limits, self.device
-        max_bs = min(limits.max_num_seqs, GRAPH_BATCH_SIZES[-1])
+        max_bs = min(limits.decode_rows, GRAPH_BATCH_SIZES[-1])
         sizes = [s for s in GRAPH_BATCH_SIZES if s <= max_bs]
         max_blocks = (limits.max_model_len + limits.block_size - 1) // limits.block_size
         self.max_bs = max_bs
