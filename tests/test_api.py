@@ -18,7 +18,7 @@ PINNED = [
     "KVLayer", "to_device", "LogitsProcessingBatch", "PromptLogprobsBatch", "SlotInit", "LogprobsTensors",
     "StructuredOutputBackend", "GrammarMatcher", "Constraint", "ConstraintError", "CONSTRAINT_KINDS",
     "ToolCallFormat", "HERMES_TOOL_CALLS", "LLAMA3_JSON_TOOL_CALLS", "MISTRAL_TOOL_CALLS", "pick_tool_call_format",
-    "bitmask_words", "unpack_bitmask", "Speculator", "SpeculatorSpec", "DraftBatch", "DraftModel", "Worker", "WorkerMethod",
+    "bitmask_words", "unpack_bitmask", "Speculator", "SpeculatorSpec", "DraftBatch", "DraftModel", "HiddenStateSpeculator", "HiddenStateSource", "HiddenStep", "Worker", "WorkerMethod",
     "WorkerReport", "StartupTimes", "StepStats", "LinearMethod", "DenseLinearMethod", "check_shape", "copy_weight",
     "Layers", "LinearBase", "VocabParallelEmbedding", "ParallelLMHead", "RMSNorm", "rms_norm", "add_rms_norm",
     "RotaryEmbedding", "apply_rope", "rope_inv_freq", "SiluAndMul", "silu_and_mul", "FusedOps", "install_fused_ops",
