@@ -204,14 +204,17 @@ class EagleSpeculator(HiddenStateSpeculator):
                                              attn_mask=mask.unsqueeze(1), scale=self.head_dim ** -0.5, enable_gqa=True)
         return out.transpose(1, 2)
 
-    def _gather(self, tables: list[list[int]], lengths: list[int]):
-        """The head's cached K and V of each sequence's first `lengths[i]` positions: [B, S, KV, D] each, S the
-        longest rounded up to a block, and the key positions [S]."""
+    def _gather(self, tables: list[list[int]], lengths: list[int], extra: int = 0):
+        """The head's cached K and V of each sequence's first `lengths[i]` positions: [B, S + extra, KV, D] each, S the
+        longest rounded up to a block, the `extra` columns after them free for a proposal's drafts; and the key
+        positions [S]."""
         bs, dev = self.block_size, self.source.device
         nblk = max(1, max(-(-n // bs) for n in lengths))
         scratch = self.kv.shape[1] // bs - 1
         padded = [list(t[:nblk]) + [scratch] * (nblk - len(t[:nblk])) for t in tables]
         slots = (torch.tensor(padded, device=dev)[:, :, None] * bs + torch.arange(bs, device=dev)).view(len(tables), -1)
+        if extra:
+            slots = torch.cat([slots, slots.new_full((len(tables), extra), scratch * bs)], dim=1)
         return self.kv[0][slots], self.kv[1][slots], torch.arange(nblk * bs, device=dev)
 
     @torch.inference_mode()
@@ -258,18 +261,17 @@ class EagleSpeculator(HiddenStateSpeculator):
         k_max = max(num_drafts[i] for i in ready)
         if k_max > 1:
             base = torch.tensor([s[0] for s in states], device=dev)  # the last row the head computed
-            keys, values, key_pos = self._gather([block_tables[i] for i in ready], [s[0] + 1 for s in states])
-            cached = key_pos[None, :] <= base[:, None]  # [B, S]
-            new_k, new_v = [], []
+            keys, values, key_pos = self._gather([block_tables[i] for i in ready], [s[0] + 1 for s in states],
+                                                 k_max - 1)
+            width = key_pos.shape[0]
+            mask = torch.cat([key_pos[None, :] <= base[:, None], base.new_zeros(len(ready), k_max - 1, dtype=torch.bool)],
+                             dim=1)  # [B, S + k - 1]: the cache up to the last row; each draft's column once written
             for j in range(1, k_max):
-                positions = base + j
-                q, k, v, residual = self._qkv(self._embed(drafts[-1]), g, positions)
-                new_k.append(k)
-                new_v.append(v)
-                all_k = torch.cat([keys, torch.stack(new_k, dim=1)], dim=1)
-                all_v = torch.cat([values, torch.stack(new_v, dim=1)], dim=1)
-                mask = torch.cat([cached, cached.new_ones(len(ready), j)], dim=1)[:, None, :]
-                attn = self._attend(q[:, None], all_k, all_v, mask)[:, 0]
+                q, k, v, residual = self._qkv(self._embed(drafts[-1]), g, base + j)
+                keys[:, width + j - 1], values[:, width + j - 1] = k, v
+                mask[:, width + j - 1] = True
+                attn = self._attend(q[:, None], keys[:, :width + j], values[:, :width + j],
+                                    mask[:, None, :width + j])[:, 0]
                 g, tokens = self._finish(attn, residual)
                 drafts.append(tokens)
         proposed = torch.stack(drafts, dim=1).tolist()  # one copy to the host
