@@ -64,7 +64,7 @@ def head(layer_type: str = "llama") -> str:
 
 
 def eagle_engine(**options) -> LLM:
-    return LLM(checkpoint(), speculator="eagle", speculator_options={"model": head()}, num_speculative_tokens=3,
+    return LLM(checkpoint(), speculator="eagle", speculator_options={"model": head("llama")}, num_speculative_tokens=3,
                **{"adaptive_speculation": False, **OPTIONS, **options})
 
 
@@ -87,6 +87,9 @@ def test_greedy_equals_plain(plain, options):
     for _ in range(2):  # the second time from the prefix cache (the head's K/V live in the same blocks)
         got = llm.generate(batch, GREEDY, use_tqdm=False)
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    forked = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2)  # samples forked from one prompt
+    assert ([o.token_ids for o in llm.generate(batch[1:3], forked, use_tqdm=False)[0].outputs]
+            == [o.token_ids for o in plain.generate(batch[1:3], forked, use_tqdm=False)[0].outputs])
     stats = llm.engine.stats()
     assert stats.spec_draft_tokens > 0 and stats.spec_verifications > 0  # drafts proposed, verified and counted
     assert 0 <= stats.spec_accepted_tokens <= stats.spec_draft_tokens

@@ -110,6 +110,7 @@ class HiddenStep:
     next_ids: list[int]
     groups: list[tuple[int, int, int, int, int]]
     block_tables: list[list[int]]
+    block_copies: list[tuple[int, int]] = ()  # (from, to) KV blocks the target copied after the step (n > 1 forks)
 
 
 class HiddenStateSpeculator(Speculator):

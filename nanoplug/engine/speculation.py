@@ -240,7 +240,8 @@ class Speculation:
             groups.append((seq.seq_id, start, row, count, valid))
             tables.append(step.block_tables[entry])
             entry, row = entry + entries, row + count
-        self.speculator.observe(HiddenStep(hidden[:row], positions[:row], slots[:row], next_ids, groups, tables))
+        self.speculator.observe(HiddenStep(hidden[:row], positions[:row], slots[:row], next_ids, groups, tables,
+                                           step.block_copies))
 
     def release(self, seq_ids: list[int]) -> None:
         if self.observes and seq_ids:

@@ -227,6 +227,10 @@ class EagleSpeculator(HiddenStateSpeculator):
         q, k, v, residual = self._qkv(self._embed(ids), self._fc(step.hidden), step.positions)
         self.kv[0].index_copy_(0, step.slots, k)
         self.kv[1].index_copy_(0, step.slots, v)
+        if step.block_copies:  # a prompt's partly filled last block, copied for its other samples (n > 1)
+            src, dst = (torch.tensor(x, device=dev) for x in zip(*step.block_copies))
+            blocks = self.kv.view(2, -1, self.block_size, self.kv_heads, self.head_dim)
+            blocks[:, dst] = blocks[:, src]
         # per sequence, its rows padded to the longest: each attends to its cache up to its own position
         groups = step.groups
         width = max(n for _, _, _, n, _ in groups)
