@@ -24,8 +24,9 @@ TARGET_VOCAB = 151669  # the tiny qwen3 checkpoint's (the Qwen3 tokenizer's)
 
 
 def write_head(folder, layer_type: str = "llama", hidden: int = 64, vocab: int = TARGET_VOCAB, draft_vocab: int = 997,
-               layer_ids=(0, 1, 2), seed: int = 0) -> str:
-    """A randomly initialised EAGLE-3 head, saved by the speculators package (config.json and safetensors)."""
+               layer_ids=(0, 1, 2), seed: int = 0, constant: int | None = None) -> str:
+    """A randomly initialised EAGLE-3 head, saved by the speculators package (config.json and safetensors);
+    `constant`: its LM head zero, so that it always drafts draft token 0, mapped to this target token."""
     from transformers import LlamaConfig, Qwen3Config
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
@@ -52,6 +53,10 @@ def write_head(folder, layer_type: str = "llama", hidden: int = 64, vocab: int =
                 p.normal_(0, 0.3 if p.dim() > 1 else 1.0)
         targets = torch.randperm(vocab)[:draft_vocab].sort().values  # the draft vocabulary: target ids
         model.d2t.copy_(targets - torch.arange(draft_vocab))
+        if constant is not None:
+            model.lm_head.weight.zero_()
+            targets[0] = constant
+            model.d2t.copy_(targets - torch.arange(draft_vocab))
         model.t2d.zero_()
         model.t2d[targets] = True
     model.save_pretrained(str(folder))
@@ -94,6 +99,22 @@ def test_greedy_equals_plain(plain, options):
     assert stats.spec_draft_tokens > 0 and stats.spec_verifications > 0  # drafts proposed, verified and counted
     assert 0 <= stats.spec_accepted_tokens <= stats.spec_draft_tokens
     assert not llm.engine.speculation.speculator.state  # every finished sequence released
+    assert_idle(llm)
+
+
+def test_accepted_drafts_keep_the_output(plain):
+    """A head that always drafts one token, the one the target repeats in a row after prompt [7]: those drafts are
+    accepted (their K/V kept, the head catching up over accepted rows), and the output is still the plain one's."""
+    want = plain.generate([[7]], GREEDY, use_tqdm=False)[0].token_ids
+    at = next(i for i in range(len(want) - 1) if want[i] == want[i + 1])
+    repeated, run = want[at], next(n for n in range(1, len(want) - at + 1) if at + n == len(want) or want[at + n] != want[at])
+    folder = write_head(scratch_dir("eagle3-constant"), constant=repeated)
+    llm = LLM(checkpoint(), speculator="eagle", speculator_options={"model": folder}, num_speculative_tokens=3,
+              adaptive_speculation=False, **OPTIONS)
+    assert llm.generate([[7]], GREEDY, use_tqdm=False)[0].token_ids == want
+    stats = llm.engine.stats()
+    # the step whose last token comes before the run drafts it whole: all but the token after the run are kept
+    assert stats.spec_accepted_tokens >= run - 1 >= 1 and stats.spec_draft_tokens > stats.spec_accepted_tokens
     assert_idle(llm)
 
 
