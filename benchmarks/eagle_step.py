@@ -73,7 +73,8 @@ def write_head(folder: Path, shape: str, seed: int = 0) -> None:
 
     p = "layers.0."
     tensors = {
-        "fc.weight": rand(hidden, 3 * hidden), "norm.weight": torch.ones(hidden), "lm_head.weight": rand(draft_vocab, hidden),
+        "fc.weight": rand(hidden, 3 * hidden), "norm.weight": torch.ones(hidden),
+        "lm_head.weight": rand(draft_vocab, hidden),
         "embed_tokens.weight": rand(vocab, hidden), p + "hidden_norm.weight": torch.ones(hidden),
         p + "input_layernorm.weight": torch.ones(hidden), p + "post_attention_layernorm.weight": torch.ones(hidden),
         p + "self_attn.q_proj.weight": rand(heads * head_dim, 2 * hidden),
@@ -97,7 +98,8 @@ def measure(folder: Path, args, batch: int) -> dict:
     from nanoplug.plugins.speculators.eagle import EagleSpeculator
 
     hidden, *_, vocab, _, layers, _ = SHAPES[args.shape]
-    device, dtype, bs, k, ctx = torch.device(args.device), getattr(torch, args.dtype), args.block_size, args.k, args.context
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    bs, k, ctx = args.block_size, args.k, args.context
     per_seq = -(-(ctx + k + 2) // bs)
     source = HiddenStateSource(device, dtype, layers, hidden, vocab, bs, batch * per_seq + 1, ctx + k + 8,
                                embed=lambda ids: None)

@@ -107,7 +107,9 @@ def test_accepted_drafts_keep_the_output(plain):
     accepted (their K/V kept, the head catching up over accepted rows), and the output is still the plain one's."""
     want = plain.generate([[7]], GREEDY, use_tqdm=False)[0].token_ids
     at = next(i for i in range(len(want) - 1) if want[i] == want[i + 1])
-    repeated, run = want[at], next(n for n in range(1, len(want) - at + 1) if at + n == len(want) or want[at + n] != want[at])
+    repeated, run = want[at], 1
+    while at + run < len(want) and want[at + run] == repeated:
+        run += 1
     folder = write_head(scratch_dir("eagle3-constant"), constant=repeated)
     llm = LLM(checkpoint(), speculator="eagle", speculator_options={"model": folder}, num_speculative_tokens=3,
               adaptive_speculation=False, **OPTIONS)
@@ -121,7 +123,8 @@ def test_accepted_drafts_keep_the_output(plain):
 def test_sampling_with_seeds_is_reproducible(plain):
     llm = eagle_engine()
     batch = prompts(plain)
-    params = [SamplingParams(temperature=0.8, top_k=50, max_tokens=16, seed=i, ignore_eos=True) for i in range(len(batch))]
+    params = [SamplingParams(temperature=0.8, top_k=50, max_tokens=16, seed=i, ignore_eos=True)
+              for i in range(len(batch))]
     first = [o.token_ids for o in llm.generate(batch, params, use_tqdm=False)]
     again = [o.token_ids for o in llm.generate(batch[::-1], params[::-1], use_tqdm=False)][::-1]
     assert first == again and all(len(t) == 16 for t in first)
@@ -175,7 +178,8 @@ def test_proposals_equal_the_speculators_head(layer_type):
     model = Eagle3DraftModel.from_pretrained(folder).eval()
     model.layers[0].self_attn.config._attn_implementation = "sdpa"  # (flex attention by default: for training)
     hs, bs, k = 64, 4, 4
-    source = HiddenStateSource(torch.device("cpu"), torch.float32, num_layers=2, hidden_size=hs, vocab_size=TARGET_VOCAB,
+    source = HiddenStateSource(torch.device("cpu"), torch.float32, num_layers=2, hidden_size=hs,
+                               vocab_size=TARGET_VOCAB,
                                block_size=bs, num_blocks=12, max_model_len=64,
                                embed=lambda ids: pytest.fail("the head has its own embedding"))
     spec = SpeculatorSpec(k, {"model": folder}, None, SimpleNamespace(num_layers=2), lambda ids: source)
@@ -208,7 +212,8 @@ def test_proposals_equal_the_speculators_head(layer_type):
     rejected = a_hidden.clone()
     rejected[12] = 100.0  # whatever the rejected row held must not matter
     eagle.observe(step([(1, a_tokens, rejected, a_table, 10, 3, 2)]))
-    assert eagle.propose_hidden([1], [13], [a_table], [k]) == [reference_drafts(model, a_hidden[:12], a_tokens[1:13], k)]
+    want = reference_drafts(model, a_hidden[:12], a_tokens[1:13], k)
+    assert eagle.propose_hidden([1], [13], [a_table], [k]) == [want]
     # a sequence whose tokens the head has not all seen proposes nothing; a released one neither
     assert eagle.propose_hidden([1, 2], [14, 7], [a_table, b_table], [k, k])[0] == []
     eagle.release([2])

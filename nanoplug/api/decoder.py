@@ -146,7 +146,8 @@ class DecoderForCausalLM(nn.Module, ModelArchitecture):
         kept: dict[int, torch.Tensor] = {}
         modules = list(self.model.layers) + [self.model.norm]
         for i in sorted(set(layer_ids)):
-            at = 1 if i < len(self.model.layers) else 0  # a layer's args: (positions, hidden, residual); the norm's: (hidden, residual)
+            # a layer's args: (positions, hidden, residual); the final norm's: (hidden, residual)
+            at = 1 if i < len(self.model.layers) else 0
 
             def hook(module, args, i=i, at=at):
                 hidden, residual = args[at], args[at + 1] if len(args) > at + 1 else None

@@ -98,9 +98,9 @@ class HiddenStep:
     """One step's rows, handed to a hidden-state speculator once the engine applied the step's tokens.
 
     Rows are the step's query rows in order (a prefill chunk: one per token; a verification: the last token and each
-    draft). `groups`: per sequence, (seq_id, start, first row, rows, valid rows): its rows are consecutive, at consecutive
-    positions from `start`, and the first `valid` of them have a known next token (a prefill chunk: every row; a verification:
-    the accepted drafts' rows and the row before them); `next_ids[r]` is the token at row r's position + 1 (0 where
+    draft). `groups`: per sequence, (seq_id, start, first row, rows, valid rows): its rows are consecutive, at
+    consecutive positions from `start`, and the first `valid` of them have a known next token (a prefill chunk: every
+    row; a verification: the accepted drafts' rows and the row before them); `next_ids[r]` is the token at row r's position + 1 (0 where
     not valid: a rejected draft's row, whose slot is written again later). `block_tables`: per group, the sequence's
     block table at the step."""
 

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from nanoplug.api import (AdapterError, AttentionMetadata, AttentionSpec, GraphCaptureError, HiddenStateSource, KVCacheSpec,
-                          Layers, LinearMethod,
+from nanoplug.api import (AdapterError, AttentionMetadata, AttentionSpec, GraphCaptureError, HiddenStateSource,
+                          KVCacheSpec, Layers, LinearMethod,
                           LogprobsTensors, ModelFacts, PagedAttention, ProcessGroup, PromptLogprobsBatch, SamplingBatch,
                           StartupTimes, StepBatch, StepContext, StepInputs, StepLimits, StepResult, StepStats, Target,
                           Worker, WorkerReport, to_device)

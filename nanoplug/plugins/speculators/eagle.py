@@ -67,7 +67,7 @@ def aux_layer_ids(config: dict[str, Any], num_layers: int) -> list[int]:
 
 
 class EagleSpeculator(HiddenStateSpeculator):
-    description = "EAGLE-3 draft head over the target's hidden states (speculators format; its own KV in the target's blocks)"
+    description = "an EAGLE-3 head drafts from the target's hidden states (speculators format; K/V in the target's blocks)"
     priority = 20
     options = frozenset({"model"})
 
@@ -82,10 +82,9 @@ class EagleSpeculator(HiddenStateSpeculator):
         folder = str(spec.options["model"])
         config = read_head_config(folder)
         self.hidden_size = int(config["transformer_layer_config"]["hidden_size"])
-        num_layers = spec.facts.num_layers if spec.facts is not None else None
-        if num_layers is None and not config.get("eagle_aux_hidden_state_layer_ids"):
-            raise ValueError("speculator 'eagle' needs the target's layer count for the head's default layer ids")
-        self.layer_ids = aux_layer_ids(config, num_layers if num_layers is not None else 10 ** 9)
+        if spec.facts is None:
+            raise ValueError("speculator 'eagle' needs the target's facts (SpeculatorSpec.facts) for its layer ids")
+        self.layer_ids = aux_layer_ids(config, spec.facts.num_layers)
         self.source = spec.hidden_states(self.layer_ids)
         self._load(folder, config, self.source)
 
@@ -158,7 +157,9 @@ class EagleSpeculator(HiddenStateSpeculator):
 
     # ------------------------------------------------------------------------------------ computing
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.embed_w) if self.embed_w is not None else self.source.embed(ids).to(self.source.dtype)
+        if self.embed_w is not None:
+            return F.embedding(ids, self.embed_w)
+        return self.source.embed(ids).to(self.source.dtype)
 
     def _fc(self, hidden: torch.Tensor) -> torch.Tensor:
         if len(self.fc_norms) == 1:  # norm_before_fc: one norm over the concatenation
@@ -268,8 +269,8 @@ class EagleSpeculator(HiddenStateSpeculator):
             keys, values, key_pos = self._gather([block_tables[i] for i in ready], [s[0] + 1 for s in states],
                                                  k_max - 1)
             width = key_pos.shape[0]
-            mask = torch.cat([key_pos[None, :] <= base[:, None], base.new_zeros(len(ready), k_max - 1, dtype=torch.bool)],
-                             dim=1)  # [B, S + k - 1]: the cache up to the last row; each draft's column once written
+            drafted = base.new_zeros(len(ready), k_max - 1, dtype=torch.bool)  # each draft's column once written
+            mask = torch.cat([key_pos[None, :] <= base[:, None], drafted], dim=1)  # [B, S + k - 1]
             for j in range(1, k_max):
                 q, k, v, residual = self._qkv(self._embed(drafts[-1]), g, base + j)
                 keys[:, width + j - 1], values[:, width + j - 1] = k, v
