@@ -223,8 +223,9 @@ def test_proposals_equal_the_speculators_head(layer_type):
 @torch.inference_mode()
 def test_engine_drafts_equal_the_head_over_transformers_hidden_states(plain):
     """End to end: every proposal the engine's eagle made (from the hidden states its worker kept, the K/V the head
-    mirrored into the target's blocks, over prefill, accepted and rejected rows) equals the package's head driven
-    over transformers' hidden states of the same tokens (layers 0 and 1: what transformers returns unnormed)."""
+    mirrored into the target's blocks, over prefill, accepted and rejected rows, and prefix-cache hits whose rows it
+    never saw this time) equals the package's head driven over transformers' hidden states of the same tokens
+    (layers 0 and 1: what transformers returns unnormed)."""
     from speculators.models.eagle3.core import Eagle3DraftModel
 
     from _checkpoints import hf_model
@@ -244,10 +245,11 @@ def test_engine_drafts_equal_the_head_over_transformers_hidden_states(plain):
         return out
 
     eagle.propose_hidden = recorded
-    checked = 0
-    for prompt in prompts(plain)[:3]:
+    checked, cached, batch = 0, 0, prompts(plain)[:4]
+    for prompt in batch + batch:  # the second time from the prefix cache: the head reads its K/V in shared blocks
         calls.clear()
-        tokens = prompt + llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids
+        out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+        tokens, cached = prompt + out.token_ids, cached + out.num_cached_tokens
         for (length,), (drafts,) in calls:
             if not drafts:
                 continue
@@ -255,4 +257,4 @@ def test_engine_drafts_equal_the_head_over_transformers_hidden_states(plain):
             aux = torch.cat([states[0][0], states[1][0]], dim=-1)
             assert drafts == reference_drafts(model, aux, tokens[1:length], len(drafts)), length
             checked += 1
-    assert checked >= 10
+    assert checked >= 20 and cached >= 16
