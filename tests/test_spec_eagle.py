@@ -83,8 +83,8 @@ def prompts(plain) -> list[list[int]]:
     return ids + [list(range(300, 341)), [7]]  # mixed lengths: 1 to 41 tokens
 
 
-@pytest.mark.parametrize("options", [{}, {"overlap_steps": True, "adaptive_speculation": True}],
-                         ids=["fixed-k", "overlapped-adaptive"])
+@pytest.mark.parametrize("options", [{}, {"overlap_steps": True, "adaptive_speculation": True}, {"num_kv_blocks": 8}],
+                         ids=["fixed-k", "overlapped-adaptive", "preempting"])
 def test_greedy_equals_plain(plain, options):
     batch = prompts(plain)
     want = plain.generate(batch, GREEDY, use_tqdm=False)
@@ -99,6 +99,7 @@ def test_greedy_equals_plain(plain, options):
     assert stats.spec_draft_tokens > 0 and stats.spec_verifications > 0  # drafts proposed, verified and counted
     assert 0 <= stats.spec_accepted_tokens <= stats.spec_draft_tokens
     assert not llm.engine.speculation.speculator.state  # every finished sequence released
+    assert (stats.num_preemptions > 0) == (options.get("num_kv_blocks") == 8)  # preempted ones recompute
     assert_idle(llm)
 
 
@@ -221,40 +222,42 @@ def test_proposals_equal_the_speculators_head(layer_type):
 
 
 @torch.inference_mode()
-def test_engine_drafts_equal_the_head_over_transformers_hidden_states(plain):
+@pytest.mark.parametrize("blocks", [64, 8], ids=["one-at-a-time-then-cached", "batched-preempting"])
+def test_engine_drafts_equal_the_head_over_transformers_hidden_states(plain, blocks):
     """End to end: every proposal the engine's eagle made (from the hidden states its worker kept, the K/V the head
-    mirrored into the target's blocks, over prefill, accepted and rejected rows, and prefix-cache hits whose rows it
-    never saw this time) equals the package's head driven over transformers' hidden states of the same tokens
-    (layers 0 and 1: what transformers returns unnormed)."""
+    mirrored into the target's blocks, over prefill, accepted and rejected rows; prefix-cache hits whose rows it never
+    saw this time; a batch of mixed lengths where sequences are preempted and recomputed) equals the package's head
+    driven over transformers' hidden states of the same tokens (layers 0 and 1: what transformers returns unnormed)."""
     from speculators.models.eagle3.core import Eagle3DraftModel
 
     from _checkpoints import hf_model
 
-    folder = write_head(scratch_dir("eagle3-layers01"), layer_ids=(0, 1), seed=3)
+    folder = write_head(scratch_dir(f"eagle3-layers01-{blocks}"), layer_ids=(0, 1), seed=3)
     model = Eagle3DraftModel.from_pretrained(folder).eval()
     model.layers[0].self_attn.config._attn_implementation = "sdpa"
     hf = hf_model("qwen3")
     llm = LLM(checkpoint(), speculator="eagle", speculator_options={"model": folder}, num_speculative_tokens=3,
-              adaptive_speculation=False, **OPTIONS)
+              adaptive_speculation=False, **{**OPTIONS, "num_kv_blocks": blocks})
     eagle = llm.engine.speculation.speculator
     real, calls = eagle.propose_hidden, []
 
     def recorded(seq_ids, lengths, tables, num_drafts):
         out = real(seq_ids, lengths, tables, num_drafts)
-        calls.append((list(lengths), out))
+        running = {s.seq_id: s for s in llm.engine.scheduler.running}
+        calls.extend((running[i].token_ids[:n], d) for i, n, d in zip(seq_ids, lengths, out) if d)
         return out
 
     eagle.propose_hidden = recorded
-    checked, cached, batch = 0, 0, prompts(plain)[:4]
-    for prompt in batch + batch:  # the second time from the prefix cache: the head reads its K/V in shared blocks
-        calls.clear()
-        out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
-        tokens, cached = prompt + out.token_ids, cached + out.num_cached_tokens
-        for (length,), (drafts,) in calls:
-            if not drafts:
-                continue
-            states = hf(torch.tensor([tokens[:length - 1]]), output_hidden_states=True).hidden_states
-            aux = torch.cat([states[0][0], states[1][0]], dim=-1)
-            assert drafts == reference_drafts(model, aux, tokens[1:length], len(drafts)), length
-            checked += 1
-    assert checked >= 20 and cached >= 16
+    batch, cached = prompts(plain)[:4], 0
+    if blocks == 64:  # one at a time, then again from the prefix cache: the head reads its K/V in shared blocks
+        for prompt in batch + batch:
+            cached += llm.generate([prompt], GREEDY, use_tqdm=False)[0].num_cached_tokens
+        assert cached >= 16
+    else:
+        llm.generate(prompts(plain), GREEDY, use_tqdm=False)
+        assert llm.engine.stats().num_preemptions > 0
+    for tokens, drafts in calls:
+        states = hf(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
+        aux = torch.cat([states[0][0], states[1][0]], dim=-1)
+        assert drafts == reference_drafts(model, aux, tokens[1:], len(drafts)), len(tokens)
+    assert len(calls) >= 20
