@@ -332,7 +332,7 @@ class EngineCore:
         logits_of, logprobs_of = launched.row_outputs(result)
         got, settled = launched.emitted(result)  # settled: a speculative step's accepted drafts per sample
         drafted = {id(seq) for seq, _, _ in settled}  # their K/V past the accepted tokens is the rejected drafts'
-        updates, ended = [], []
+        updates = []
         requests, outputs = self.requests, self.outputs
         with self._tokenizer_lock:
             for i, (seq, token, k) in enumerate(got):
@@ -358,7 +358,6 @@ class EngineCore:
                     if id(seq) not in drafted:  # its full blocks stay reusable by later prompts (freed, not lost)
                         self.scheduler.blocks.commit(seq)
                     self.scheduler.finish(seq, reason)
-                    ended.append(seq.seq_id)
                     updates.append(self._sample_finished(state))
                 elif state.incremental and (i == len(got) - 1 or got[i + 1][0] is not seq):
                     updates.append(outputs.update(state))  # (once per step: after a sequence's last token)
@@ -370,7 +369,6 @@ class EngineCore:
         self.scheduler.commit(batch)  # full blocks are registered once their tokens are known
         if self.speculation is not None and self.speculation.observes:  # (EAGLE) the step's hidden states
             self.speculation.observe(launched)
-            self.speculation.release(ended)
         return updates
 
     # ------------------------------------------------------------------------------ the rest

@@ -18,7 +18,7 @@ from nanoplug.api import HiddenStateSpeculator, HiddenStep, SpeculatorSpec
 from nanoplug.config import EngineConfig
 from nanoplug.engine.registry import Registry, Resolution
 from nanoplug.engine.scheduler import Scheduled, Scheduler
-from nanoplug.engine.sequence import PENDING
+from nanoplug.engine.sequence import PENDING, Status
 
 log = logging.getLogger("nanoplug")
 
@@ -217,7 +217,9 @@ class Speculation:
 
     def observe(self, launched) -> None:
         """Hand a hidden-state speculator the rows of a step whose tokens were just applied (its hidden states
-        stay on the device): per sequence its rows, how many have a known next token, and those tokens."""
+        stay on the device): per sequence its rows, how many have a known next token, and those tokens. Every row is
+        handed, a finished sequence's too (its full blocks may serve later prompts from the prefix cache), and then
+        the sequences that ended (at this step, or aborted while it ran) are released."""
         step = launched.step
         if not step.query_lens:
             return
@@ -242,6 +244,7 @@ class Speculation:
             entry, row = entry + entries, row + count
         self.speculator.observe(HiddenStep(hidden[:row], positions[:row], slots[:row], next_ids, groups, tables,
                                            step.block_copies))
+        self.release([item.seq.seq_id for item in launched.batch if item.seq.status is Status.FINISHED])
 
     def release(self, seq_ids: list[int]) -> None:
         if self.observes and seq_ids:
