@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from nanoplug.api import (HiddenStateSource, HiddenStateSpeculator, HiddenStep, SpeculatorSpec, rms_norm,
+from nanoplug.api import (HiddenStateSource, HiddenStateSpeculator, HiddenStep, SpeculatorSpec, Target, rms_norm,
                           rope_inv_freq)
 
 
@@ -70,6 +70,12 @@ class EagleSpeculator(HiddenStateSpeculator):
     description = "an EAGLE-3 head drafts from the target's hidden states (speculators format; K/V in the target's blocks)"
     priority = 20
     options = frozenset({"model"})
+
+    @classmethod
+    def unavailable(cls, target: Target) -> list[str]:
+        if target.tensor_parallel_size > 1:
+            return ["it reads the target's hidden states in the worker's process: tensor_parallel_size must be 1"]
+        return []
 
     def __init__(self, spec: SpeculatorSpec):
         super().__init__(spec)
