@@ -105,7 +105,7 @@ def test_ngram_lookup_matches_a_plain_search():
 def test_bad_speculator_choices_name_the_fix():
     with pytest.raises(ValueError, match="prompt_lookup_max"):
         spec_engine("ngram", speculator_options={"lookahead": 3})
-    with pytest.raises(Exception, match="valid names: draft, ngram"):
+    with pytest.raises(Exception, match="valid names: draft, eagle, ngram"):
         spec_engine("nope")
 
 

@@ -29,7 +29,7 @@ _LAZY = {name: f"nanoplug.api.{module}" for module, names in {
                    "bitmask_words unpack_bitmask"),
     "tool_calls": ("ToolCallFormat HERMES_TOOL_CALLS LLAMA3_JSON_TOOL_CALLS MISTRAL_TOOL_CALLS "
                    "pick_tool_call_format"),
-    "speculator": "DraftModel Speculator SpeculatorSpec",
+    "speculator": "DraftModel HiddenStateSource HiddenStateSpeculator HiddenStep Speculator SpeculatorSpec",
     "target": "ModelFacts Target",
     "worker": "StartupTimes StepStats Worker WorkerMethod WorkerReport",
 }.items() for name in names.split()}
@@ -49,7 +49,8 @@ __all__ = [
     "HERMES_TOOL_CALLS", "LLAMA3_JSON_TOOL_CALLS", "MISTRAL_TOOL_CALLS", "pick_tool_call_format", "bitmask_words",
     "unpack_bitmask",
     # speculative decoding: the proposer kind and the drafts a step verifies
-    "Speculator", "SpeculatorSpec", "DraftBatch", "DraftModel",
+    "Speculator", "SpeculatorSpec", "DraftBatch", "DraftModel", "HiddenStateSpeculator", "HiddenStateSource",
+    "HiddenStep",
     # the worker protocol
     "Worker", "WorkerMethod", "WorkerReport", "StartupTimes", "StepStats",
     # the linear-method seam and the layer library

@@ -144,5 +144,24 @@ class DecoderForCausalLM(nn.Module, ModelArchitecture):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
+    def keep_hidden_states(self, layer_ids: list[int]):
+        """Forward pre-hooks on the layers asked for (and the final norm for id num_layers): each keeps the residual
+        stream there, hidden + residual. A model that keeps none has no hook: its forward is unchanged."""
+        kept: dict[int, torch.Tensor] = {}
+        modules = list(self.model.layers) + [self.model.norm]
+        for i in sorted(set(layer_ids)):
+            # a layer's args: (positions, hidden, residual); the final norm's: (hidden, residual)
+            at = 1 if i < len(self.model.layers) else 0
+
+            def hook(module, args, i=i, at=at):
+                hidden, residual = args[at], args[at + 1] if len(args) > at + 1 else None
+                kept[i] = hidden if residual is None else hidden + residual
+
+            modules[i].register_forward_pre_hook(hook)
+        return lambda: [kept[i] for i in layer_ids]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -261,6 +261,16 @@ class ModelArchitecture(Plugin):
     template writes is picked by its marker, else the first (`pick_tool_call_format`). None declared: the server
     answers tool_choice "auto" by refusing, and "required"/named ones still work (under a grammar)."""
 
+    def keep_hidden_states(self, layer_ids: list[int]) -> Callable[[], list[Any]] | None:
+        """Keep, at each forward, the hidden states entering layers `layer_ids` (id num_layers: the last layer's
+        output, before the final norm) for a speculator that reads them (EAGLE); returns a function giving the last
+        forward's, one [tokens, hidden] tensor per id. None (the default): this model cannot."""
+        return None
+
+    def embed(self, input_ids: Any) -> Any:
+        """The input embeddings of `input_ids` (for a speculator's head that shares them)."""
+        raise NotImplementedError(f"{type(self).__name__} does not expose its input embeddings")
+
     def install_fused_ops(self, ops: Any) -> bool:
         """Take other implementations of the small ops (a platform's kernels, compiled ops; a `FusedOps`).
         Default: every RMSNorm, SiluAndMul and RotaryEmbedding of the layer library in this model takes

@@ -36,7 +36,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
 def add_speculation_options(parser: argparse.ArgumentParser) -> None:
     """Speculative decoding: a speculator by name, its drafts per step, its own options."""
     parser.add_argument("--speculator", default=None,
-                        help="propose draft tokens the model verifies in one step, e.g. ngram (default: none)")
+                        help="propose draft tokens the model verifies in one step: ngram, draft or eagle "
+                             "(the last two with --speculator-option model=DIR; default: none)")
     parser.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                         help="drafts per sequence and step at most (default: 4)")
     parser.add_argument("--speculator-option", action="append", default=[], metavar="KEY=VALUE",

@@ -93,7 +93,8 @@ class EngineCore:
         self.scheduler = Scheduler(config, blocks)
         self.builder = BatchBuilder(self.scheduler.blocks, self.scheduler.penalty_slots, self.structured,
                                     self.overlap and self.defers_sampling)
-        self.speculation = Speculation.resolve(self.registry, config, wired.target, self.facts.vocab_size)  # None: no speculator
+        self.speculation = Speculation.resolve(self.registry, config, wired.target, self.facts.vocab_size,
+                                               self.worker)  # None: no speculator
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, config.max_model_len)
         self.requests: dict[str, RequestState] = {}  # every request added and not finished, by id
         self.in_flight: Launched | None = None  # overlapped: the launched step whose tokens are still to come
@@ -169,6 +170,8 @@ class EngineCore:
             if state is None:
                 continue  # finished already, or never added: nothing to drop
             self.scheduler.abort(state.seq)  # every sample of it
+            if self.speculation is not None:
+                self.speculation.release([sample.seq.seq_id for sample in state.samples])
             updates += [self._sample_finished(s) for s in state.samples if not s.final_sent]
         return updates
 
@@ -364,6 +367,8 @@ class EngineCore:
         if settled:
             self.speculation.settled(settled)
         self.scheduler.commit(batch)  # full blocks are registered once their tokens are known
+        if self.speculation is not None and self.speculation.observes:  # (EAGLE) the step's hidden states
+            self.speculation.observe(launched)
         return updates
 
     # ------------------------------------------------------------------------------ the rest

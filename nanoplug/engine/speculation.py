@@ -14,10 +14,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from nanoplug.api import SpeculatorSpec
+from nanoplug.api import HiddenStateSpeculator, HiddenStep, SpeculatorSpec
 from nanoplug.config import EngineConfig
 from nanoplug.engine.registry import Registry, Resolution
 from nanoplug.engine.scheduler import Scheduled, Scheduler
+from nanoplug.engine.sequence import PENDING, Status
 
 log = logging.getLogger("nanoplug")
 
@@ -133,10 +134,14 @@ class DraftEngine:
 class Speculation:
     """One engine's speculator, its adaptive k and its counters."""
 
-    def __init__(self, resolution: Resolution, config: EngineConfig, load_draft_model=None):
+    def __init__(self, resolution: Resolution, config: EngineConfig, load_draft_model=None, worker=None, facts=None):
         self.resolution = resolution
+        # a worker in this process can keep its hidden states for a speculator that reads them (EAGLE)
+        keep = getattr(worker, "keep_hidden_states", None)
         self.speculator = resolution.cls(SpeculatorSpec(config.num_speculative_tokens, dict(config.speculator_options),
-                                                        load_draft_model))
+                                                        load_draft_model, facts, keep))
+        self.observes = isinstance(self.speculator, HiddenStateSpeculator)  # it is handed every step's rows
+        self.worker = worker
         self.max_model_len = config.max_model_len
         self.policy = AdaptiveK(config.num_speculative_tokens)
         self.adaptive = config.adaptive_speculation
@@ -154,14 +159,16 @@ class Speculation:
                              f"its options: {', '.join(sorted(cls.options)) or 'none'}")
 
     @classmethod
-    def resolve(cls, registry: Registry, config: EngineConfig, target, vocab_size: int) -> "Speculation | None":
+    def resolve(cls, registry: Registry, config: EngineConfig, target, vocab_size: int,
+                worker=None) -> "Speculation | None":
         """The engine's speculator, resolved once at start-up (None: no speculation asked for)."""
         if config.speculator is None:
             return None
         def load_draft_model(model: str, options: dict) -> DraftEngine:
             return DraftEngine(model, options, config, registry, vocab_size)
 
-        return cls(registry.resolve("speculator", config.speculator, target), config, load_draft_model)
+        return cls(registry.resolve("speculator", config.speculator, target), config, load_draft_model, worker,
+                   target.model)
 
     def describe(self) -> str:
         return self.resolution.describe()
@@ -188,7 +195,12 @@ class Speculation:
                 wanted.append(room)
         if not items:
             return
-        for item, drafts in zip(items, self.speculator.propose([it.seq.token_ids for it in items], wanted)):
+        if self.observes:
+            proposals = self.speculator.propose_hidden([it.seq.seq_id for it in items], [len(it.seq) for it in items],
+                                                       [it.seq.block_table for it in items], wanted)
+        else:
+            proposals = self.speculator.propose([it.seq.token_ids for it in items], wanted)
+        for item, drafts in zip(items, proposals):
             if drafts:
                 scheduler.reserve_drafts(item, list(drafts))
 
@@ -207,3 +219,38 @@ class Speculation:
         self.stats.draft_tokens += drafted
         self.stats.accepted_tokens += accepted
         self.stats.verifications += verified
+
+    def observe(self, launched) -> None:
+        """Hand a hidden-state speculator the rows of a step whose tokens were just applied (its hidden states
+        stay on the device): per sequence its rows, how many have a known next token, and those tokens. Every row is
+        handed, a finished sequence's too (its full blocks may serve later prompts from the prefix cache), and then
+        the sequences that ended (at this step, or aborted while it ran) are released."""
+        step = launched.step
+        if not step.query_lens:
+            return
+        hidden, positions, slots = self.worker.hidden_states(step)
+        next_ids, groups, tables = [], [], []
+        entry = row = 0
+        for item in launched.batch:
+            seq, tokens = item.seq, item.seq.token_ids
+            entries = 1 + len(item.drafts)  # a verification: one one-token entry per row
+            start = step.starts[entry]
+            count = sum(step.query_lens[entry:entry + entries])
+            valid = 0
+            for p in range(start + 1, start + count + 1):
+                token = tokens[p] if p < len(tokens) else PENDING
+                if token == PENDING or valid < p - start - 1:
+                    next_ids.append(0)
+                else:
+                    next_ids.append(token)
+                    valid += 1
+            groups.append((seq.seq_id, start, row, count, valid))
+            tables.append(step.block_tables[entry])
+            entry, row = entry + entries, row + count
+        self.speculator.observe(HiddenStep(hidden[:row], positions[:row], slots[:row], next_ids, groups, tables,
+                                           step.block_copies))
+        self.release([item.seq.seq_id for item in launched.batch if item.seq.status is Status.FINISHED])
+
+    def release(self, seq_ids: list[int]) -> None:
+        if self.observes and seq_ids:
+            self.speculator.release(seq_ids)

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from nanoplug.api import (AdapterError, AttentionMetadata, AttentionSpec, GraphCaptureError, KVCacheSpec, Layers, LinearMethod,
+from nanoplug.api import (AdapterError, AttentionMetadata, AttentionSpec, GraphCaptureError, HiddenStateSource,
+                          KVCacheSpec, Layers, LinearMethod,
                           LogprobsTensors, ModelFacts, PagedAttention, ProcessGroup, PromptLogprobsBatch, SamplingBatch,
                           StartupTimes, StepBatch, StepContext, StepInputs, StepLimits, StepResult, StepStats, Target,
                           Worker, WorkerReport, to_device)
@@ -79,6 +80,7 @@ class ModelRunner(Worker):
     graphs: Any = None  # the platform's captured decode graphs; None (eager) until captured after warm-up
     graphs_error: str | None = None  # why graphs the platform was asked for could not be captured
     graph_limit = 0  # decode steps of up to this many sequences should replay a graph (else: eager by design)
+    hidden_layers = None  # keep_hidden_states: gives the last forward's hidden states at the layers asked for
 
     def __init__(self, spec: WorkerSpec, group: ProcessGroup):
         started = self._clock = time.perf_counter()
@@ -330,6 +332,8 @@ class ModelRunner(Worker):
             if inputs.group_block_tables:  # a hybrid model's KV groups 1..
                 self._set_group_steps(meta, inputs)
             hidden = self.model(input_ids, positions)
+            if self.hidden_layers is not None:  # a hidden-state speculator reads this step's rows (keep_hidden_states)
+                self.kept_hidden.append((step, torch.cat(self.hidden_layers(), dim=-1), positions, meta.slot_mapping))
             if step.sample_rows:
                 last = inputs.cu_seqlens_q[1:][step.sample_rows].astype(np.int64) - 1
                 logits = self.model.compute_logits(hidden[to_device(last, torch.int64, self.device)])
@@ -457,6 +461,36 @@ class ModelRunner(Worker):
     def num_kv_blocks(self) -> int:
         return self.num_blocks
 
+    # ------------------------------------------------------------------ hidden states for a speculator
+    def keep_hidden_states(self, layer_ids: list[int]) -> HiddenStateSource:
+        """From now on keep each step's hidden states at `layer_ids` on the device (a hidden-state speculator's
+        `SpeculatorSpec.hidden_states`), for the last two steps launched (one may be in flight, overlapped). Steps
+        then run eager: a captured graph would hand back its own buffers, rewritten by the next replay."""
+        if self.group.world_size > 1:
+            raise ValueError("a speculator over hidden states runs in the worker's process: use parallel='single'")
+        bad = [i for i in layer_ids if not 0 <= i <= self.facts.num_layers]
+        if bad:
+            raise ValueError(f"hidden-state layer ids {bad} are outside 0..{self.facts.num_layers} (this target's "
+                             "layers; id num_layers is the last layer's output)")
+        kept = self.model.keep_hidden_states(list(layer_ids))
+        if kept is None:
+            raise ValueError(f"model {type(self.model).__name__} cannot hand its hidden states to a speculator")
+        self.hidden_layers, self.kept_hidden = kept, deque(maxlen=2)
+        if self.graphs is not None:
+            log.info("decode graphs dropped: a speculator reads the hidden states of every step (eager steps)")
+        self.graphs, self.graph_limit = None, 0
+        return HiddenStateSource(self.device, self.dtype, self.facts.num_layers, self.facts.hidden_size,
+                                 self.facts.vocab_size, self.block_size, self.num_blocks + 1, self.config.max_model_len,
+                                 self.model.embed)
+
+    def hidden_states(self, step: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(hidden [rows, layers * hidden_size], positions, slots) of a step launched since keep_hidden_states, on
+        the device."""
+        for kept, hidden, positions, slots in self.kept_hidden:
+            if kept is step:
+                return hidden, positions, slots
+        raise KeyError("the hidden states of this step are no longer kept (only the last two launched are)")
+
     def report(self) -> WorkerReport:
         return WorkerReport(self.startup, dataclasses.replace(self.stats), self.graphs_error,
                             self.graphs.captures if self.graphs is not None else 0)
@@ -465,7 +499,8 @@ class ModelRunner(Worker):
         """Drop the device state (graphs first: their pools hold the cache and activations they captured),
         then let the platform give the memory back. Safe to call twice."""
         self.pending.clear()
-        self.graphs = self.last_tokens = self.request_adapters = None
+        self.graphs = self.last_tokens = self.request_adapters = self.hidden_layers = None
+        self.kept_hidden = ()
         for ctx in self.group_ctxs:
             ctx.kv = []
         self.kv_cache = self.model = None
