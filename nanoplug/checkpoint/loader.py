@@ -206,7 +206,11 @@ def _loader_error(exc: Exception, name: str, file: Path, target: str) -> ModelLo
     return ModelLoadError(f"checkpoint tensor {name!r} in {str(file)!r} cannot be loaded into {target}: {why}")
 
 
-def _load_one(param: torch.nn.Parameter, tensor: torch.Tensor, shard: Any) -> None:
+def _load_one(param: torch.nn.Parameter, tensor: Any, shard: Any) -> None:
+    if param.is_floating_point() and not isinstance(tensor, torch.Tensor):
+        # a GGUF tensor kept in its blocks for a parameter outside the weight format (an MoE's experts, which
+        # its kernels do not serve: FusedMoE logs it): its values
+        tensor = tensor.dequantize()
     if param.is_floating_point() and not tensor.is_floating_point():
         raise ModelLoadError(f"it holds {str(tensor.dtype).removeprefix('torch.')} values where the model expects "
                              "floating-point weights (a quantized checkpoint needs its weight format)")
