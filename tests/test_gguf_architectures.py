@@ -157,23 +157,37 @@ def test_experts_load_quantized_and_dense_alike():
         dense.close()
 
 
-def test_what_the_file_cannot_say_is_refused(tmp_path):
-    """A llama GGUF naming a sliding window (llama.cpp ignores it; which layers slide is not said) is refused."""
-    src = gguf.GGUFReader(gguf_file("mistral"))
-    out = tmp_path / "windowed.gguf"
+def _copy(source: str, out, **fields) -> str:
+    """`source` with some general.* / llama.* metadata set (e.g. name="mistral", sliding_window=8)."""
+    src = gguf.GGUFReader(source)
     writer = gguf.GGUFWriter(str(out), arch="llama")
     for field in src.fields.values():
-        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+        if field.name in ("general.architecture", "general.name") or field.name.startswith("GGUF."):
             continue
         vtype = field.types[0]
         writer.add_key_value(field.name, field.contents(), vtype,
                              sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
-    writer.add_sliding_window(8)
+    writer.add_name(fields.get("name", "tiny"))
+    if "sliding_window" in fields:
+        writer.add_sliding_window(fields["sliding_window"])
     for t in src.tensors:
         writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return str(out)
+
+
+def test_a_llama_file_named_mistral_stays_llama(tmp_path):
+    """transformers reads a llama GGUF whose general.name is "mistral" as a MistralConfig with its default
+    4096-token window; the file (and llama.cpp) say llama, full attention."""
+    config, _ = GGUFFile(_copy(gguf_file("mistral"), tmp_path / "m.gguf", name="mistral")).hf_config_and_tokenizer()
+    assert (config.model_type, getattr(config, "sliding_window", None)) == ("llama", None)
+
+
+def test_what_the_file_cannot_say_is_refused(tmp_path):
+    """A llama GGUF naming a sliding window (llama.cpp ignores it; which layers slide is not said) is refused."""
+    out = _copy(gguf_file("mistral"), tmp_path / "windowed.gguf", sliding_window=8)
     with pytest.raises(ModelLoadError, match="sliding window of 8 tokens"):
-        LLM(str(out), **OPTIONS)
+        LLM(out, **OPTIONS)
