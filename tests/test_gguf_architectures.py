@@ -6,6 +6,7 @@ files attend fully. Also: quantized experts (Q8_0) against nanoplug's dequantize
 is refused."""
 from __future__ import annotations
 
+import contextlib
 from functools import lru_cache
 
 import gguf
@@ -133,28 +134,39 @@ def test_the_config_says_what_llama_cpp_reads():
     assert cfg.sliding_window == 12
 
 
-def test_experts_load_quantized_and_dense_alike():
-    """Q8_0 experts and attention (F16 embedding): the gguf format keeps the attention's blocks and dequantizes
-    the experts at load (its kernels are 2-D); the same file loaded dense gives the same tokens."""
+QUANTIZED = (("ffn_gate_exps", "Q8_0"), ("ffn_up_exps", "Q8_0"), ("ffn_down_exps", "Q8_0"), ("attn_q", "Q8_0"),
+             ("attn_output", "Q8_0"), ("token_embd", "F16"))
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "gguf_triton"])
+def test_experts_load_quantized_and_dense_alike(fmt):
+    """Q8_0 experts and attention (F16 embedding): the GGUF formats keep the attention's blocks and dequantize
+    the experts at load (their kernels are 2-D); the same file loaded dense gives the same tokens. gguf_triton
+    through the Triton interpreter."""
+    import nanoplug.kernels.gguf.triton_kernels as triton_kernels
+    from _triton_interpreter import interpreted
     from nanoplug.kernels.gguf.cpu_linear import Activations
 
-    path = gguf_file("qwen2_moe", (("ffn_gate_exps", "Q8_0"), ("ffn_up_exps", "Q8_0"), ("ffn_down_exps", "Q8_0"),
-                                   ("attn_q", "Q8_0"), ("attn_output", "Q8_0"), ("token_embd", "F16")))
+    path = gguf_file("qwen2_moe", QUANTIZED)
     types = {t.gguf_name.split(".")[-2]: t.type_name for t in GGUFFile(path).tensors()}
     assert types["ffn_up_exps"] == "Q8_0" and types["token_embd"] == "F16"
-    quant = LLM(path, **OPTIONS)
-    dense = LLM(path, quantization=None, **OPTIONS)
-    try:
-        assert quant.choices["weight_format"].name == "gguf" and dense.choices["weight_format"].name == "dense"
-        model = quant.engine.worker.model
-        assert [s[2] for s in model.model.layers[1].self_attn.qkv_proj.weight.gguf.segments] == ["Q8_0", None]
-        experts = model.model.layers[1].mlp.experts
-        assert experts.gate_up_proj.weight.dtype == torch.float32
-        model.lm_head.linear_method.set_activations(Activations("float", 0, "float"))
-        assert greedy(quant) == greedy(dense)
-    finally:
-        quant.close()
-        dense.close()
+    with interpreted(triton_kernels) if fmt == "gguf_triton" else contextlib.nullcontext():
+        # the torch KV cache: under the interpreter "auto" would take triton's, whose kernels were defined without it
+        quant = LLM(path, quantization=fmt, kv_cache="torch", **OPTIONS)
+        dense = LLM(path, quantization=None, kv_cache="torch", **OPTIONS)
+        try:
+            assert quant.choices["weight_format"].name == fmt and dense.choices["weight_format"].name == "dense"
+            model = quant.engine.worker.model
+            segments = model.model.layers[1].self_attn.qkv_proj.weight.gguf.segments
+            formats = [s[2] for s in segments] if fmt == "gguf" else [getattr(s.weight, "fmt", None) for s in segments]
+            assert formats[0] == "Q8_0" and len(formats) == 2  # q in its blocks, k and v one float part
+            assert model.model.layers[1].mlp.experts.gate_up_proj.weight.dtype == torch.float32
+            if fmt == "gguf":
+                model.lm_head.linear_method.set_activations(Activations("float", 0, "float"))
+            assert greedy(quant) == greedy(dense)
+        finally:
+            quant.close()
+            dense.close()
 
 
 def _copy(source: str, out, **fields) -> str:
