@@ -191,6 +191,34 @@ def _copy(source: str, out, **fields) -> str:
     return str(out)
 
 
+def test_experts_one_tensor_each_as_older_converters_wrote_mixtral(tmp_path):
+    """blk.L.ffn_gate.E.weight (llama.cpp still reads them): the same model as the merged file's."""
+    src = gguf.GGUFReader(gguf_file("mixtral"))
+    out = tmp_path / "legacy.gguf"
+    writer = gguf.GGUFWriter(str(out), arch="llama")
+    for field in src.fields.values():
+        if field.name != "general.architecture" and not field.name.startswith("GGUF."):
+            vtype = field.types[0]
+            writer.add_key_value(field.name, field.contents(), vtype,
+                                 sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    for t in src.tensors:
+        data = np.asarray(t.data)
+        if "_exps." not in t.name:
+            writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+            continue
+        for e in range(data.shape[0]):
+            writer.add_tensor(t.name.replace("_exps.", f".{e}."), np.ascontiguousarray(data[e]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    llm = LLM(str(out), **OPTIONS)
+    try:
+        assert greedy(llm) == hf_greedy("mixtral")
+    finally:
+        llm.close()
+
+
 def test_a_llama_file_named_mistral_stays_llama(tmp_path):
     """transformers reads a llama GGUF whose general.name is "mistral" as a MistralConfig with its default
     4096-token window; the file (and llama.cpp) say llama, full attention."""

@@ -84,6 +84,11 @@ def hf_name(kind: str, gguf_name: str) -> str | None:
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] in ("weight", "bias"):
         part = BLOCK[kind].get(parts[2]) or EXPERTS.get(kind, {}).get(parts[2])
         return None if part is None else f"model.layers.{parts[1]}.{part}.{parts[3]}"
+    if len(parts) == 5 and parts[0] == "blk" and parts[1].isdigit() and parts[3].isdigit() and parts[4] == "weight":
+        # blk.L.ffn_gate.E: one expert's tensor, as converters before merged experts wrote Mixtral (llama.cpp
+        # still reads them)
+        part = EXPERTS.get(kind, {}).get(f"{parts[2]}_exps")
+        return None if part is None else f"model.layers.{parts[1]}.{part.format(e=parts[3])}.weight"
     base, _, suffix = gguf_name.rpartition(".")
     if base in _SKIPPED or base not in GLOBAL:
         return None
