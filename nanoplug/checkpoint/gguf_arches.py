@@ -160,12 +160,20 @@ def hf_config(arch: str, field: Callable[[str, Any], Any], tensors: dict[str, tu
     if kind in ("qwen2moe", "qwen3moe"):
         # llama.cpp renormalises the top-k weights of qwen3moe and not of qwen2moe (its norm_w), whatever the
         # original config said; a layer without a router is a dense MLP (mlp_only_layers)
+        # the experts' sizes: the metadata's, else their tensors' (older files lack the keys; llama.cpp's
+        # fallbacks, n_ff / n_expert_used and n_ff, are what those converters wrote the tensors with)
+        sparse = next((i for i in range(n_layers) if i not in dense), None)
+        if sparse is None:
+            raise ModelLoadError(f"this {arch} GGUF has no layer with experts (no ffn_gate_inp router)")
+        exps = tensors.get(f"blk.{sparse}.ffn_gate_exps.weight", (0, 0))
         cfg.update(num_experts=int(field(f"{arch}.expert_count")), num_experts_per_tok=int(field(f"{arch}.expert_used_count")),
-                   moe_intermediate_size=int(field(f"{arch}.expert_feed_forward_length")),
+                   moe_intermediate_size=int(field(f"{arch}.expert_feed_forward_length", 0) or exps[1]),
                    norm_topk_prob=kind == "qwen3moe", decoder_sparse_step=1, mlp_only_layers=dense,
                    use_sliding_window=False)
         if kind == "qwen2moe":
-            cfg.update(shared_expert_intermediate_size=int(field("qwen2moe.expert_shared_feed_forward_length")),
+            shexp = tensors.get(f"blk.{sparse}.ffn_gate_shexp.weight", (0,))
+            cfg.update(shared_expert_intermediate_size=int(field("qwen2moe.expert_shared_feed_forward_length", 0)
+                                                           or shexp[0]),
                        qkv_bias="blk.0.attn_q.bias" in tensors)
             return transformers.Qwen2MoeConfig(**cfg)
         return transformers.Qwen3MoeConfig(**cfg)
