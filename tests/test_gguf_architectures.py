@@ -139,7 +139,7 @@ QUANTIZED = (("ffn_gate_exps", "Q8_0"), ("ffn_up_exps", "Q8_0"), ("ffn_down_exps
 
 
 @pytest.mark.parametrize("fmt", ["gguf", "gguf_triton"])
-def test_experts_load_quantized_and_dense_alike(fmt):
+def test_experts_load_quantized_and_dense_alike(fmt, caplog):
     """Q8_0 experts and attention (F16 embedding): the GGUF formats keep the attention's blocks and dequantize
     the experts at load (their kernels are 2-D); the same file loaded dense gives the same tokens. gguf_triton
     through the Triton interpreter."""
@@ -152,7 +152,9 @@ def test_experts_load_quantized_and_dense_alike(fmt):
     assert types["ffn_up_exps"] == "Q8_0" and types["token_embd"] == "F16"
     with interpreted(triton_kernels) if fmt == "gguf_triton" else contextlib.nullcontext():
         # the torch KV cache: under the interpreter "auto" would take triton's, whose kernels were defined without it
-        quant = LLM(path, quantization=fmt, kv_cache="torch", **OPTIONS)
+        with caplog.at_level("INFO", logger="nanoplug"):
+            quant = LLM(path, quantization=fmt, kv_cache="torch", **OPTIONS)
+        assert "48 quantized checkpoint tensor(s) dequantized at load" in caplog.text  # 2 layers, 8 experts, 3
         dense = LLM(path, quantization=None, kv_cache="torch", **OPTIONS)
         try:
             assert quant.choices["weight_format"].name == fmt and dense.choices["weight_format"].name == "dense"

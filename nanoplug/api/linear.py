@@ -23,9 +23,9 @@ class LinearMethod(ABC):
 
     dequantized_experts: bool = False
     """True when a mixture-of-experts model may keep its experts dense under this method, each expert's
-    checkpoint tensor dequantized at load (the loader does it for a floating-point parameter): a format whose
-    kernels serve 2-D layers only (GGUF). False: such a model is refused (a format that quantizes on load would
-    silently not)."""
+    checkpoint tensor dequantized at load (the loader does it for a floating-point parameter, and logs it): a
+    format whose kernels serve 2-D layers only (GGUF). False: such a model is refused (a format that quantizes on
+    load would silently not)."""
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
         """Register the layer's parameters (this rank's sizes). Each parameter carries

@@ -8,8 +8,6 @@ down by input columns, one all-reduce after). A platform puts its fused kernel i
 """
 from __future__ import annotations
 
-import logging
-from functools import lru_cache
 from typing import Any, Callable
 
 import torch
@@ -18,14 +16,6 @@ from torch import nn
 
 from nanoplug.api.errors import ModelLoadError
 from nanoplug.api.linear import DenseLinearMethod, LinearMethod, check_shape
-
-log = logging.getLogger("nanoplug")
-
-
-@lru_cache(maxsize=None)
-def _say_experts_dense(method: str) -> None:
-    log.info("mixture-of-experts weights are dequantized to dense experts at load: the weight format's %s serves "
-             "2-D layers only (the other layers keep its format)", method)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,9 +121,9 @@ class FusedMoE(nn.Module):
     def __init__(self, group: Any, num_experts: int, hidden_size: int, intermediate_size: int,
                  linear_method: LinearMethod | None = None):
         super().__init__()
-        if linear_method is not None and linear_method.dequantized_experts:
-            _say_experts_dense(type(linear_method).__name__)
-        elif linear_method is not None and not isinstance(linear_method, DenseLinearMethod):
+        # a format whose kernels are 2-D (GGUF) leaves the experts dense: the loader dequantizes them, and says so
+        if linear_method is not None and not linear_method.dequantized_experts \
+                and not isinstance(linear_method, DenseLinearMethod):
             raise ModelLoadError(
                 f"the weight format {type(linear_method).__name__} does not apply to mixture-of-experts weights yet "
                 "(experts are kept dense); load this model without a quantized weight format (GGUF, fp8)")
