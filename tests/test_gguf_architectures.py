@@ -113,8 +113,6 @@ def test_a_converted_gguf_gives_transformers_greedy_tokens(name):
 
 
 def test_the_config_says_what_llama_cpp_reads():
-    from nanoplug.checkpoint.gguf_file import GGUFFile
-
     def config(name):
         f = GGUFFile(gguf_file(name))
         return f.kind, f._config(None)
