@@ -21,6 +21,12 @@ from nanoplug.api.errors import WeightShapeError
 class LinearMethod(ABC):
     """How one layer's weight is created, loaded and applied; dense (the default) keeps today's code."""
 
+    dequantized_experts: bool = False
+    """True when a mixture-of-experts model may keep its experts dense under this method, each expert's
+    checkpoint tensor dequantized at load (the loader does it for a floating-point parameter, and logs it): a
+    format whose kernels serve 2-D layers only (GGUF). False: such a model is refused (a format that quantizes on
+    load would silently not)."""
+
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
         """Register the layer's parameters (this rank's sizes). Each parameter carries
         `weight_loader(param, tensor, shard_id=None)`, the layer's own loader, which shards/packs and

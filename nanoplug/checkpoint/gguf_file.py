@@ -6,7 +6,8 @@ tensor is handed on as its blocks (uint8 [rows, bytes per row]) and a weight for
 way; `dequantize()` gives gguf-py's own float32 values, the oracle every kernel is checked against.
 llama.cpp's converter permutes the rows of a llama model's q and k projections (its RoPE pairs
 adjacent features, Hugging Face's pairs the two halves); the rows are put back as transformers does,
-which moves whole rows of blocks and so works on quantized rows too.
+which moves whole rows of blocks and so works on quantized rows too. The other architectures' conventions
+(Mixtral and Mistral as llama, merged experts, Gemma's norms, Phi-3's fused layers) are gguf_arches.py's.
 
 `checkpoint_folder(file)` turns any GGUF file into a checkpoint folder nanoplug loads like a Hugging
 Face one (config, tokenizer, the file linked in), built once per file in the cache; its config says
@@ -19,7 +20,6 @@ import hashlib
 import io
 import json
 import os
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -30,30 +30,16 @@ import numpy as np
 import torch
 
 from nanoplug.api.errors import ModelLoadError
+from nanoplug.checkpoint import gguf_arches
+from nanoplug.checkpoint.gguf_arches import ARCHITECTURES  # noqa: F401  (the GGUF architectures read)
 
-# GGUF architectures whose tensors map onto nanoplug's decoder, and their Hugging Face architecture
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_BLOCK = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-_SKIPPED = {"rope_freqs"}  # llama3 rope factors: the config's rope_scaling gives them
-_BLK = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
+_MISSING = object()
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a tensor of a llama/Qwen2/Qwen3 GGUF (None: a tensor nanoplug does not load)."""
-    m = _BLK.match(gguf_name)
-    if m:
-        part = _BLOCK.get(m.group(2))
-        return None if part is None else f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
-    base, _, suffix = gguf_name.rpartition(".")
-    if base in _SKIPPED or base not in _GLOBAL:
-        return None
-    return f"{_GLOBAL[base]}.{suffix}"
+def hf_name(gguf_name: str, kind: str = "llama") -> str | None:
+    """The Hugging Face name of a tensor of a GGUF of `kind` (gguf_arches.variant; None: a tensor nanoplug
+    does not load)."""
+    return gguf_arches.hf_name(kind, gguf_name)
 
 
 def unpermute_rows(rows: int, n_head: int) -> np.ndarray:
@@ -211,25 +197,31 @@ class GGUFFile:
         if self.arch not in ARCHITECTURES:
             raise ModelLoadError(f"{self.path.name} is a GGUF of architecture {self.arch!r}; nanoplug reads "
                                  f"{', '.join(ARCHITECTURES)} GGUF files (or pass a Hugging Face checkpoint folder)")
+        self.kind = gguf_arches.variant(self.arch, self.field)
         self.num_heads = int(self.field(f"{self.arch}.attention.head_count"))
         self.num_kv_heads = int(self.field(f"{self.arch}.attention.head_count_kv", self.num_heads))
 
-    def field(self, key: str, default: Any = None) -> Any:
-        """A scalar or string metadata value (arrays are not read)."""
+    def field(self, key: str, default: Any = _MISSING) -> Any:
+        """A scalar or string metadata value (arrays are not read); without a default, a missing one is an error."""
         value = self._header.fields.get(key)
         if value is None:
-            if default is None:
+            if default is _MISSING:
                 raise ModelLoadError(f"{self.path.name} has no {key!r} metadata entry")
             return default
         return value
 
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape in torch order, by its GGUF name."""
+        return {name: tuple(int(d) for d in reversed(dims)) for name, dims, _, _ in self._header.tensors}
+
     def tensors(self) -> Iterator[GGUFTensor]:
-        """Every tensor nanoplug loads, under its Hugging Face name, q/k rows back in Hugging Face order."""
+        """Every tensor nanoplug loads, under its Hugging Face name, as the checkpoint held it: q/k rows back in
+        Hugging Face order, Gemma's norms without the converter's + 1, merged experts one tensor per expert."""
         import gguf
 
         data = np.memmap(self.path, mode="r")
         for gguf_name, dims, ttype, offset in self._header.tensors:
-            name = hf_name(gguf_name)
+            name = hf_name(gguf_name, self.kind)
             if name is None:
                 continue
             qtype = gguf.GGMLQuantizationType(ttype)
@@ -242,10 +234,23 @@ class GGUFFile:
                 raw = raw.view({"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[qtype.name]).reshape(shape)
             else:
                 raw = raw.reshape(*shape[:-1], shape[-1] // block * size)
-            if self.arch == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name) and len(shape) == 2:
+            if self.arch in gguf_arches.PERMUTED and (".attn_q." in gguf_name or ".attn_k." in gguf_name) \
+                    and len(shape) == 2:
                 heads = self.num_heads if ".attn_q." in gguf_name else self.num_kv_heads
                 raw = np.asarray(raw)[unpermute_rows(shape[0], heads)]
-            yield GGUFTensor(name, gguf_name, int(ttype), qtype.name, shape, raw)
+            if self.arch in gguf_arches.NORM_PLUS_ONE and gguf_arches.is_norm(gguf_name):
+                if qtype.name not in ("F32", "F16"):
+                    raise ModelLoadError(f"{self.path.name}: norm {gguf_name} is {qtype.name}, not F32 or F16")
+                raw, qtype = np.asarray(raw, dtype=np.float32) - 1, gguf.GGMLQuantizationType.F32
+            if name.endswith("shared_expert_gate.weight") and len(shape) == 1:  # llama.cpp's {n_embd}: one row
+                shape, raw = (1, shape[0]), np.asarray(raw).reshape(1, -1)
+            if "{e}" in name:
+                if len(shape) != 3:
+                    raise ModelLoadError(f"{self.path.name}: {gguf_name} has shape {shape}, not [experts, out, in]")
+                for e in range(shape[0]):
+                    yield GGUFTensor(name.format(e=e), gguf_name, int(qtype), qtype.name, shape[1:], raw[e])
+                continue
+            yield GGUFTensor(name, gguf_name, int(qtype), qtype.name, shape, raw)
 
     def hf_config_and_tokenizer(self, progress: bool = False) -> tuple[Any, Any]:
         """The Hugging Face config and tokenizer transformers builds from the metadata (no weights read)."""
@@ -258,11 +263,12 @@ class GGUFFile:
         try:
             with quiet:
                 folder, name = str(self.path.parent), self.path.name
-                config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
+                config = self._config(lambda: AutoConfig.from_pretrained(folder, gguf_file=name,
+                                                                         local_files_only=True))
                 tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
         finally:
             hf_logging.set_verbosity(verbosity)
-        config.architectures = [ARCHITECTURES[self.arch]]
+        config.architectures = [gguf_arches.hf_architecture(self.arch, self.field)]
         config.dtype = "float32"
         # GGUF stores the epsilon as float32 (1e-5 reads back as 9.9999997e-06): take the shortest
         # decimal that rounds to the same float32, the value the original config held
@@ -273,6 +279,19 @@ class GGUFFile:
             if hasattr(config, key):
                 delattr(config, key)
         return config, tokenizer
+
+    def _config(self, from_transformers: Any) -> Any:
+        """transformers' config for the architectures it reads whole (llama, qwen2, qwen3), else gguf_arches'."""
+        if self.arch not in gguf_arches.TRANSFORMERS_CONFIG or self.kind != self.arch:
+            return gguf_arches.hf_config(self.arch, self.field, self.shapes())
+        gguf_arches.check_no_window(self.arch, self.field)
+        config = from_transformers()
+        if config.model_type == "mistral":  # transformers' guess from general.name; the file is a llama one
+            from transformers import LlamaConfig
+
+            config = LlamaConfig(**{k: v for k, v in config.to_dict().items()
+                                    if k not in ("model_type", "sliding_window", "architectures")})
+        return config
 
     def eos_token_ids(self) -> list[int]:
         """The end-of-sequence token, and the end-of-turn token where the file names one."""

@@ -206,7 +206,12 @@ def _loader_error(exc: Exception, name: str, file: Path, target: str) -> ModelLo
     return ModelLoadError(f"checkpoint tensor {name!r} in {str(file)!r} cannot be loaded into {target}: {why}")
 
 
-def _load_one(param: torch.nn.Parameter, tensor: torch.Tensor, shard: Any) -> None:
+def _load_one(param: torch.nn.Parameter, tensor: Any, shard: Any) -> bool:
+    """Load one tensor; True when it came in a weight format's blocks and was dequantized for a dense parameter
+    (an MoE's experts, which the GGUF formats' 2-D kernels do not serve)."""
+    dequantized = param.is_floating_point() and not isinstance(tensor, torch.Tensor)
+    if dequantized:
+        tensor = tensor.dequantize()
     if param.is_floating_point() and not tensor.is_floating_point():
         raise ModelLoadError(f"it holds {str(tensor.dtype).removeprefix('torch.')} values where the model expects "
                              "floating-point weights (a quantized checkpoint needs its weight format)")
@@ -217,6 +222,7 @@ def _load_one(param: torch.nn.Parameter, tensor: torch.Tensor, shard: Any) -> No
         loader(param, tensor, shard)
     else:
         loader(param, tensor)
+    return dequantized
 
 
 def load_weights(model: torch.nn.Module, folder: str | Path, adapters: Iterable[Any] = (),
@@ -233,6 +239,7 @@ def load_weights(model: torch.nn.Module, folder: str | Path, adapters: Iterable[
     loaded: dict[str, set[Any]] = {}  # parameter -> shards loaded (None: the whole tensor)
     no_place: list[str] = []  # tensors of modules the model builds, but has no parameter for
     unused: list[str] = []  # tensors of modules the model does not have at all
+    dequantized: list[str] = []  # tensors kept in their blocks that a dense parameter took as values
     transforms = [a.transform for a in adapters] + ([weight_format.transform] if weight_format is not None else [])
     kept = weight_format.kept_types if weight_format is not None else frozenset()
     stream = iter_checkpoint(folder, kept)
@@ -252,12 +259,17 @@ def load_weights(model: torch.nn.Module, folder: str | Path, adapters: Iterable[
             continue
         try:
             with torch.no_grad():
-                _load_one(param, tensor, shard)
+                if _load_one(param, tensor, shard):
+                    dequantized.append(name)
         except (ModelLoadError, ValueError, RuntimeError) as exc:
             if isinstance(exc, torch.OutOfMemoryError):
                 raise
             raise _loader_error(exc, name, file, target) from exc
         loaded.setdefault(target, set()).add(shard)
+    if dequantized:
+        log.info("%d quantized checkpoint tensor(s) dequantized at load for layers the weight format %s does not "
+                 "serve (its kernels are 2-D; e.g. an MoE's experts): %s", len(dequantized),
+                 type(weight_format).__name__, ", ".join(dequantized[:3]) + (", ..." if len(dequantized) > 3 else ""))
     for adapter in adapters:
         adapter.finish()
     if weight_format is not None:

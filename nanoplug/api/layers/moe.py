@@ -121,7 +121,9 @@ class FusedMoE(nn.Module):
     def __init__(self, group: Any, num_experts: int, hidden_size: int, intermediate_size: int,
                  linear_method: LinearMethod | None = None):
         super().__init__()
-        if linear_method is not None and not isinstance(linear_method, DenseLinearMethod):
+        # a format whose kernels are 2-D (GGUF) leaves the experts dense: the loader dequantizes them, and says so
+        if linear_method is not None and not linear_method.dequantized_experts \
+                and not isinstance(linear_method, DenseLinearMethod):
             raise ModelLoadError(
                 f"the weight format {type(linear_method).__name__} does not apply to mixture-of-experts weights yet "
                 "(experts are kept dense); load this model without a quantized weight format (GGUF, fp8)")

@@ -100,6 +100,8 @@ def _format(tensor: Any) -> str | None:
 
 
 class GGUFLinearMethod(LinearMethod):
+    dequantized_experts = True  # experts kept dense (dequantized at load): these kernels are 2-D
+
     def __init__(self, kernels: Any, activations: Activations = Activations()):
         self.kernels = kernels
         self.set_activations(activations)

@@ -73,6 +73,8 @@ def _is_blocks(tensor: Any) -> bool:
 
 
 class TritonGGUFLinearMethod(LinearMethod):
+    dequantized_experts = True  # experts kept dense (dequantized at load): these kernels are 2-D
+
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
         weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
         weight.gguf = _Weight(output_size, input_size, dtype)
