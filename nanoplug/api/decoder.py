@@ -155,7 +155,7 @@ class DecoderForCausalLM(nn.Module, ModelArchitecture):
 
             def hook(module, args, i=i, at=at):
                 hidden, residual = args[at], args[at + 1] if len(args) > at + 1 else None
-                kept[i] = hidden if residual is None else hidden + residual
+                kept[i] = hidden if residual is None else (hidden + residual).to(hidden.dtype)  # (float32 stream)
 
             modules[i].register_forward_pre_hook(hook)
         return lambda: [kept[i] for i in layer_ids]
