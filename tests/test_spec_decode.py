@@ -288,6 +288,11 @@ def test_adaptive_k_takes_the_k_that_measured_fastest_per_batch_size():
         slow.observe(64, k, 64 * (1 + k), 1e-3 if k == 0 else 2e-2 * (k + 1))
     assert [slow.choose(64) for _ in range(64)].count(0) == 62  # 2 tries in 64 steps, not 16
 
+    # where wide steps pay, plain steps are still measured afresh now and then (the baseline a choice is judged by)
+    wide = AdaptiveK(4, explore_every=4)
+    chosen = [step(wide, 1, accept=0.8) for _ in range(5 * 3 + 64)][15:]
+    assert chosen.count(4) >= 48 and 0 < chosen.count(0) <= 4 and chosen.count(3) > 0
+
 
 @pytest.mark.slow
 def test_the_model_drafting_for_itself_keeps_every_draft(plain, reference):

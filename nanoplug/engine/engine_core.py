@@ -239,15 +239,13 @@ class EngineCore:
         k = self.speculation.num_drafts(self.scheduler)
         if k:
             return updates + self._speculative_step(k)
-        started, before, launched_before = time.perf_counter(), self.last_step, self.in_flight
+        started, before = time.perf_counter(), self.last_step
         updates += self._plain_step()
-        seconds = time.perf_counter() - started
-        launched = self.in_flight if self.in_flight is not launched_before else None
-        if self.last_step is not before and not self.last_step[0]:  # a decode step's time teaches the adaptive k
+        # a decode step's time teaches the adaptive k; a call that only launched (the first plain step after
+        # drafts) teaches nothing: the refill of the pipeline is paid once a switch, not by every plain step
+        if self.last_step is not before and not self.last_step[0]:
             seqs = self.last_step[2]
-            self.speculation.policy.observe(seqs, 0, seqs, seconds)
-        elif launched is not None and not launched.step.is_prefill:  # launched only (the first after drafts): its
-            self.speculation.policy.observe(len(launched.batch), 0, 0, seconds)  # tokens count when collected
+            self.speculation.policy.observe(seqs, 0, seqs, time.perf_counter() - started)
         return updates
 
     def _plain_step(self) -> list[RequestUpdate]:

@@ -82,9 +82,14 @@ class AdaptiveK:
             if self.samples.get((b, k), 0) < self.tries:
                 return k
         best = max(range(self.k_max + 1), key=lambda k: self.rate(num_seqs, k))
-        if n % self.explore_every == 0:  # now and then a neighbour again: the workload may have changed
-            up = best < self.k_max and (best == 0 or (n // self.explore_every) % 2 == 1)
-            other = best + 1 if up else max(best - 1, 0)
+        if n % self.explore_every == 0:  # now and then another k again: the workload may have changed
+            # in turn the neighbour above, the one below, and plain steps (k = 0, the baseline every choice is
+            # judged against, measured afresh even when the best is far from it)
+            turn = (n // self.explore_every) % 3
+            if best == 0 or (turn == 0 and best < self.k_max):
+                other = best + 1
+            else:
+                other = best - 1 if turn == 1 else 0
             # one that measured far behind (a wide verification of a compute-bound batch) is tried 8x less often
             if (self.rate(num_seqs, other) >= self.far * self.rate(num_seqs, best)
                     or n % (8 * self.explore_every) == 0):
