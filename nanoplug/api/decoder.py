@@ -65,8 +65,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, hidden, residual):
-        if residual is None:  # the residual stream in float32 whatever the layers' dtype (see DecoderModel)
-            residual = hidden.float()
+        if residual is None:
+            residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
@@ -76,10 +76,6 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """Embedding, decoder layers, final norm. The residual stream (the running sum the layers add into) is kept in
-    float32 whatever the layers compute in, as llama.cpp keeps its activations: in bfloat16 its rounding at every
-    add is what parts greedy tokens from float32's soonest; the float32 sum costs a few bytes a token a layer."""
-
     def __init__(self, cfg, layers, attention_factory, qk_norm, qkv_bias, max_positions, mlp_factory=None):
         super().__init__()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

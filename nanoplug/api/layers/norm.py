@@ -1,5 +1,4 @@
-"""RMSNorm, computed in float32, with the residual add fused in when given (the residual may be float32 under
-half-precision layers: the decoder keeps its residual stream in float32)."""
+"""RMSNorm, computed in float32, with the residual add fused in when given."""
 from __future__ import annotations
 
 import torch
@@ -7,21 +6,18 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Normalized in float32, rounded to `out_dtype` (x's dtype when None), then times the weight."""
-    dtype = out_dtype or x.dtype
-    if x.dtype == torch.float32 and weight.dtype == torch.float32 and dtype == torch.float32:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)  # one fused kernel, same float32 math (CPU hot path)
+    dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    """(rms_norm(x + residual), x + residual): the sum in the residual's dtype when that is wider (a float32
-    residual stream under bfloat16 layers), the norm's output in x's dtype."""
     residual = x + residual
-    return rms_norm(residual, weight, eps, out_dtype=x.dtype), residual
+    return rms_norm(residual, weight, eps), residual
 
 
 class RMSNorm(nn.Module):
@@ -40,4 +36,5 @@ class RMSNorm(nn.Module):
             return self.fused(x, self.weight, self.eps) if residual is None else self.fused_add(x, residual, self.weight, self.eps)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
-        return add_rms_norm(x, residual, self.weight, self.eps)
+        residual = x + residual
+        return rms_norm(residual, self.weight, self.eps), residual

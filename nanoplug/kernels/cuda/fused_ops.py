@@ -24,8 +24,7 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rows_per_outer, stride_outer, stride_inner,
-                         stride_res, eps, N: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr,
-                         WIDE_RES: tl.constexpr = False):
+                         stride_res, eps, N: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr):
         """Row r of x (at (r // rows_per_outer) * stride_outer + (r % rows_per_outer) * stride_inner), plus the
         residual's row when ADD (that sum, rounded to x's dtype, is written out too), normalized in float32,
         rounded, then times the weight and rounded again: rms_norm's order of roundings."""
@@ -34,12 +33,11 @@ if triton is not None:
         ok = cols < N
         x_off = (r // rows_per_outer).to(tl.int64) * stride_outer + (r % rows_per_outer) * stride_inner
         x = tl.load(x_ptr + x_off + cols, mask=ok, other=0.0)
-        xf = x.to(tl.float32)
         if ADD:
-            xf = xf + tl.load(res_ptr + r.to(tl.int64) * stride_res + cols, mask=ok, other=0.0).to(tl.float32)
-            if not WIDE_RES:  # the sum rounded to x's dtype; a float32 residual keeps it whole
-                xf = xf.to(x.dtype).to(tl.float32)
-            tl.store(res_out_ptr + r.to(tl.int64) * N + cols, xf.to(res_out_ptr.dtype.element_ty), mask=ok)
+            x = (x.to(tl.float32) + tl.load(res_ptr + r.to(tl.int64) * stride_res + cols, mask=ok, other=0.0)
+                 .to(tl.float32)).to(x.dtype)
+            tl.store(res_out_ptr + r.to(tl.int64) * N + cols, x, mask=ok)
+        xf = x.to(tl.float32)
         inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
         y = (xf * inv).to(x.dtype).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
@@ -128,16 +126,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    wide = residual.dtype == torch.float32 and x.dtype != torch.float32  # the decoder's float32 residual stream
-    if (weight.dtype != x.dtype or (residual.dtype != x.dtype and not wide) or x.dim() != 2
-            or residual.shape != x.shape or x.stride(-1) != 1 or residual.stride(-1) != 1):
+    if (weight.dtype != x.dtype or residual.dtype != x.dtype or x.dim() != 2 or residual.shape != x.shape
+            or x.stride(-1) != 1 or residual.stride(-1) != 1):
         return plain_add_rms_norm(x, residual, weight, eps)
     n = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    summed = torch.empty(x.shape, dtype=residual.dtype, device=x.device)
+    summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.shape[0]:
         _rms_norm_kernel[(x.shape[0],)](x, residual, weight, out, summed, 1, x.stride(0), 0, residual.stride(0), eps,
-                                        N=n, BLOCK=triton.next_power_of_2(n), ADD=True, WIDE_RES=wide)
+                                        N=n, BLOCK=triton.next_power_of_2(n), ADD=True)
     return out, summed
 
 
