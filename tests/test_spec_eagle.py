@@ -261,3 +261,13 @@ def test_engine_drafts_equal_the_head_over_transformers_hidden_states(plain, blo
         aux = torch.cat([states[0][0], states[1][0]], dim=-1)
         assert drafts == reference_drafts(model, aux, tokens[1:], len(drafts)), len(tokens)
     assert len(calls) >= 20
+
+
+def test_the_cache_is_sized_for_the_heads_layer_too():
+    """The head's one layer of K/V mirrors the target's blocks: the platform's sizing leaves room for it, so a cache
+    sized to the memory allowed still fits with the head's (L target layers: L / (L + 1) of the blocks)."""
+    sized = {**OPTIONS, "num_kv_blocks": None, "cpu": {"kv_cache_gb": 0.002}}
+    with LLM(checkpoint(), **sized) as alone, eagle_engine(**sized) as drafting:
+        layers = alone.engine.facts.num_layers
+        want = alone.engine.num_kv_blocks * layers // (layers + 1)
+        assert abs(drafting.engine.num_kv_blocks - want) <= 1, (drafting.engine.num_kv_blocks, want)

@@ -61,6 +61,10 @@ class Speculator(Plugin, ABC):
     options: ClassVar[frozenset[str]] = frozenset()
     """The option names this speculator takes; another is refused at start-up, naming these."""
 
+    kv_layers: ClassVar[int] = 0
+    """Layers of K/V in the target's block geometry this speculator keeps on the device (an EAGLE-3 head: 1): the
+    worker sizes its cache leaving room for them, so the speculator's cache fits where the target's does."""
+
     def __init__(self, spec: SpeculatorSpec):
         unknown = sorted(set(spec.options) - self.options)
         if unknown:

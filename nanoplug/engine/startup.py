@@ -254,7 +254,10 @@ def start(config: EngineConfig, registry: Registry) -> Started:
         platform_options=options.get(choices["platform"].name) or choices["platform"].cls.Options(),  # defaults when none given
     )
     strategy = choices["parallel"].cls(target)
-    worker = strategy.start(RunnerFactory(WorkerSpec(config, plugins, checkpoint.hf_config, checkpoint.facts, target)))
+    # a speculator that keeps K/V of its own in the target's geometry (an EAGLE head) is sized for with the cache
+    extra_kv = getattr(registry.get("speculator", config.speculator), "kv_layers", 0) if config.speculator else 0
+    worker = strategy.start(RunnerFactory(WorkerSpec(config, plugins, checkpoint.hf_config, checkpoint.facts, target,
+                                                     extra_kv_layers=extra_kv)))
     num_blocks = worker.num_kv_blocks()
     facts = checkpoint.facts  # a sequence takes its blocks in every KV group (api/step.py KVGroups)
     groups = len(kv_groups(facts.sliding_windows, facts.num_layers).windows)

@@ -63,6 +63,7 @@ class WorkerSpec:
     hf_config: Any  # the checkpoint's config, read once by the engine
     facts: ModelFacts
     target: Target
+    extra_kv_layers: int = 0  # layers of K/V in the model's block geometry kept beside it (a speculator's): sized for
 
 
 class RunnerFactory:
@@ -86,6 +87,7 @@ class ModelRunner(Worker):
         started = self._clock = time.perf_counter()
         config, plugins, facts = spec.config, spec.plugins, spec.facts
         self.config, self.group, self.facts = config, group, facts
+        self.extra_kv_layers = spec.extra_kv_layers
         self._adapter_context = (plugins, facts, spec.hf_config)  # for adapters loaded at run time
         self.platform = plugins.platform(plugins.platform_options, spec.target)
         self.device = device = self.platform.worker_device(spec.target.device, group)
@@ -228,8 +230,10 @@ class ModelRunner(Worker):
         if self.config.num_kv_blocks is not None:
             # the memory of that many blocks of every layer: under KV groups a block holds num_slots layers' pages
             num_blocks = self.config.num_kv_blocks * self.kv_spec.num_layers // self.kv_groups.num_slots
-        else:
-            num_blocks = self.platform.num_kv_blocks(self._block_bytes(), self._profile_run, self._release_cache)
+        else:  # a speculator's layers (extra_kv_layers) take a block's worth of one slot each beside the model's
+            one_slot = self._block_bytes() // self.kv_groups.num_slots
+            num_blocks = self.platform.num_kv_blocks(self._block_bytes() + self.extra_kv_layers * one_slot,
+                                                     self._profile_run, self._release_cache)
         if self.group.world_size > 1:  # every rank must hold the same blocks: the fewest any rank has room for
             num_blocks = int(self.group.all_gather(torch.tensor([num_blocks], device=self.device), dim=0).min())
         self._set_cache(num_blocks + 1)

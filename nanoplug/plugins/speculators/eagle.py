@@ -70,6 +70,7 @@ class EagleSpeculator(HiddenStateSpeculator):
     description = "an EAGLE-3 head drafts from the target's hidden states (speculators format; K/V in the target's blocks)"
     priority = 20
     options = frozenset({"model"})
+    kv_layers = 1  # its one layer's K/V mirror the target's blocks
 
     @classmethod
     def unavailable(cls, target: Target) -> list[str]:
