@@ -36,30 +36,30 @@ def _permute(w: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tenso
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _sizes(w: gguf.GGUFWriter, c: dict) -> None:
+    """The sizes every converter class writes first (TextModel's, and Gemma2Model's and Phi3MiniModel's own)."""
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(c["num_key_value_heads"])
+
+
 def _metadata(w: gguf.GGUFWriter, hf_arch: str, c: dict) -> None:
     """set_gguf_parameters of TextModel and of the architecture's converter class."""
     rope = c.get("rope_parameters") or {}
     full = rope.get("full_attention", rope)
     if hf_arch == "Phi3ForCausalLM":  # Phi3MiniModel writes its own, not TextModel's
-        w.add_context_length(c["max_position_embeddings"])
+        _sizes(w, c)
         w.add_rope_scaling_orig_ctx_len(c.get("original_max_position_embeddings") or c["max_position_embeddings"])
-        w.add_embedding_length(c["hidden_size"])
-        w.add_feed_forward_length(c["intermediate_size"])
-        w.add_block_count(c["num_hidden_layers"])
-        w.add_head_count(c["num_attention_heads"])
-        w.add_head_count_kv(c["num_key_value_heads"])
         w.add_layer_norm_rms_eps(c["rms_norm_eps"])
         w.add_rope_dimension_count(c["hidden_size"] // c["num_attention_heads"])
         w.add_rope_freq_base(full["rope_theta"])
         w.add_sliding_window(c.get("sliding_window") or 0)
         return
     if hf_arch == "Gemma2ForCausalLM":  # Gemma2Model writes its own too (no rope base: llama.cpp's 10000)
-        w.add_context_length(c["max_position_embeddings"])
-        w.add_embedding_length(c["hidden_size"])
-        w.add_block_count(c["num_hidden_layers"])
-        w.add_feed_forward_length(c["intermediate_size"])
-        w.add_head_count(c["num_attention_heads"])
-        w.add_head_count_kv(c["num_key_value_heads"])
+        _sizes(w, c)
         w.add_layer_norm_rms_eps(c["rms_norm_eps"])
         w.add_key_length(c["head_dim"])
         w.add_value_length(c["head_dim"])
@@ -68,12 +68,7 @@ def _metadata(w: gguf.GGUFWriter, hf_arch: str, c: dict) -> None:
         w.add_sliding_window(c["sliding_window"])
         return
     # TextModel.set_gguf_parameters
-    w.add_context_length(c["max_position_embeddings"])
-    w.add_embedding_length(c["hidden_size"])
-    w.add_block_count(c["num_hidden_layers"])
-    w.add_feed_forward_length(c["intermediate_size"])
-    w.add_head_count(c["num_attention_heads"])
-    w.add_head_count_kv(c["num_key_value_heads"])
+    _sizes(w, c)
     if full.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(full["factor"])

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import numpy as np
-
 from nanoplug.api.errors import ModelLoadError
 
 # GGUF architecture -> Hugging Face architecture (a llama GGUF with experts is Mixtral: see hf_architecture)
@@ -100,12 +98,6 @@ def is_norm(gguf_name: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------------- the config
-def _shortest(eps: float) -> float:
-    """GGUF stores the epsilon as float32 (1e-6 reads back as 9.9999997e-07): the shortest decimal that rounds
-    to the same float32, the value the original config held."""
-    return float(np.format_float_positional(np.float32(eps), unique=True, trim="-"))
-
-
 def _rope(arch: str, field: Callable[[str, Any], Any], base: float) -> dict:
     """The rope of the full-attention layers, as the converter writes it (rope.scaling.type and factor)."""
     kind = field(f"{arch}.rope.scaling.type", "none")
@@ -139,7 +131,7 @@ def hf_config(arch: str, field: Callable[[str, Any], Any], tensors: dict[str, tu
         intermediate_size=int(field(f"{arch}.feed_forward_length")), num_attention_heads=heads,
         num_key_value_heads=int(field(f"{arch}.attention.head_count_kv", heads)), head_dim=head_dim,
         max_position_embeddings=int(field(f"{arch}.context_length")),
-        rms_norm_eps=_shortest(field(f"{arch}.attention.layer_norm_rms_epsilon")),
+        rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),  # (its float32 rounding: gguf_file)
         tie_word_embeddings="output.weight" not in tensors, rope_parameters=_rope(arch, field, base),
         bos_token_id=field("tokenizer.ggml.bos_token_id", -1), eos_token_id=field("tokenizer.ggml.eos_token_id", -1),
         pad_token_id=field("tokenizer.ggml.padding_token_id", -1),

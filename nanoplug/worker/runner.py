@@ -93,9 +93,9 @@ class ModelRunner(Worker):
         self.device = device = self.platform.worker_device(spec.target.device, group)
         self.dtype = dtype = spec.target.dtype
         self.block_size = config.kv_block_size
-        drafts = config.num_speculative_tokens if config.speculator is not None else 0
         self.limits = StepLimits(config.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
-                                 config.kv_block_size, max_decode_rows=config.max_num_seqs * (1 + drafts))
+                                 config.kv_block_size,
+                                 max_decode_rows=config.max_num_seqs * spec.target.decode_query_len)
         heads = facts.num_heads // group.world_size
         kv_heads = facts.num_kv_heads // group.world_size
         store = plugins.kv_cache()
