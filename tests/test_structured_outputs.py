@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from _engine_checks import assert_idle
+from _triton_interpreter import interpreted
 from nanoplug import LLM, SamplingParams
 from nanoplug.api import SamplingBatch, bitmask_words, unpack_bitmask
 from nanoplug.errors import RequestError
@@ -165,29 +166,51 @@ def test_both_backends_give_the_same_output_at_temperature_0(model_dir, llm):
     assert [o.token_ids for o in got[2:]] == [o.token_ids for o in want[2:]]  # no '{"' in these
 
 
-def test_the_samplers_mask_is_masked_fill_of_the_unpacked_bits():
+def _masking_case(width: int):
+    """Logits [4, width], a bitmask over the first 100 ids for rows 1 and 3, and the masked logits wanted (ids past
+    100, padding of the logits, are never allowed)."""
     torch.manual_seed(0)
     vocab, rows = 100, 4
-    logits = torch.randn(rows, vocab)
+    logits = torch.randn(rows, width)
     allowed = torch.rand(2, vocab) < 0.3
     bits = np.packbits(allowed.numpy(), axis=1, bitorder="little")
     bitmask = np.zeros((2, bitmask_words(vocab) * 4), dtype=np.uint8)
     bitmask[:, :bits.shape[1]] = bits
     bitmask = bitmask.view(np.int32)
     assert torch.equal(unpack_bitmask(torch.from_numpy(bitmask), vocab), allowed)
-    batch = SamplingBatch.greedy(rows)
-    batch.mask_rows, batch.bitmask = [1, 3], bitmask
+    allowed = torch.nn.functional.pad(allowed, (0, width - vocab), value=False)
     want = logits.clone()
     want[1] = want[1].masked_fill(~allowed[0], float("-inf"))
     want[3] = want[3].masked_fill(~allowed[1], float("-inf"))
-    before = logits.clone()
-    assert torch.equal(Sampler.masked(logits, batch), want)
-    assert torch.equal(logits, before)
-    tokens = Sampler(torch.device("cpu"))(logits, batch)
-    assert tokens.tolist() == want.argmax(dim=-1).tolist() and allowed[0, tokens[1]] and allowed[1, tokens[3]]
-    every = SamplingBatch.greedy(2)  # every row under a grammar: the one-pass path
-    every.mask_rows, every.bitmask = [0, 1], bitmask
-    assert torch.equal(Sampler.masked(logits[1::2], every), want[1::2])
+    return logits, bitmask, allowed, want
+
+
+@pytest.fixture(scope="module")
+def bitmask_kernel():
+    import nanoplug.kernels.cuda.bitmask as module
+
+    with interpreted(module) as reloaded:
+        yield reloaded.apply_bitmask
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unpacked", "fused-kernel"])
+def test_the_samplers_mask_is_masked_fill_of_the_unpacked_bits(fused, request):
+    """The plain path (unpack, masked_fill) and the CUDA platform's one-kernel masker (under the Triton
+    interpreter) give the same logits, on some rows or every row, with logits wider than the bitmask."""
+    masker = request.getfixturevalue("bitmask_kernel") if fused else None
+    sampler = Sampler(torch.device("cpu"), masker=masker)
+    for width in (100, 140):
+        logits, bitmask, allowed, want = _masking_case(width)
+        batch = SamplingBatch.greedy(4)
+        batch.mask_rows, batch.bitmask = [1, 3], bitmask
+        before = logits.clone()
+        assert torch.equal(sampler.masked(logits, batch), want)
+        assert torch.equal(logits, before)
+        tokens = sampler(logits, batch)
+        assert tokens.tolist() == want.argmax(dim=-1).tolist() and allowed[0, tokens[1]] and allowed[1, tokens[3]]
+        every = SamplingBatch.greedy(2)  # every row under a grammar: the one-pass path
+        every.mask_rows, every.bitmask = [0, 1], bitmask
+        assert torch.equal(sampler.masked(logits[1::2], every), want[1::2])
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])

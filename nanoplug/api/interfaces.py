@@ -388,6 +388,13 @@ class Platform(Plugin):
         token drawn from softmax(logits / temperature), its noise keyed by `seed` (a new one every step)."""
         return None
 
+    def grammar_masker(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None:
+        """A faster way to set the tokens a grammar forbids to -inf (structured outputs), or None:
+        `(logits [rows, vocab], bitmask int32 [masked, words] on the device, rows int64 [masked] on the device or
+        None for every row in order) -> a masked copy`; bit j of word w allows token 32 w + j, and tokens past
+        the words are forbidden (as `unpack_bitmask`)."""
+        return None
+
     def num_kv_blocks(self, block_bytes: int, profile: Callable[[], None], release: Callable[[], None]) -> int:
         """How many KV blocks of `block_bytes` fit. `profile()` runs the largest step once on a small
         temporary cache, `release()` frees that cache, for platforms that size the cache from memory."""

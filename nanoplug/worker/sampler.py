@@ -35,10 +35,12 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0, greedy=None, temperature=None):
+    def __init__(self, device: torch.device, seed: int = 0, greedy=None, temperature=None, masker=None):
         """greedy: a faster `logits.argmax(dim=-1)` for this device, if there is one (same ties: first max);
-        temperature: a faster draw for batches sampled at a temperature alone (Platform.temperature_sampler)."""
+        temperature: a faster draw for batches sampled at a temperature alone (Platform.temperature_sampler);
+        masker: a faster application of a grammar's bitmask (Platform.grammar_masker)."""
         self.device = device
+        self.masker = masker
         self.greedy = greedy or _argmax
         self.temperature = temperature
         self.generator = torch.Generator(device=device)
@@ -63,12 +65,16 @@ class Sampler:
             self.processors.record(tokens, batch.processing)
         return out
 
-    @staticmethod
-    def masked(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def masked(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """A copy of `logits` with the tokens a row's grammar forbids at -inf (structured outputs): the bitmask
         is copied in asynchronously and unpacked on the device, so no host-device sync is added."""
-        allowed = unpack_bitmask(to_device(batch.bitmask, torch.int32, logits.device), logits.shape[1])
-        if len(batch.mask_rows) == logits.shape[0]:  # every row under a grammar (rows in order): one pass
+        bitmask = to_device(batch.bitmask, torch.int32, logits.device)
+        every_row = len(batch.mask_rows) == logits.shape[0]  # every row under a grammar (rows in order)
+        if self.masker is not None:
+            rows = None if every_row else to_device(batch.mask_rows, torch.int64, logits.device)
+            return self.masker(logits, bitmask, rows)
+        allowed = unpack_bitmask(bitmask, logits.shape[1])
+        if every_row:  # one pass
             return logits.masked_fill(~allowed, float("-inf"))
         rows = to_device(batch.mask_rows, torch.int64, logits.device)
         out = logits.clone()

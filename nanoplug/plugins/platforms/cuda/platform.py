@@ -25,7 +25,8 @@ import torch
 from nanoplug.api import (FusedOps, GraphCaptureError, Platform, ProcessGroup, SamplingBatch, StepBatch, StepLimits,
                           Target, add_rms_norm, apply_rope, rms_norm, silu_and_mul)
 from nanoplug.api.disk_cache import cache_root
-from nanoplug.kernels.cuda import fused_ops as fused_kernels, sampling as sampling_kernel, small_gemm
+from nanoplug.kernels.cuda import bitmask as bitmask_kernel, fused_ops as fused_kernels, sampling as sampling_kernel, \
+    small_gemm
 from nanoplug.kernels.moe import fused_moe
 from nanoplug.plugins.platforms.cuda.graphs import DecodeGraphs
 from nanoplug.plugins.platforms.cuda.options import CudaOptions
@@ -121,6 +122,12 @@ class CudaPlatform(Platform):
         if self.enforce_eager or not self.compile_fused_ops or sampling_kernel.triton is None:
             return None
         return sampling_kernel.sample
+
+    def grammar_masker(self):
+        """A grammar's bitmask applied in one launch, not unpacked by a dozen (structured outputs at batch 64)."""
+        if self.enforce_eager or not self.compile_fused_ops or bitmask_kernel.triton is None:
+            return None
+        return bitmask_kernel.apply_bitmask
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         """One kernel for each small op (add + RMSNorm, SiLU-and-mul, RoPE): on a GPU each eager op is
