@@ -29,7 +29,7 @@ def data(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,n,k,bias", [(1, 37, 96, False), (2, 64, 2048, True), (1, 8, 1500, True),
-                                           (2, 5, 3, False)])
+                                           (2, 5, 3, False), (1, 5, 4500, False), (1, 3, 4096, True)])
 def test_small_gemm_equals_f_linear(gemm, dtype, rows, n, k, bias):
     x, w = data(rows, k, dtype=dtype), data(n, k, dtype=dtype, seed=1)
     b = data(n, dtype=dtype, seed=2) if bias else None
@@ -53,7 +53,9 @@ def test_products_it_does_not_take_go_to_f_linear(gemm):
     assert not gemm.takes(three, w, None)
     assert torch.equal(gemm.linear(three, w), F.linear(three, w))
     assert not gemm.takes(data(1, 32, dtype=torch.bfloat16), w, None)  # dtypes differ
-    assert not gemm.takes(data(2, 32, dtype=torch.float32), data(40000, 32, dtype=torch.float32), None)  # LM head
+    # two rows of a big weight (a Qwen3-8B layer's, an LM head's): cuBLAS; one row of it: the kernel
+    assert not gemm.takes(data(2, 32, dtype=torch.float32), data(1 << 17, 32, dtype=torch.float32), None)
+    assert gemm.takes(data(1, 32, dtype=torch.float32), data(1 << 17, 32, dtype=torch.float32), None)
     assert not gemm.takes(data(1, 32, dtype=torch.float32).t(), data(16, 1, dtype=torch.float32), None)
 
 

@@ -24,8 +24,10 @@ from nanoplug import LLM, SamplingParams
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_gguf import SHAPE, write_checkpoint  # noqa: E402  (the 8B-shape random bf16 checkpoint)
 
-KINDS = (("gemm", ("gemm", "gemv", "nvjet", "cutlass", "sm90_", "matmul", "splitk", "small_gemm")),
-         ("attention", ("flash", "attn", "decode", "fmha", "paged")), ("norm", ("norm",)), ("rope", ("rope",)),
+# attention first: FlashAttention-4's kernels are CUTLASS kernels too
+KINDS = (("attention", ("flash", "attn", "decode", "fmha", "paged")),
+         ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "sm90_", "matmul", "splitk", "small_gemm")),
+         ("norm", ("norm",)), ("rope", ("rope",)),
          ("activation", ("silu", "act")), ("sampling", ("gumbel", "argmax", "sample", "exponential", "topk")),
          ("cache", ("cache", "store", "scatter")), ("copy", ("copy", "memcpy", "memset", "fill")))
 

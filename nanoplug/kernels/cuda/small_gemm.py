@@ -1,5 +1,5 @@
-"""Dense linear layers on CUDA: `x @ W.T + b` by a Triton kernel when x has one or two rows (batch-1 and
-batch-2 decode), by cuBLAS otherwise.
+"""Dense linear layers on CUDA: `x @ W.T + b` by a Triton kernel when x has one row (batch-1 decode) or two rows
+and a small weight (batch-2 decode), by cuBLAS otherwise.
 
 At one or two rows a linear layer only streams its weight; cuBLAS's kernels for these shapes leave much of
 the GPU's memory bandwidth unused on the small matrices of a decoder layer (benchmarks/RESULTS.md). The
@@ -48,8 +48,18 @@ if triton is not None:
                  mask=m_ok[:, None] & n_ok[None, :])
 
 MAX_ROWS = 2  # from three rows on, cuBLAS is as fast or faster on a decoder layer's shapes
-MAX_N_AT_TWO_ROWS = 32768  # an LM head's weight at two rows: cuBLAS wins
-BLOCK_N, MAX_BLOCK_K = 4, 1024
+# at two rows cuBLAS wins from a Qwen3-0.6B layer's q/k/v or gate/up weight up (4M elements; an 8B's every layer)
+MAX_WEIGHT_AT_TWO_ROWS = 1 << 22
+
+
+def _blocks(k: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) for a reduction of length k: a whole row of up to 4,096 in one chunk (two rows a
+    program then), longer rows in chunks of 2,048 (four rows a program). The best or within 3% of the best of a
+    sweep on the H200 over Qwen3-0.6B's and 8B's layers and LM heads (benchmarks/studies/gpu_gemv_tune.py)."""
+    if k > 4096:
+        return 4, 2048
+    block_k = triton.next_power_of_2(k)
+    return (2 if block_k == 4096 and k == block_k else 4), block_k
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -58,7 +68,8 @@ def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> b
     if triton is None or x.dim() != 2 or weight.dim() != 2 or (x.device.type != "cuda" and not interpreting()):
         return False
     rows, n = x.shape[0], weight.shape[0]
-    return (0 < rows <= MAX_ROWS and (rows == 1 or n <= MAX_N_AT_TWO_ROWS) and x.dtype == weight.dtype
+    small = rows == 1 or n * weight.shape[1] < MAX_WEIGHT_AT_TWO_ROWS
+    return (0 < rows <= MAX_ROWS and small and x.dtype == weight.dtype
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.stride(1) == 1
             and weight.stride(1) == 1 and x.shape[1] == weight.shape[1]
             and (bias is None or (bias.dim() == 1 and bias.is_contiguous() and bias.shape[0] == n)))
@@ -70,10 +81,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     (rows, k), n = x.shape, weight.shape[0]
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    block_k = min(MAX_BLOCK_K, triton.next_power_of_2(k))
-    _small_gemm_kernel[(triton.cdiv(n, BLOCK_N),)](
+    block_n, block_k = _blocks(k)
+    _small_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, rows, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        M_PAD=triton.next_power_of_2(rows), BLOCK_N=BLOCK_N, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        M_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         HAS_BIAS=bias is not None, num_warps=4, num_stages=2)
     return y
 
