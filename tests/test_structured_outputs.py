@@ -185,6 +185,18 @@ def _masking_case(width: int):
     return logits, bitmask, allowed, want
 
 
+def test_a_steps_bitmask_is_one_of_two_buffers_used_in_turn():
+    """The engine writes each step's masks into one of two buffers (pinned on CUDA), in turn: a buffer is written
+    again only two steps later, once the copy that read it has run; a bigger step gets a bigger buffer."""
+    from nanoplug.engine.structured import StructuredOutputs
+
+    so = StructuredOutputs(None, "no backend", None, 100, {0})
+    a, b, c = so._bitmask(3), so._bitmask(20), so._bitmask(2)
+    assert [m.shape for m in (a, b, c)] == [(3, 4), (20, 4), (2, 4)] and a.dtype == np.int32
+    assert np.shares_memory(a, c) and not np.shares_memory(a, b)
+    assert np.shares_memory(b, so._bitmask(20)) and c.flags.c_contiguous
+
+
 @pytest.fixture(scope="module")
 def bitmask_kernel():
     import nanoplug.kernels.cuda.bitmask as module

@@ -2,12 +2,18 @@
 launch, collect, apply, the grammars' accepts, mask fill, masked sampling), the bench's random Qwen3-0.6B, 256
 tokens a sequence, with and without the schema, for each structured-output backend.
 
-    python3 benchmarks/studies/gpu_structured_host_time.py    # on the GPU machine (xgrammar and llguidance)
+    python3 benchmarks/studies/gpu_structured_host_time.py [--backends xgrammar] [--cprofile]   # on the GPU machine
+
+The masked sampling is split further (the bitmask's copy in, the masking, the draw, the tokens' copy out), and
+`--cprofile` prints the schema run's functions by their own time.
 """
 from __future__ import annotations
 
+import argparse
 import collections
+import cProfile
 import gc
+import pstats
 import json
 import time
 from pathlib import Path
@@ -16,6 +22,7 @@ import torch
 
 from nanoplug import LLM, SamplingParams
 from nanoplug.bench.throughput import write_checkpoint
+from nanoplug.worker import sampler as sampler_module
 
 SCHEMA = Path("/work/shared/data/jsonschemabench/Github_easy/o11173.json")
 PROMPT = "<|im_start|>user\nWrite a JSON object about a news article.<|im_end|>\n<|im_start|>assistant\n"
@@ -37,24 +44,38 @@ def timed(totals: collections.Counter, counts: collections.Counter, obj, name: s
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backends", default="xgrammar,llguidance")
+    parser.add_argument("--cprofile", action="store_true")
+    args = parser.parse_args()
     model = str(write_checkpoint())
     schema = json.loads(SCHEMA.read_text())
-    for backend in ("xgrammar", "llguidance"):
+    for backend in args.backends.split(","):
         llm = LLM(model, device="cuda", structured_output=backend, max_model_len=2048, max_num_seqs=64,
                   dtype="bfloat16")
         core = llm.engine
         totals, counts = collections.Counter(), collections.Counter()
         for obj, name in ((core.worker, "collect"), (core.worker, "sample"), (core.worker, "launch"), (core, "step"),
-                          (core.structured, "accept"), (core.structured, "masks"), (core, "_apply")):
+                          (core.structured, "accept"), (core.structured, "masks"), (core, "_apply"),
+                          (core.worker.sampler, "masked"), (core.worker.sampler, "_sample"),
+                          (core.worker.platform, "to_host"), (sampler_module, "to_device")):
             timed(totals, counts, obj, name)
+        if core.worker.sampler.masker is not None:
+            timed(totals, counts, core.worker.sampler, "masker")
         for label, extra in (("free", {"ignore_eos": True}), ("schema", {"structured_outputs": {"json": schema}})):
             params = SamplingParams(temperature=0.8, max_tokens=256, **extra)
             llm.generate([PROMPT] * 64, params, use_tqdm=False)  # warm (and compile the grammar)
             totals.clear()
             counts.clear()
+            profiler = cProfile.Profile() if args.cprofile and label == "schema" else None
             started = time.perf_counter()
+            if profiler is not None:
+                profiler.enable()
             outs = llm.generate([PROMPT] * 64, params, use_tqdm=False)
             seconds = time.perf_counter() - started
+            if profiler is not None:
+                profiler.disable()
+                pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             parts = {k: f"{1e3 * v / counts[k]:.3f} ms x{counts[k]}" for k, v in totals.items()}
             print(f"{backend} {label}: {1e3 * seconds / (tokens / 64):.3f} ms/token", parts, flush=True)

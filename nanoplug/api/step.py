@@ -357,11 +357,22 @@ def to_device(values: Any, dtype: torch.dtype, device: torch.device) -> torch.Te
     t = torch.as_tensor(values, dtype=dtype)
     if device.type != "cuda":
         return t
+    if t.numel() >= _BIG and t.is_pinned():  # written into `host_array`'s memory: no staging
+        return t.to(device, non_blocking=True)
     if t.numel() < _BIG or dtype not in _NUMPY_DTYPES:
         return t.pin_memory().to(device, non_blocking=True)
     pinned = torch.empty(t.shape, dtype=dtype, pin_memory=True)
     np.copyto(pinned.numpy(), t.numpy())
     return pinned.to(device, non_blocking=True)
+
+
+def host_array(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> np.ndarray:
+    """An empty host array that `to_device(array, dtype, device)` copies without staging it: pinned where `device`
+    is CUDA and this process holds a CUDA context already (its worker runs here; a spawned pool's engine process
+    gets no context of its own for this). A step's grammar bitmask, 1.2 MB at batch 64, is then written once, where
+    the copy reads it. The caller must not rewrite it before that copy has run (the engine keeps two, in turn)."""
+    pinned = device.type == "cuda" and torch.cuda.is_initialized()
+    return torch.empty(shape, dtype=dtype, pin_memory=pinned).numpy()
 
 
 _BIG = 16384  # elements from which torch's copy runs on its thread pool (its grain is 32768)

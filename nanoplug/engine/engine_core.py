@@ -79,7 +79,7 @@ class EngineCore:
         self.worker, self.num_kv_blocks, self.overlap = wired.worker, wired.num_kv_blocks, wired.overlap
         self.structured = StructuredOutputs(*StructuredOutputs.resolve(self.registry, config.structured_output,
                                                                        wired.target),
-                                            self.tokenizer, self.facts.vocab_size, self.eos_token_ids)
+                                            self.tokenizer, self.facts.vocab_size, self.eos_token_ids, self.device)
         self.tool_call_format = pick_tool_call_format(  # how this checkpoint writes tool calls (its template's)
             getattr(self.choices["model"].cls, "tool_call_formats", ()), getattr(self.tokenizer, "chat_template", None))
         # a worker that can sample after its launch (Worker.sample): a grammar's masks follow an overlapped launch

@@ -15,8 +15,9 @@ from collections import OrderedDict
 from typing import Any
 
 import numpy as np
+import torch
 
-from nanoplug.api import Constraint, GrammarMatcher, bitmask_words
+from nanoplug.api import Constraint, GrammarMatcher, bitmask_words, host_array
 from nanoplug.api.errors import PluginUnavailableError
 from nanoplug.config import SamplingParams
 from nanoplug.engine.registry import Registry, Resolution
@@ -31,10 +32,15 @@ class StructuredOutputs:
     """One engine's constrained decoding: backend, grammar cache, and the matchers of its sequences."""
 
     def __init__(self, resolution: Resolution | None, why_none: str, tokenizer: Any, vocab_size: int,
-                 stop_token_ids: set[int]):
+                 stop_token_ids: set[int], device: torch.device | None = None):
         self.resolution, self.why_none = resolution, why_none
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, sorted(stop_token_ids)
         self.words = bitmask_words(vocab_size)
+        self.device = device or torch.device("cpu")
+        # the steps' bitmasks, written where the device's copy reads them (pinned on CUDA), two used in turn: a
+        # step's masks are filled once the step before it is collected, so the copy of the last but one has run
+        self.bitmasks: list[np.ndarray | None] = [None, None]
+        self.turn = 0
         self.backend = None
         self.cache: OrderedDict[str, Any] = OrderedDict()
         self.lock = threading.Lock()  # make_request compiles on callers' threads
@@ -100,7 +106,7 @@ class StructuredOutputs:
         """The packed bitmask of each sequence's allowed next tokens, int32 [len(seqs), words]. A grammar that is
         complete allows the stop tokens (a row of an ended sequence runs ahead for nothing); one that is stuck
         allows every token."""
-        bitmask = np.empty((len(seqs), self.words), dtype=np.int32)
+        bitmask = self._bitmask(len(seqs))
         matchers, rows = [], []
         for row, seq in enumerate(seqs):
             matcher = self._matcher(seq)
@@ -112,6 +118,13 @@ class StructuredOutputs:
         if matchers:
             self._backend().fill_masks(matchers, bitmask, rows)
         return bitmask
+
+    def _bitmask(self, rows: int) -> np.ndarray:
+        self.turn ^= 1
+        buffer = self.bitmasks[self.turn]
+        if buffer is None or buffer.shape[0] < rows:
+            buffer = self.bitmasks[self.turn] = host_array((max(rows, 8), self.words), torch.int32, self.device)
+        return buffer[:rows]
 
     def accept(self, seq: Sequence, token: int) -> str | None:
         """Advance the sequence's grammar by its new token: "stop" when the grammar has ended on a stop token
