@@ -59,3 +59,13 @@ def test_generate_prints_its_first_token_within_seconds_on_a_warm_machine():
     assert proc.returncode == 0 and first, err.decode()
     print(f"first token after {seconds:.2f} s: {(first + rest).decode()!r}")
     assert seconds < 6.0, f"{seconds:.2f} s to the first token (the target is 3 s on a quiet machine)"
+
+
+@pytest.mark.slow
+def test_a_cpu_engine_imports_no_cuda_only_attention_on_its_way_to_the_first_token():
+    """torch.nn.attention.varlen (a CUDA-only kernel) loads torch._dynamo: 0.7 s of a CPU start when it was imported
+    to ask whether it could serve a CPU engine."""
+    code = ("import sys; from nanoplug.cli import main; rc = main(['generate', '-n', '1', 'Hi']); "
+            "print(rc, [m for m in ('torch.nn.attention.varlen', 'torch._dynamo') if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=300)
+    assert done.stdout.strip().split("\n")[-1] == "0 []", done.stdout + done.stderr

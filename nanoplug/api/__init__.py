@@ -24,7 +24,7 @@ _LAZY = {name: f"nanoplug.api.{module}" for module, names in {
     "triton_support": "import_triton interpreting triton_reasons",
     "step": ("AttentionMetadata AttentionSpec KVCacheSpec KVLayer LogitsProcessingBatch "
              "LogprobsTensors PromptLogprobsBatch SamplingBatch SlotInit StepBatch StepInputs "
-             "StepLimits StepResult to_device host_array DraftBatch"),
+             "StepLimits StepResult to_device DraftBatch"),
     "structured": ("CONSTRAINT_KINDS Constraint ConstraintError GrammarMatcher StructuredOutputBackend "
                    "bitmask_words unpack_bitmask"),
     "tool_calls": ("ToolCallFormat HERMES_TOOL_CALLS LLAMA3_JSON_TOOL_CALLS MISTRAL_TOOL_CALLS "
@@ -43,7 +43,7 @@ __all__ = [
     "AdapterOptions", "RequestAdapters", "ModelArchitecture", "Platform", "StepGraphs", "PrefillGraphs", "Target", "ModelFacts",
     # one step as data
     "StepBatch", "SamplingBatch", "StepResult", "StepInputs", "StepLimits", "AttentionMetadata", "AttentionSpec",
-    "KVCacheSpec", "KVLayer", "to_device", "host_array", "LogitsProcessingBatch", "PromptLogprobsBatch", "SlotInit", "LogprobsTensors",
+    "KVCacheSpec", "KVLayer", "to_device", "LogitsProcessingBatch", "PromptLogprobsBatch", "SlotInit", "LogprobsTensors",
     # constrained decoding (structured outputs) and tool-call formats
     "StructuredOutputBackend", "GrammarMatcher", "Constraint", "ConstraintError", "CONSTRAINT_KINDS", "ToolCallFormat",
     "HERMES_TOOL_CALLS", "LLAMA3_JSON_TOOL_CALLS", "MISTRAL_TOOL_CALLS", "pick_tool_call_format", "bitmask_words",

@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from nanoplug.api import Constraint, GrammarMatcher, bitmask_words, host_array
+from nanoplug.api import Constraint, GrammarMatcher, bitmask_words
+from nanoplug.api.step import host_array
 from nanoplug.api.errors import PluginUnavailableError
 from nanoplug.config import SamplingParams
 from nanoplug.engine.registry import Registry, Resolution

@@ -44,10 +44,11 @@ class CudaVarlenAttention:
 
     @staticmethod
     def usable(spec: AttentionSpec) -> bool:
+        if spec.device.type != "cuda" or spec.dtype not in (torch.float16, torch.bfloat16):
+            return False  # (before the import: torch.nn.attention.varlen loads torch._dynamo, 0.7 s of a CPU start)
         fn, params = _varlen()
         windows_served = spec.windows == {None} or "window_size" in params  # a sliding window needs window_size
-        return (fn is not None and spec.device.type == "cuda" and spec.dtype in (torch.float16, torch.bfloat16)
-                and spec.cache_dtype == spec.dtype and windows_served and spec.softcap is None)
+        return (fn is not None and spec.cache_dtype == spec.dtype and windows_served and spec.softcap is None)
 
     def __init__(self, spec: AttentionSpec):
         self.spec = spec
