@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from nanoplug.api import Constraint, GrammarMatcher, bitmask_words
-from nanoplug.api.step import host_array
 from nanoplug.api.errors import PluginUnavailableError
+from nanoplug.api.step import host_array
 from nanoplug.config import SamplingParams
 from nanoplug.engine.registry import Registry, Resolution
 from nanoplug.engine.sequence import Sequence
