@@ -38,6 +38,21 @@ def _value(text: str):
     return {"true": True, "false": False}.get(text.lower(), text)
 
 
+def batch1_decode(llm: LLM, rng: random.Random, context: int = 512, tokens: int = 256) -> tuple[float, float]:
+    """(ms per decode token, ms to the first token) of a fresh `context`-token prompt alone: one prompt generated
+    with 1 new token, another with 1 + `tokens`; the difference over `tokens` is the per-token decode time."""
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    a, b = ([rng.randint(0, 10000) for _ in range(context)] for _ in range(2))
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    llm.generate([a], SamplingParams(max_tokens=1, **greedy), use_tqdm=False)
+    first = time.perf_counter() - t
+    t = time.perf_counter()
+    llm.generate([b], SamplingParams(max_tokens=tokens + 1, **greedy), use_tqdm=False)
+    whole = time.perf_counter() - t
+    return (whole - first) / tokens * 1e3, first * 1e3
+
+
 def main() -> None:
     label = sys.argv[1] if len(sys.argv) > 1 else "run"
     options = dict(attention="flash", kv_cache="triton", max_model_len=4096)
@@ -52,18 +67,7 @@ def main() -> None:
     bench_s = time.perf_counter() - t
     out_tokens = sum(len(o.token_ids) for o in outs)
     rng = random.Random(1)
-    greedy = dict(temperature=0.0, ignore_eos=True)
-    decode = []
-    for _ in range(3):
-        a, b = ([rng.randint(0, 10000) for _ in range(512)] for _ in range(2))
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        llm.generate([a], SamplingParams(max_tokens=1, **greedy), use_tqdm=False)
-        first = time.perf_counter() - t
-        t = time.perf_counter()
-        llm.generate([b], SamplingParams(max_tokens=257, **greedy), use_tqdm=False)
-        whole = time.perf_counter() - t
-        decode.append((whole - first) / 256 * 1e3)
+    decode = [batch1_decode(llm, rng)[0] for _ in range(3)]
     llm.close()
     print(f"RESULT {label} commit={_commit()} startup={startup:.1f}s bench={out_tokens / bench_s:,.0f} tok/s "
           f"({bench_s:.2f} s) batch1_decode={min(decode):.3f} ms/token (runs {', '.join(f'{d:.3f}' for d in decode)})")

@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 from nanoplug import LLM, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gpu_ab import batch1_decode  # noqa: E402  (a fresh prompt alone: ms per token, ms to the first)
 from gpu_gguf import SHAPE, write_checkpoint  # noqa: E402  (the 8B-shape random bf16 checkpoint)
 
 # attention first: FlashAttention-4's kernels are CUTLASS kernels too
@@ -64,24 +65,14 @@ def weight_bytes(layers: int) -> int:
 
 def decode(llm: LLM, context: int, rng: random.Random, layers: int) -> None:
     """Batch-1 decode after a `context`-token prompt: unprofiled ms/token, then 32 profiled steps."""
-    greedy = dict(temperature=0.0, ignore_eos=True)
-    runs = []
-    for _ in range(2):
-        a, b = ([rng.randint(0, 10000) for _ in range(context)] for _ in range(2))
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        llm.generate([a], SamplingParams(max_tokens=1, **greedy), use_tqdm=False)
-        first = time.perf_counter() - t
-        t = time.perf_counter()
-        llm.generate([b], SamplingParams(max_tokens=129, **greedy), use_tqdm=False)
-        runs.append(((time.perf_counter() - t - first) / 128 * 1e3, first * 1e3))
+    runs = [batch1_decode(llm, rng, context, 128) for _ in range(2)]
     ms, ttft = min(runs)
     floor = weight_bytes(layers) / 4.8e12 * 1e3
     print(f"\nRESULT decode context={context}: {ms:.3f} ms/token (floor at 4.8 TB/s {floor:.2f} ms), "
           f"first token {ttft:.2f} ms (runs {', '.join(f'{r:.3f}/{f:.2f}' for r, f in runs)})", flush=True)
     core = llm.engine
     prompt = [rng.randint(0, 10000) for _ in range(context)]
-    core.add_request(core.make_request(prompt, SamplingParams(max_tokens=48, **greedy)))
+    core.add_request(core.make_request(prompt, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)))
     for _ in range(8):
         core.step()
     torch.cuda.synchronize()

@@ -9,11 +9,18 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from nanoplug.kernels.cuda import small_gemm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _cuda_timing import graph_us  # noqa: E402  (calls captured in one CUDA graph, the median replay)
+
+triton = small_gemm.triton
 
 SHAPES = {"8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
                  "lm_head": (151936, 4096)},
@@ -23,36 +30,18 @@ LAYERS = {"8b": 36, "0.6b": 28}
 L2_DEFEAT_BYTES = 512 << 20
 
 
-def graph_time(fn, copies: int, reps: int = 20) -> float:
-    """Seconds per call of fn(i) for i over the copies, from a CUDA graph of all of them replayed `reps` times."""
-    for i in range(copies):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / (reps * copies)
+def graph_time(fn, copies: int) -> float:
+    """Seconds per call of fn(i), i going over the copies: `graph_us` of the calls over every copy in one graph."""
+    turn = itertools.cycle(range(copies))
+    return graph_us(lambda: fn(next(turn)), calls=copies) / 1e6
 
 
 def launch(x, w, y, block_n, block_k, warps, stages):
     (rows, k), n = x.shape, w.shape[0]
-    small_gemm._small_gemm_kernel[(triton_cdiv(n, block_n),)](
-        x, w, w, y, rows, n, k, x.stride(0), w.stride(0), y.stride(0), M_PAD=max(1, 1 << (rows - 1).bit_length()),
+    small_gemm._small_gemm_kernel[(triton.cdiv(n, block_n),)](
+        x, w, w, y, rows, n, k, x.stride(0), w.stride(0), y.stride(0), M_PAD=triton.next_power_of_2(rows),
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, HAS_BIAS=False, num_warps=warps,
         num_stages=stages)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def main() -> None:
@@ -84,7 +73,7 @@ def main() -> None:
               f"{1e6 * t_now:.1f} us {rate(t_now):.2f} TB/s", flush=True)
         results = []
         for bn, bk, wp, st in itertools.product(block_ns, block_ks, warps_list, stages_list):
-            if bk > triton_next_pow2(k):
+            if bk > triton.next_power_of_2(k):
                 continue
             try:
                 launch(x, ws[0], y, bn, bk, wp, st)
@@ -110,10 +99,6 @@ def main() -> None:
     print(f"\nper decode step ({layers} layers + LM head): current {now:.3f} ms, best configs {best:.3f} ms")
     for name, t_now, t_best, t_cublas, cfg in summary:
         print(f"RESULT {name}: current {t_now:.1f} us, best {t_best:.1f} us {cfg}, cuBLAS {t_cublas:.1f} us")
-
-
-def triton_next_pow2(v: int) -> int:
-    return 1 << (v - 1).bit_length()
 
 
 if __name__ == "__main__":

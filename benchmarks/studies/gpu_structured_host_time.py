@@ -13,8 +13,8 @@ import argparse
 import collections
 import cProfile
 import gc
-import pstats
 import json
+import pstats
 import time
 from pathlib import Path
 
