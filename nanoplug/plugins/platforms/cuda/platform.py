@@ -112,22 +112,20 @@ class CudaPlatform(Platform):
         return torch.zeros(shape, dtype=dtype, device=device)
 
     # ---------------------------------------------------------------------- model and steps
+    def _uses(self, kernels) -> bool:
+        """Whether a module of our Triton kernels serves this engine: not eager, fused ops on, triton importable."""
+        return not self.enforce_eager and self.compile_fused_ops and kernels.triton is not None
+
     def linear_method(self):
-        if self.enforce_eager or not self.compile_fused_ops or small_gemm.triton is None:
-            return super().linear_method()
-        return small_gemm.SmallBatchLinearMethod()
+        return small_gemm.SmallBatchLinearMethod() if self._uses(small_gemm) else super().linear_method()
 
     def temperature_sampler(self):
         """Temperature-only batches (the usual chat and bench request) drawn in one pass over the logits."""
-        if self.enforce_eager or not self.compile_fused_ops or sampling_kernel.triton is None:
-            return None
-        return sampling_kernel.sample
+        return sampling_kernel.sample if self._uses(sampling_kernel) else None
 
     def grammar_masker(self):
         """A grammar's bitmask applied in one launch, not unpacked by a dozen (structured outputs at batch 64)."""
-        if self.enforce_eager or not self.compile_fused_ops or bitmask_kernel.triton is None:
-            return None
-        return bitmask_kernel.apply_bitmask
+        return bitmask_kernel.apply_bitmask if self._uses(bitmask_kernel) else None
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         """One kernel for each small op (add + RMSNorm, SiLU-and-mul, RoPE): on a GPU each eager op is
