@@ -13,13 +13,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+EXAMPLE_SRC = ROOT / "examples" / "nanoplug-example-plugin" / "src"
+# The premise of the fast refusal: no third-party plugin package installed (its names are known only once it
+# loads, through the registry, with torch). Stated here, so a package left installed by another run (the
+# example plugin's test installs one) does not change what these tests measure.
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+       "NANOPLUG_DISABLE_ENTRY_POINTS": "1"}
 
 
-def nanoplug(*args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+def nanoplug(*args: str, timeout: float = 120, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "nanoplug", *args], capture_output=True, text=True, env=ENV,
-                          timeout=timeout)
+    done = subprocess.run([sys.executable, "-m", "nanoplug", *args], capture_output=True, text=True,
+                          env=env or ENV, timeout=timeout)
     return done, time.perf_counter() - start
 
 
@@ -41,6 +46,28 @@ def test_the_refusal_loads_neither_torch_nor_the_engine():
             "print(rc, sorted(m for m in ('torch', 'nanoplug.engine.llm', 'nanoplug.engine.registry') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=60)
     assert done.stdout.split("\n")[0] == "2 []", done.stdout + done.stderr
+
+
+@pytest.fixture
+def plugin_package_env(tmp_path) -> dict:
+    """An environment in which the example plugin package looks installed: its source on the path and a
+    dist-info declaring its entry points, so the CLI cannot know every name before the registry loads."""
+    info = tmp_path / "nanoplug_example_plugin-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: nanoplug-example-plugin\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text("[nanoplug]\nexample-chunked = nanoplug_example_plugin.chunked\n")
+    env = {k: v for k, v in ENV.items() if k != "NANOPLUG_DISABLE_ENTRY_POINTS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(EXAMPLE_SRC), env["PYTHONPATH"]])
+    return env
+
+
+@pytest.mark.parametrize("args", [["generate", "--attention", "nope", "hi"], ["compare", "--attention", "sdpa,nope"]])
+def test_with_a_plugin_package_installed_an_unknown_name_is_still_refused(args, plugin_package_env):
+    """The registry refuses it once the package loads (slower, not silently): compare must not report the
+    misspelt name as a backend that "could not run" and exit 0."""
+    done, _ = nanoplug(*args, env=plugin_package_env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "unknown attention plugin 'nope'" in done.stderr and "chunked" in done.stderr, done.stderr
 
 
 @pytest.mark.slow

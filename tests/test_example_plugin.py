@@ -1,14 +1,16 @@
 """The example third-party plugin: `pip install` is the whole integration.
 
 The package in examples/nanoplug-example-plugin is pip-installed (from a copy, so the source tree
-stays clean) into this environment, found through a fresh Registry's entry points, and its `chunked`
-attention must generate what the `manual` oracle generates.
+stays clean) into a folder of this session put on the path (so a killed run cannot leave it installed in
+the environment, where it would change what other tests see), found through a fresh Registry's entry
+points, and its `chunked` attention must generate what the `manual` oracle generates.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -40,24 +42,29 @@ def installed() -> bool:
 
 @pytest.fixture(scope="session")
 def example_plugin(tmp_path_factory):
-    """Install the example package (non-editable, so this very process can import it); remove it after."""
-    was_installed = installed()
+    """Install the example package (non-editable, so this very process can import it) into a folder on the path;
+    take that folder off the path after."""
+    assert not installed(), f"{DIST} is installed in the environment; pip uninstall {DIST}"
     source = shutil.copytree(EXAMPLE, tmp_path_factory.mktemp("example_src") / "pkg",
                              ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    pip("install", "--no-deps", "--no-build-isolation", "--no-index", "--quiet", str(source))
+    site = tmp_path_factory.mktemp("example_site")
+    pip("install", "--no-deps", "--no-build-isolation", "--no-index", "--quiet", "--target", str(site), str(source))
+    sys.path.insert(0, str(site))
     importlib.invalidate_caches()
-    yield importlib.metadata.distribution(DIST)
-    if not was_installed:
-        pip("uninstall", "--yes", "--quiet", DIST)
-    for name in [m for m in sys.modules if m.startswith("nanoplug_example_plugin")]:
-        del sys.modules[name]
+    try:
+        yield importlib.metadata.distribution(DIST), site
+    finally:
+        sys.path.remove(str(site))
+        importlib.invalidate_caches()
+        for name in [m for m in sys.modules if m.startswith("nanoplug_example_plugin")]:
+            del sys.modules[name]
 
 
 def test_entry_point_discovery(example_plugin):
     reg = Registry(load_entry_points=True)
     assert reg.broken == []
     entry = reg.entries["attention"]["chunked"]
-    assert entry.source == f"{DIST} {example_plugin.version}" == f"{DIST} 0.1.0"
+    assert entry.source == f"{DIST} {example_plugin[0].version}" == f"{DIST} 0.1.0"
     cls = reg.get("attention", "chunked")
     assert cls.__module__ == "nanoplug_example_plugin.chunked"
     assert EXAMPLE not in Path(sys.modules[cls.__module__].__file__).parents  # the installed copy, not the source
@@ -76,8 +83,9 @@ def test_availability_and_auto(example_plugin):
 
 
 def test_cli_lists_it_with_its_distribution(example_plugin):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(example_plugin[1]), os.environ.get("PYTHONPATH")]))}
     result = _processes.run([sys.executable, "-m", "nanoplug", "plugins", "--json"], capture_output=True, text=True,
-                            timeout=120)
+                            env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     plugins = json.loads(result.stdout)["kinds"]["attention"]["plugins"]
     chunked = next(p for p in plugins if p["name"] == "chunked")

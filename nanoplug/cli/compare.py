@@ -121,7 +121,7 @@ def run_backend(model: str, name: str, kind: str = "attention", device: str = "a
     import torch
 
     from nanoplug import LLM
-    from nanoplug.errors import NanoplugError
+    from nanoplug.errors import NanoplugError, UnknownPluginError
 
     outcome = Outcome(name)
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
@@ -132,6 +132,8 @@ def run_backend(model: str, name: str, kind: str = "attention", device: str = "a
     settings[kind] = name
     try:
         llm = LLM(model, **settings)
+    except UnknownPluginError:
+        raise  # a misspelt name is the user's to fix (exit 2), not a backend that cannot serve
     except NanoplugError as exc:
         outcome.error = str(exc)
         return outcome
