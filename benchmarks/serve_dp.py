@@ -66,6 +66,9 @@ def run_config(args, model: str, replicas: int, routing: str, prompts, params) -
     finally:
         server.stop()
     ok = [r for r in results if r.ok]
+    if len(ok) < len(results):  # what the clients saw, and the server's side of it
+        print(f"{len(results) - len(ok)} requests failed: {sorted({r.error for r in results if not r.ok})}\n"
+              f"the server's log, last 60 lines:\n{''.join(server.log[-60:])}", file=sys.stderr, flush=True)
     tokens = max(sum(r.tokens for r in ok), 1)
     seconds = end - start
     return {"replicas": replicas, "routing": routing if replicas > 1 else "-", "requests": len(results),

@@ -6,6 +6,10 @@ start-up and runs eagerly with a warning. And the `fp16` KV cache the cpu decode
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -178,3 +182,15 @@ def test_the_fp16_cache_says_where_it_does_not_serve():
     assert CpuAttention.unavailable(fp16_cache) == []
     bf16_cache = Target(device=torch.device("cpu"), dtype=torch.float32, model=facts, kv_cache_dtype=torch.bfloat16)
     assert any("float32 or float16 cache" in r for r in CpuAttention.unavailable(bf16_cache))
+
+
+def test_recording_imports_no_dynamo():
+    """torch wraps a dispatch mode's __torch_dispatch__ against Dynamo, and the wrapper imports torch._dynamo at its
+    first call: half a second of a CLI's second token. The recorder opts out (it never runs under Dynamo)."""
+    code = ("import sys, torch; from nanoplug.plugins.platforms.cpu.graphs import record; "
+            "x = torch.arange(6.0); plan, keep, out = record(lambda i, p: (i.reshape(-1) * 2).sum(0, keepdim=True), x, x); "
+            "plan and [call() for call in plan]; print(len(plan) > 0, 'torch._dynamo' in sys.modules)")
+    root = str(Path(__file__).resolve().parent.parent)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert done.stdout.split() == ["True", "False"], done.stdout + done.stderr

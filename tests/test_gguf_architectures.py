@@ -138,11 +138,12 @@ QUANTIZED = (("ffn_gate_exps", "Q8_0"), ("ffn_up_exps", "Q8_0"), ("ffn_down_exps
 
 @pytest.mark.parametrize("fmt", ["gguf", "gguf_triton"])
 def test_experts_load_quantized_and_dense_alike(fmt, caplog):
-    """Q8_0 experts and attention (F16 embedding): the GGUF formats keep the attention's blocks and dequantize
-    the experts at load (their kernels are 2-D); the same file loaded dense gives the same tokens. gguf_triton
-    through the Triton interpreter."""
+    """Q8_0 experts and attention (F16 embedding): both GGUF formats keep the attention's blocks; the CPU's keeps the
+    experts' blocks too (a 2-D layer of its kernels per expert and projection), gguf_triton dequantizes them at load.
+    The same file loaded dense gives the same tokens. gguf_triton through the Triton interpreter."""
     import nanoplug.kernels.gguf.triton_kernels as triton_kernels
     from _triton_interpreter import interpreted
+    from nanoplug.api.layers.moe import experts_plain
     from nanoplug.kernels.gguf.cpu_linear import Activations
 
     path = gguf_file("qwen2_moe", QUANTIZED)
@@ -152,7 +153,8 @@ def test_experts_load_quantized_and_dense_alike(fmt, caplog):
         # the torch KV cache: under the interpreter "auto" would take triton's, whose kernels were defined without it
         with caplog.at_level("INFO", logger="nanoplug"):
             quant = LLM(path, quantization=fmt, kv_cache="torch", **OPTIONS)
-        assert "48 quantized checkpoint tensor(s) dequantized at load" in caplog.text  # 2 layers, 8 experts, 3
+        kept = fmt == "gguf"
+        assert ("48 quantized checkpoint tensor(s) dequantized at load" in caplog.text) != kept  # 2 layers, 8 experts, 3
         dense = LLM(path, quantization=None, kv_cache="torch", **OPTIONS)
         try:
             assert quant.choices["weight_format"].name == fmt and dense.choices["weight_format"].name == "dense"
@@ -160,7 +162,21 @@ def test_experts_load_quantized_and_dense_alike(fmt, caplog):
             segments = model.model.layers[1].self_attn.qkv_proj.weight.gguf.segments
             formats = [s[2] for s in segments] if fmt == "gguf" else [getattr(s.weight, "fmt", None) for s in segments]
             assert formats[0] == "Q8_0" and len(formats) == 2  # q in its blocks, k and v one float part
-            assert model.model.layers[1].mlp.experts.gate_up_proj.weight.dtype == torch.float32
+            experts = model.model.layers[1].mlp.experts
+            if kept:
+                layers = [*experts.gate_up_proj.layers, *experts.down_proj.layers]
+                assert len(layers) == 16 and all([s.fmt for s in m.weight.gguf.segments] == ["Q8_0"] for m in layers)
+                quant_method = layers[0].linear_method
+                quant_method.set_activations(Activations("float", 0, "float"))  # the kept experts against the plain
+                dense_experts = dense.engine.worker.model.model.layers[1].mlp.experts  # loop over the same weights
+                gen = torch.Generator().manual_seed(0)
+                x, weights = torch.randn(5, layers[0].input_size, generator=gen), torch.rand(5, 2, generator=gen)
+                ids = torch.tensor([[0, 3], [3, 7], [1, 0], [7, 6], [5, 2]])
+                torch.testing.assert_close(experts(x, weights, ids), experts_plain(
+                    x, dense_experts.gate_up_proj.weight, dense_experts.down_proj.weight, weights, ids), rtol=1e-5, atol=1e-5)
+                quant_method.set_activations(Activations())  # greedy below in the default mode (int8x2)
+            else:
+                assert experts.gate_up_proj.weight.dtype == torch.float32
             if fmt == "gguf":
                 model.lm_head.linear_method.set_activations(Activations("float", 0, "float"))
             assert greedy(quant) == greedy(dense)

@@ -27,6 +27,11 @@ class LinearMethod(ABC):
     format whose kernels serve 2-D layers only (GGUF). False: such a model is refused (a format that quantizes on
     load would silently not)."""
 
+    keeps_experts: bool = False
+    """True when an MoE's experts stay in this method's format, each expert's two projections 2-D layers of this
+    method (created, loaded and applied as any layer; on one rank: under tensor parallelism `dequantized_experts`
+    decides). The experts are most of an MoE's weights: dequantized, a 4-bit file would not fit where it should."""
+
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
         """Register the layer's parameters (this rank's sizes). Each parameter carries
         `weight_loader(param, tensor, shard_id=None)`, the layer's own loader, which shards/packs and

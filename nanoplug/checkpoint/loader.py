@@ -23,6 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from nanoplug.api.files import read_json
+from nanoplug.checkpoint import resolved_config
 from nanoplug.api.linear import check_shape, copy_weight  # noqa: F401  (every weight loader's shape check)
 from nanoplug.errors import ModelLoadError, WeightShapeError
 
@@ -72,6 +73,16 @@ def load_hf_config(path: str | Path) -> Any:
         raise ModelLoadError(f"{str(file)!r}: model_type must be a string such as \"qwen3\", found "
                              f"{raw['model_type']!r}; {CONFIG_FIX}")
     _check_shape_settings(raw.get, file)  # before transformers, whose own checks word it less plainly
+    data = file.read_bytes()
+    cfg = resolved_config.load(data)  # this very config.json read before: no config class imported
+    if cfg is None:
+        cfg = _transformers_config(folder, file, raw)
+        resolved_config.keep(data, cfg)
+    _check_shape_settings(lambda key: getattr(cfg, key, None), file)  # defaults included
+    return cfg
+
+
+def _transformers_config(folder: Path, file: Path, raw: dict) -> Any:
     from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 
     try:
@@ -85,7 +96,6 @@ def load_hf_config(path: str | Path) -> Any:
     if not getattr(cfg, "architectures", None) and raw.get("model_type") not in CONFIG_MAPPING:
         raise ModelLoadError(f"{str(file)!r} has no 'architectures' entry, and transformers does not know its "
                              f"model_type {raw.get('model_type')!r}; add \"architectures\": [\"...ForCausalLM\"]")
-    _check_shape_settings(lambda key: getattr(cfg, key, None), file)  # defaults included
     return cfg
 
 
@@ -231,7 +241,9 @@ def load_weights(model: torch.nn.Module, folder: str | Path, adapters: Iterable[
     fused layers. `weight_format` (a WeightFormat; None: dense) says which GGUF tensors stay as stored."""
     folder = checkpoint_dir(folder)
     adapters = list(adapters)
-    params = dict(model.named_parameters())
+    # a parameter filled through another (an MoE's experts kept in a weight format: each expert's layers through
+    # the experts' `weight`) is not looked for by its own name
+    params = {n: p for n, p in model.named_parameters() if not hasattr(p, "loaded_through")}
     aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - set(params)  # e.g. a tied lm_head
     packed = getattr(model, "packed_modules_mapping", {})
     fused = _fused_parts(packed)

@@ -240,7 +240,7 @@ def start(config: EngineConfig, registry: Registry) -> Started:
                                                  checkpoint.hf_config, str(checkpoint_dir(config.model) / "config.json"))
     adapter_ids = {spec.label: i for i, spec in enumerate((s for s in config.adapters if not s.merge), 1)}
     choices, target = resolve_plugins(registry, config, checkpoint)
-    tokenizer = None if config.skip_tokenizer_init else load_tokenizer(checkpoint_dir(config.model))
+    tokenizer = None if config.skip_tokenizer_init else load_tokenizer(checkpoint_dir(config.model), checkpoint.hf_config)
     plugins = PluginClasses(
         model=choices["model"].cls,
         prefill_attention=choices["prefill_attention"].cls,

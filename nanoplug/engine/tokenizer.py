@@ -24,15 +24,16 @@ def is_empty(tokenizer: Any) -> bool:
     return len(tokenizer) <= len(set(tokenizer.all_special_tokens))
 
 
-def load_tokenizer(folder: Path) -> Any:
-    """AutoTokenizer for `folder`; raises ModelLoadError naming the missing files and the fix."""
+def load_tokenizer(folder: Path, hf_config: Any = None) -> Any:
+    """AutoTokenizer for `folder`; raises ModelLoadError naming the missing files and the fix. `hf_config`, the
+    checkpoint's config loaded already, spares AutoTokenizer reading it again (through the config class)."""
     from transformers import AutoTokenizer
 
     how_to_add = (f"copy the tokenizer of the model these weights came from into it "
                   f"(AutoTokenizer.from_pretrained(ORIGINAL).save_pretrained({str(folder)!r}), "
                   f"or copy its tokenizer.json and tokenizer_config.json), {SKIP_HINT}")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), **({} if hf_config is None else {"config": hf_config}))
     except Exception as exc:
         raise ModelLoadError(f"no usable tokenizer in {str(folder)!r} ({type(exc).__name__}: {exc}); "
                              + how_to_add) from exc

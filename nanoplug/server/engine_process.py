@@ -391,11 +391,12 @@ class EngineProcess:
 
 
 def _tokenizer(model: str) -> Any:
-    from nanoplug.checkpoint.loader import checkpoint_dir
+    from nanoplug.checkpoint.loader import checkpoint_dir, load_hf_config
     from nanoplug.checkpoint.source import resolve_model_path
     from nanoplug.engine.tokenizer import load_tokenizer
 
-    return load_tokenizer(checkpoint_dir(resolve_model_path(model)))
+    folder = checkpoint_dir(resolve_model_path(model))
+    return load_tokenizer(folder, load_hf_config(folder))  # (the engine process checked the config already)
 
 
 # -------------------------------------------------------------------------------- the child

@@ -4,7 +4,9 @@ Every expert is a SwiGLU MLP; their weights live stacked, one tensor per project
 [E, 2I, H], `down_proj.weight` [E, H, I]), so a fused kernel runs each projection for all experts in one
 launch. Tensor parallelism shards every expert as the dense MLP is sharded (gate and up by output rows,
 down by input columns, one all-reduce after). A platform puts its fused kernel in through
-`install_fused_ops` (`FusedOps.moe`, same signature as `fused_experts`).
+`install_fused_ops` (`FusedOps.moe`, same signature as `fused_experts`). Experts kept in a weight format whose
+kernels are 2-D (GGUF on the CPU: `LinearMethod.keeps_experts`) are instead a layer of it per expert and
+projection (`ExpertLayers`), on one rank.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoplug.api.errors import ModelLoadError
+from nanoplug.api.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from nanoplug.api.linear import DenseLinearMethod, LinearMethod, check_shape
 
 
@@ -40,9 +43,18 @@ def experts_plain(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                   topk_ids: torch.Tensor) -> torch.Tensor:
     """The reference: for each expert that any token chose, its tokens' rows through its MLP, weighted and summed
     back (the way transformers' eager experts do it)."""
+    return experts_each(x, lambda e, h: F.linear(h, w13[e]), lambda e, h: F.linear(h, w2[e]), w13.shape[0],
+                        topk_weights, topk_ids)
+
+
+def experts_each(x: torch.Tensor, gate_up: Callable[[int, torch.Tensor], torch.Tensor],
+                 down: Callable[[int, torch.Tensor], torch.Tensor], num_experts: int, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor) -> torch.Tensor:
+    """Each chosen expert in turn: `gate_up(e, rows)` and `down(e, rows)` are its projections (experts kept in a
+    weight format are 2-D layers, one call each for the tokens that chose it)."""
     out = torch.zeros_like(x)
     k = topk_ids.shape[1]
-    order, counts = sort_by_expert(topk_ids, w13.shape[0])
+    order, counts = sort_by_expert(topk_ids, num_experts)
     start = 0
     for e, n in enumerate(counts.tolist()):
         if n == 0:
@@ -50,9 +62,8 @@ def experts_plain(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         pairs = order[start:start + n]
         start += n
         tokens = pairs // k
-        h = F.linear(x[tokens], w13[e])
-        gate, up = h.chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[e]) * topk_weights.flatten()[pairs, None]
+        gate, up = gate_up(e, x[tokens]).chunk(2, dim=-1)
+        y = down(e, F.silu(gate) * up) * topk_weights.flatten()[pairs, None]
         out.index_add_(0, tokens, y.to(x.dtype))
     return out
 
@@ -110,34 +121,73 @@ class ExpertWeights(nn.Module):
         param.data[expert, part * rows:(part + 1) * rows].copy_(tensor)
 
 
+class ExpertLayers(nn.Module):
+    """One projection of every expert kept in a weight format (`LinearMethod.keeps_experts`): a 2-D layer of the
+    method per expert. The checkpoint's per-expert tensors arrive as parts of `weight` (as for ExpertWeights), an
+    empty parameter that routes each to its expert's layer; the layers' own parameters are filled through it."""
+
+    def __init__(self, num_experts: int, make: Callable[[], nn.Module], parts: int):
+        super().__init__()
+        self.parts = parts
+        self.layers = nn.ModuleList(make() for _ in range(num_experts))
+        for param in self.layers.parameters():
+            param.loaded_through = "weight"  # the loader expects these through this module's `weight`
+        self.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, tensor: Any, shard_id: Any = None) -> None:
+        if shard_id is None:
+            raise ModelLoadError("experts' weights are loaded one expert at a time (experts.N.gate_proj/up_proj/"
+                                 "down_proj); a checkpoint with them already stacked is not supported yet")
+        expert, part = shard_id if isinstance(shard_id, tuple) else (shard_id, None)
+        layer = self.layers[expert]
+        if self.parts > 1:
+            layer.weight_loader(layer.weight, tensor, part)
+        else:
+            layer.weight_loader(layer.weight, tensor)
+
+    def forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert `expert`'s projection of `x` (experts_each's `gate_up` / `down`)."""
+        return self.layers[expert](x)
+
+
 class FusedMoE(nn.Module):
     """The experts of one MoE block: `forward(x, topk_weights, topk_ids)` is sum_k w_k * MLP_{id_k}(x) per token.
 
     The step runs `fused` (a platform's one-launch-per-projection kernel) where installed, else the batched
-    matmuls; `experts_plain` is the reference both are tested against."""
+    matmuls; experts kept in a weight format (`ExpertLayers`) run each chosen expert's 2-D layers in turn.
+    `experts_plain` is the reference all are tested against."""
 
     fused: Callable | None = None  # set by install_fused_ops (FusedOps.moe)
 
     def __init__(self, group: Any, num_experts: int, hidden_size: int, intermediate_size: int,
                  linear_method: LinearMethod | None = None):
         super().__init__()
+        ws = group.world_size
+        self.group, self.num_experts = group, num_experts
+        if linear_method is not None and linear_method.keeps_experts and ws == 1:  # each expert's projections 2-D
+            self.gate_up_proj = ExpertLayers(num_experts, lambda: MergedColumnParallelLinear(
+                group, hidden_size, [intermediate_size] * 2, False, linear_method), parts=2)
+            self.down_proj = ExpertLayers(num_experts, lambda: RowParallelLinear(
+                group, intermediate_size, hidden_size, False, linear_method), parts=1)
+            return
         # a format whose kernels are 2-D (GGUF) leaves the experts dense: the loader dequantizes them, and says so
         if linear_method is not None and not linear_method.dequantized_experts \
                 and not isinstance(linear_method, DenseLinearMethod):
             raise ModelLoadError(
                 f"the weight format {type(linear_method).__name__} does not apply to mixture-of-experts weights yet "
                 "(experts are kept dense); load this model without a quantized weight format (GGUF, fp8)")
-        ws = group.world_size
         if intermediate_size % ws:
             raise ValueError(f"the experts' intermediate size ({intermediate_size}) is not divisible by "
                              f"tensor_parallel_size ({ws})")
-        self.group, self.num_experts = group, num_experts
         local = intermediate_size // ws
         self.gate_up_proj = ExpertWeights(group, num_experts, 2 * local, hidden_size, parts=2, tp_dim=0)
         self.down_proj = ExpertWeights(group, num_experts, hidden_size, local, parts=1, tp_dim=1)
 
     def partial(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """This rank's sum over its slice of every expert's intermediate features, before the all-reduce."""
+        if isinstance(self.gate_up_proj, ExpertLayers):
+            return experts_each(x, self.gate_up_proj, self.down_proj, self.num_experts, topk_weights, topk_ids)
         run = self.fused or experts_batched
         return run(x, self.gate_up_proj.weight, self.down_proj.weight, topk_weights, topk_ids)
 

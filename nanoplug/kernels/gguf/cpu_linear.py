@@ -100,7 +100,8 @@ def _format(tensor: Any) -> str | None:
 
 
 class GGUFLinearMethod(LinearMethod):
-    dequantized_experts = True  # experts kept dense (dequantized at load): these kernels are 2-D
+    keeps_experts = True  # an MoE's experts in their blocks, a 2-D layer each (one rank)
+    dequantized_experts = True  # under tensor parallelism: dense, dequantized at load
 
     def __init__(self, kernels: Any, activations: Activations = Activations()):
         self.kernels = kernels

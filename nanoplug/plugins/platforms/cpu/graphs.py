@@ -61,6 +61,13 @@ class _Refresh:
 
 
 class _Recorder(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """torch wraps a mode's __torch_dispatch__ so that Dynamo never traces it, and that wrapper imports
+        torch._dynamo at the first call: half a second of the first decode step (the second token) on a CPU.
+        No recording runs under Dynamo, so the wrapper is not wanted (torch's own docstring shows this opt-out)."""
+        return False
+
     def __init__(self, plan: list[Callable[[], Any]], keep: list[Any]):
         super().__init__()
         self.plan, self.keep = plan, keep
