@@ -145,6 +145,7 @@ def test_experts_load_quantized_and_dense_alike(fmt, caplog):
     from _triton_interpreter import interpreted
     from nanoplug.api.layers.moe import experts_plain
     from nanoplug.kernels.gguf.cpu_linear import Activations
+    from nanoplug.plugins.platforms.cpu.graphs import CaptureError, record
 
     path = gguf_file("qwen2_moe", QUANTIZED)
     types = {t.gguf_name.split(".")[-2]: t.type_name for t in GGUFFile(path).tensors()}
@@ -174,6 +175,8 @@ def test_experts_load_quantized_and_dense_alike(fmt, caplog):
                 ids = torch.tensor([[0, 3], [3, 7], [1, 0], [7, 6], [5, 2]])
                 torch.testing.assert_close(experts(x, weights, ids), experts_plain(
                     x, dense_experts.gate_up_proj.weight, dense_experts.down_proj.weight, weights, ids), rtol=1e-5, atol=1e-5)
+                with pytest.raises(CaptureError, match="nonzero"):  # a decode step through them is never replayed
+                    record(lambda i, p: experts(x, weights, ids), x, x)  # with the recording's choice of experts
                 quant_method.set_activations(Activations())  # greedy below in the default mode (int8x2)
             else:
                 assert experts.gate_up_proj.weight.dtype == torch.float32

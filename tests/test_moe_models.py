@@ -132,6 +132,19 @@ def test_a_quantized_weight_format_is_refused_for_experts():
         LLM(checkpoint("qwen3_moe"), quantization="fp8", kv_block_size=16, num_kv_blocks=64, max_model_len=256)
 
 
+def test_experts_kept_in_a_checkpoints_format_are_refused_over_several_ranks():
+    """A pre-quantized checkpoint's experts are a layer per expert on one rank; split over ranks they are refused with
+    the setting that serves them, never loaded wrong."""
+    from types import SimpleNamespace
+
+    from nanoplug.api.layers.moe import FusedMoE
+    from nanoplug.plugins.weight_formats.prequantized import PrequantizedLinearMethod
+
+    two_ranks = SimpleNamespace(world_size=2, rank=0)
+    with pytest.raises(ModelLoadError, match="one rank only .* use tensor_parallel_size=1"):
+        FusedMoE(two_ranks, 4, 64, 32, PrequantizedLinearMethod())
+
+
 def test_a_missing_expert_is_named():
     import os
 

@@ -190,3 +190,40 @@ def test_refusals_name_the_format_and_what_serves():
 
     with pytest.raises(NanoplugError, match=r"pack-quantized int3 group weights .* are not served"):
         LLM(str(_edited("w4a16", "quant-int3", three_bits)), **ENGINE)
+
+
+def test_an_fp8_moe_checkpoint_keeps_its_experts_in_fp8(tmp_path):
+    """The experts of a block-scaled fp8 Qwen3-MoE checkpoint stay fp8, a layer per expert and projection (such a
+    checkpoint was refused): each expert's weight is transformers' Fp8Dequantize of its tensors exactly, and the
+    greedy tokens are transformers' on those dequantized weights."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from nanoplug.bench.checkpoints import write_random_checkpoint
+    from nanoplug.bench.quantize import write_quantized_checkpoint
+
+    src = write_random_checkpoint(tmp_path / "moe", "Qwen3MoeForCausalLM", seed=3, hidden_size=128, intermediate_size=256,
+                                  moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=64, tie_word_embeddings=False)
+    folder = write_quantized_checkpoint(src, tmp_path / "moe-fp8", "fp8_block", 128, torch.float32)
+    stored = tensors(folder)
+    expert = "model.layers.1.mlp.experts.2"
+    assert stored[f"{expert}.up_proj.weight"].dtype == torch.float8_e4m3fn
+    dense = tmp_path / "moe-dequantized"  # the reference: every fp8 tensor through transformers' own dequantization
+    shutil.copytree(src, dense)
+    for f in dense.glob("*.safetensors"):
+        f.unlink()
+    save_file({k: (fp8_reference(folder, k.removesuffix(".weight")) if v.dtype == torch.float8_e4m3fn else v.float())
+               for k, v in stored.items() if not k.endswith("weight_scale_inv")}, str(dense / "model.safetensors"),
+              metadata={"format": "pt"})
+    llm = LLM(str(folder), **ENGINE)
+    try:
+        assert llm.choices["weight_format"].name == "fp8_checkpoint"
+        layers = llm.engine.worker.model.model.layers[1].mlp.experts.gate_up_proj.layers
+        assert len(layers) == 4 and all(m.kind == "fp8_block" and m.weight.numel() == 0 for m in layers)
+        up = layers[2].linear_method.dequantized(layers[2], torch.float32)[128:]
+        assert torch.equal(up, fp8_reference(folder, f"{expert}.up_proj"))
+        tokens = greedy(llm)
+    finally:
+        llm.close()
+    assert tokens == hf_greedy(AutoModelForCausalLM.from_pretrained(str(dense), dtype=torch.float32), folder)

@@ -52,15 +52,19 @@ def experts_each(x: torch.Tensor, gate_up: Callable[[int, torch.Tensor], torch.T
                  topk_ids: torch.Tensor) -> torch.Tensor:
     """Each chosen expert in turn: `gate_up(e, rows)` and `down(e, rows)` are its projections (experts kept in a
     weight format are 2-D layers, one call each for the tokens that chose it)."""
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        # the experts are chosen on the host (below): refused before that sync, the capture fails cleanly and
+        # decode runs eager
+        raise RuntimeError("experts run a layer each are chosen on the host, which a CUDA graph cannot hold")
     out = torch.zeros_like(x)
     k = topk_ids.shape[1]
     order, counts = sort_by_expert(topk_ids, num_experts)
-    start = 0
-    for e, n in enumerate(counts.tolist()):
-        if n == 0:
-            continue
+    # the chosen experts by nonzero, a data-dependent op the CPU's decode recorder sees (such a step then runs eager);
+    # a bare tolist() would not be seen, and a recording would replay its own choice of experts
+    hit = torch.nonzero(counts).flatten()
+    starts = torch.cumsum(counts, 0) - counts
+    for e, start, n in zip(hit.tolist(), starts[hit].tolist(), counts[hit].tolist()):
         pairs = order[start:start + n]
-        start += n
         tokens = pairs // k
         gate, up = gate_up(e, x[tokens]).chunk(2, dim=-1)
         y = down(e, F.silu(gate) * up) * topk_weights.flatten()[pairs, None]
@@ -174,9 +178,13 @@ class FusedMoE(nn.Module):
         # a format whose kernels are 2-D (GGUF) leaves the experts dense: the loader dequantizes them, and says so
         if linear_method is not None and not linear_method.dequantized_experts \
                 and not isinstance(linear_method, DenseLinearMethod):
+            if linear_method.keeps_experts:
+                raise ModelLoadError(
+                    f"the weight format {type(linear_method).__name__} keeps a mixture-of-experts model's experts on "
+                    f"one rank only (a layer per expert), not split over {ws}; use tensor_parallel_size=1")
             raise ModelLoadError(
                 f"the weight format {type(linear_method).__name__} does not apply to mixture-of-experts weights yet "
-                "(experts are kept dense); load this model without a quantized weight format (GGUF, fp8)")
+                "(experts are kept dense); load this model without a quantized weight format (fp8 on load)")
         if intermediate_size % ws:
             raise ValueError(f"the experts' intermediate size ({intermediate_size}) is not divisible by "
                              f"tensor_parallel_size ({ws})")

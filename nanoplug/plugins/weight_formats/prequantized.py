@@ -127,6 +127,8 @@ class PrequantizedLinearMethod(LinearMethod):
     """Linear layers hold a QuantizedWeight's tensors as buffers (layer.kind says which); `weight` is an empty
     placeholder the loader finds, replaced by a dense weight for a layer stored unquantized."""
 
+    keeps_experts = True  # an MoE's experts as stored, a 2-D layer each (one rank; else refused, as before)
+
     def __init__(self):
         self.dense = DenseLinearMethod()
 
