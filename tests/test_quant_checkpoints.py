@@ -192,10 +192,12 @@ def test_refusals_name_the_format_and_what_serves():
         LLM(str(_edited("w4a16", "quant-int3", three_bits)), **ENGINE)
 
 
-def test_an_fp8_moe_checkpoint_keeps_its_experts_in_fp8(tmp_path):
-    """The experts of a block-scaled fp8 Qwen3-MoE checkpoint stay fp8, a layer per expert and projection (such a
-    checkpoint was refused): each expert's weight is transformers' Fp8Dequantize of its tensors exactly, and the
-    greedy tokens are transformers' on those dequantized weights."""
+@pytest.mark.parametrize("scheme,fmt,kind", [("fp8_block", "fp8_checkpoint", "fp8_block"), ("awq", "awq", "int4")])
+def test_a_quantized_moe_checkpoint_keeps_its_experts_as_stored(scheme, fmt, kind, tmp_path):
+    """The experts of a pre-quantized Qwen3-MoE checkpoint (block-scaled fp8; AWQ int4) stay as stored, a layer per
+    expert and projection (such checkpoints were refused): each expert's weight is the library's own dequantization
+    exactly (transformers' Fp8Dequantize, AutoAWQ's dequantize_gemm), and the greedy tokens are transformers' on
+    those dequantized weights."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
@@ -205,24 +207,39 @@ def test_an_fp8_moe_checkpoint_keeps_its_experts_in_fp8(tmp_path):
     src = write_random_checkpoint(tmp_path / "moe", "Qwen3MoeForCausalLM", seed=3, hidden_size=128, intermediate_size=256,
                                   moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2, num_attention_heads=4,
                                   num_key_value_heads=2, head_dim=64, tie_word_embeddings=False)
-    folder = write_quantized_checkpoint(src, tmp_path / "moe-fp8", "fp8_block", 128, torch.float32)
+    group = 128 if scheme == "fp8_block" else 64
+    folder = write_quantized_checkpoint(src, tmp_path / f"moe-{scheme}", scheme, group,
+                                        torch.float32 if scheme == "fp8_block" else torch.float16)
     stored = tensors(folder)
+    if scheme == "fp8_block":
+        def reference(module: str) -> torch.Tensor:
+            return fp8_reference(folder, module)
+        modules = [k.removesuffix(".weight") for k, v in stored.items() if v.dtype == torch.float8_e4m3fn]
+    else:
+        pytest.importorskip("awq", reason="pip install --no-deps autoawq==0.2.9 (.ci/run does)")
+        from awq.utils.packing_utils import dequantize_gemm
+
+        def reference(module: str) -> torch.Tensor:
+            return dequantize_gemm(stored[f"{module}.qweight"], stored[f"{module}.qzeros"], stored[f"{module}.scales"],
+                                   4, group).t()
+        modules = [k.removesuffix(".qweight") for k in stored if k.endswith(".qweight")]
     expert = "model.layers.1.mlp.experts.2"
-    assert stored[f"{expert}.up_proj.weight"].dtype == torch.float8_e4m3fn
-    dense = tmp_path / "moe-dequantized"  # the reference: every fp8 tensor through transformers' own dequantization
+    assert f"{expert}.up_proj" in modules
+    dense = tmp_path / "moe-dequantized"  # the reference: every quantized tensor through the library's dequantization
     shutil.copytree(src, dense)
     for f in dense.glob("*.safetensors"):
         f.unlink()
-    save_file({k: (fp8_reference(folder, k.removesuffix(".weight")) if v.dtype == torch.float8_e4m3fn else v.float())
-               for k, v in stored.items() if not k.endswith("weight_scale_inv")}, str(dense / "model.safetensors"),
-              metadata={"format": "pt"})
+    plain_tensors = {k: v.float() for k, v in stored.items()
+                     if v.is_floating_point() and not any(k.startswith(m + ".") for m in modules)}
+    save_file({**plain_tensors, **{f"{m}.weight": reference(m).float().contiguous() for m in modules}},
+              str(dense / "model.safetensors"), metadata={"format": "pt"})
     llm = LLM(str(folder), **ENGINE)
     try:
-        assert llm.choices["weight_format"].name == "fp8_checkpoint"
+        assert llm.choices["weight_format"].name == fmt
         layers = llm.engine.worker.model.model.layers[1].mlp.experts.gate_up_proj.layers
-        assert len(layers) == 4 and all(m.kind == "fp8_block" and m.weight.numel() == 0 for m in layers)
-        up = layers[2].linear_method.dequantized(layers[2], torch.float32)[128:]
-        assert torch.equal(up, fp8_reference(folder, f"{expert}.up_proj"))
+        assert len(layers) == 4 and all(m.kind == kind and m.weight.numel() == 0 for m in layers)
+        want = reference(f"{expert}.up_proj")
+        assert torch.equal(layers[2].linear_method.dequantized(layers[2], want.dtype)[128:], want)
         tokens = greedy(llm)
     finally:
         llm.close()
