@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,8 @@ def test_the_second_load_is_rebuilt_and_reads_as_transformers_own(name, tmp_path
     assert type(second).__module__ == resolved_config.__name__ and type(second).__name__ == type(first).__name__
     assert second.to_dict() == first.to_dict()
     assert resolved_config._readings(second) == resolved_config._readings(first)  # every field, aliases included
+    again = pickle.loads(pickle.dumps(second))  # as a tensor-parallel rank is sent it
+    assert type(again).__name__ == type(first).__name__ and resolved_config._readings(again) == resolved_config._readings(first)
     head_dim = first.hidden_size // first.num_attention_heads
     for a, b in zip(rope_inv_freq(second, head_dim), rope_inv_freq(first, head_dim)):  # transformers' rope helpers
         assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))  # call methods on it (standardize_rope_params)

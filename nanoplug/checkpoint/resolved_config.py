@@ -73,12 +73,23 @@ def _decode(value: Any) -> Any:
 
 
 def _rebuild(kept: dict) -> Any:
+    return _from_parts(kept["class"], _decode(kept["class_attributes"]), _decode(kept["attributes"]))
+
+
+def _from_parts(name: str, class_attributes: dict, attributes: dict) -> Any:
+    """An instance of a PretrainedConfig subclass named `name` with these class and instance attributes. It pickles
+    as these parts (a tensor-parallel rank is sent the config), as the class exists only where it was made."""
     from transformers import PretrainedConfig
 
-    cls = type(kept["class"], (PretrainedConfig,), {**_decode(kept["class_attributes"]), "__module__": __name__})
+    cls = type(name, (PretrainedConfig,), {**class_attributes, "__module__": __name__, "__reduce__": _reduce,
+                                           "__class_attributes__": class_attributes})
     config = cls.__new__(cls)
-    config.__dict__.update(_decode(kept["attributes"]))
+    config.__dict__.update(attributes)
     return config
+
+
+def _reduce(config: Any) -> tuple:
+    return _from_parts, (type(config).__name__, type(config).__class_attributes__, dict(vars(config)))
 
 
 def load(raw: bytes) -> Any | None:
