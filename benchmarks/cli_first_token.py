@@ -17,16 +17,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def cpu() -> str:
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    return f"{model}, {os.cpu_count()} cores, flags: {' '.join(f for f in FLAGS if f in flags)}"
-
-
+from cpu_gguf import cpu_name  # noqa: E402
 def timed(args: list[str]) -> tuple[float, float, int]:
     """(seconds to the first byte on stdout, seconds to exit, exit code)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -52,7 +45,7 @@ def main() -> int:
         return rc
     firsts, ends = zip(*[timed(generate)[:2] for _ in range(args.runs)])
     refusals = [timed(["generate", "--attention", "flsh", "hi"])[1] for _ in range(args.runs)]
-    print(f"CPU: {cpu()}; load average {os.getloadavg()[0]:.2f}")
+    print(f"CPU: {cpu_name()}; load average {os.getloadavg()[0]:.2f}")
     print(f"`nanoplug {' '.join(generate[:3])} ...`, {args.runs} runs: first token median {statistics.median(firsts):.2f} s "
           f"(min {min(firsts):.2f}, max {max(firsts):.2f}); exit median {statistics.median(ends):.2f} s")
     print(f"a misspelt plugin name refused: median {statistics.median(refusals):.2f} s (max {max(refusals):.2f})")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,8 +19,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the converter-shaped GGUF writer of the test suite
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
+from cpu_gguf import commit, cpu_name  # noqa: E402
 
 from nanoplug import LLM, SamplingParams  # noqa: E402
 
@@ -85,12 +86,8 @@ def main() -> int:
             b1 = (timed(llm, one, args.tokens) - timed(llm, one, 1)) / (args.tokens - 1)
             bn = timed(llm, many, args.tokens)
             best[name] = [min(best[name][0], b1), min(best[name][1], bn)]
-    flags = subprocess.run(["grep", "-m1", "^flags", "/proc/cpuinfo"], capture_output=True, text=True).stdout.split()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     print(f"{path.name}: hidden {args.hidden}, {args.layers} layers, {args.experts} experts (top {args.top_k}, "
-          f"{args.expert_size} wide); {os.cpu_count()} cores, flags "
-          f"{' '.join(f for f in ('avx2', 'avx512f', 'avx512_vnni', 'avx512_bf16', 'amx_tile') if f in flags)}; "
-          f"commit {commit}; best of {args.rounds}")
+          f"{args.expert_size} wide); {cpu_name()}; commit {commit()}; best of {args.rounds}")
     print(f"{'engine':24s} {'weights MiB':>12s} {'batch-1 decode ms/token':>24s} {f'{args.batch} prompts tok/s':>18s}")
     for name, llm in engines.items():
         b1, bn = best[name]

@@ -23,8 +23,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from nanoplug.api.files import read_json
-from nanoplug.checkpoint import resolved_config
 from nanoplug.api.linear import check_shape, copy_weight  # noqa: F401  (every weight loader's shape check)
+from nanoplug.checkpoint import resolved_config
 from nanoplug.errors import ModelLoadError, WeightShapeError
 
 log = logging.getLogger("nanoplug")

@@ -100,10 +100,6 @@ def load(raw: bytes) -> Any | None:
         return None
 
 
-def _data(value: Any) -> bool:
-    return isinstance(value, _PLAIN)
-
-
 def _readings(config: Any) -> dict[str, Any]:
     """Every data attribute the config answers (instance, class and property), by name; methods and objects
     computed by PretrainedConfig's own code from these (views, helpers) are left to that code."""
@@ -121,7 +117,7 @@ def _readings(config: Any) -> dict[str, Any]:
             except Exception as exc:  # a property that raises must raise alike
                 out[name] = ("raises", type(exc).__name__)
                 continue
-            if not callable(value) and _data(value):
+            if not callable(value) and isinstance(value, _PLAIN):
                 out[name] = value
         return out
     finally:

@@ -130,9 +130,8 @@ class ExpertLayers(nn.Module):
     method per expert. The checkpoint's per-expert tensors arrive as parts of `weight` (as for ExpertWeights), an
     empty parameter that routes each to its expert's layer; the layers' own parameters are filled through it."""
 
-    def __init__(self, num_experts: int, make: Callable[[], nn.Module], parts: int):
+    def __init__(self, num_experts: int, make: Callable[[], nn.Module]):
         super().__init__()
-        self.parts = parts
         self.layers = nn.ModuleList(make() for _ in range(num_experts))
         for param in self.layers.parameters():
             param.loaded_through = "weight"  # the loader expects these through this module's `weight`
@@ -143,12 +142,9 @@ class ExpertLayers(nn.Module):
         if shard_id is None:
             raise ModelLoadError("experts' weights are loaded one expert at a time (experts.N.gate_proj/up_proj/"
                                  "down_proj); a checkpoint with them already stacked is not supported yet")
-        expert, part = shard_id if isinstance(shard_id, tuple) else (shard_id, None)
+        expert, part = shard_id if isinstance(shard_id, tuple) else (shard_id, None)  # part: gate 0 / up 1, or none
         layer = self.layers[expert]
-        if self.parts > 1:
-            layer.weight_loader(layer.weight, tensor, part)
-        else:
-            layer.weight_loader(layer.weight, tensor)
+        layer.weight_loader(layer.weight, tensor, part)
 
     def forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """Expert `expert`'s projection of `x` (experts_each's `gate_up` / `down`)."""
@@ -171,9 +167,9 @@ class FusedMoE(nn.Module):
         self.group, self.num_experts = group, num_experts
         if linear_method is not None and linear_method.keeps_experts and ws == 1:  # each expert's projections 2-D
             self.gate_up_proj = ExpertLayers(num_experts, lambda: MergedColumnParallelLinear(
-                group, hidden_size, [intermediate_size] * 2, False, linear_method), parts=2)
+                group, hidden_size, [intermediate_size] * 2, False, linear_method))
             self.down_proj = ExpertLayers(num_experts, lambda: RowParallelLinear(
-                group, intermediate_size, hidden_size, False, linear_method), parts=1)
+                group, intermediate_size, hidden_size, False, linear_method))
             return
         # a format whose kernels are 2-D (GGUF) leaves the experts dense: the loader dequantizes them, and says so
         if linear_method is not None and not linear_method.dequantized_experts \
