@@ -60,9 +60,12 @@ def run_config(args, model: str, replicas: int, routing: str, prompts, params) -
     server = Server(server_args, model, extra)
     try:
         before = server.cpu_seconds()
+        poller = MetricsPoller(server.url)
         results, start, end = asyncio.run(drive(server.url, "none", model, args.concurrency, prompts, params))
+        poller.stop()
         front, engines = (a - b for a, b in zip(server.cpu_seconds(), before))
         health = httpx.get(f"{server.url}/health", timeout=10).json()
+        final = scrape(server.url)
     finally:
         server.stop()
     ok = [r for r in results if r.ok]
@@ -77,7 +80,49 @@ def run_config(args, model: str, replicas: int, routing: str, prompts, params) -
             "requests_per_s": len(ok) / seconds, "ttft_mean_ms": 1e3 * sum(r.ttft for r in ok) / max(len(ok), 1),
             "ttft_p50_ms": 1e3 * percentile([r.ttft for r in ok], 0.5),
             "front_end_cpu_us_per_token": 1e6 * front / tokens, "engine_cpu_us_per_token": 1e6 * engines / tokens,
-            "per_replica": [r.get("requests") for r in health.get("replicas", [])]}
+            "per_replica": [r.get("requests") for r in health.get("replicas", [])],
+            # why one routing beats the other: rows each step could run, evictions, and what the cache saved
+            "running_mean": poller.mean("vllm:num_requests_running"),
+            "waiting_mean": poller.mean("vllm:num_requests_waiting"),
+            "kv_usage_mean": poller.mean("vllm:kv_cache_usage_perc"),
+            "preemptions": final.get("nanoplug_preemptions_total"),
+            "prefix_hit_rate": final.get("nanoplug_prefix_cache_hit_rate")}
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The server's /metrics, one value per metric name (labels dropped: the replicas are summed already)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+class MetricsPoller:
+    """/metrics read every `every` seconds while the workload runs, for the gauges' means."""
+
+    def __init__(self, url: str, every: float = 0.25):
+        import threading
+
+        self.samples: list[dict[str, float]] = []
+        self.done = threading.Event()
+
+        def poll():
+            while not self.done.wait(every):
+                try:
+                    self.samples.append(scrape(url))
+                except httpx.HTTPError:
+                    pass
+
+        self.thread = threading.Thread(target=poll, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+
+    def mean(self, name: str) -> float | None:
+        values = [s[name] for s in self.samples if name in s]
+        return round(sum(values) / len(values), 3) if values else None
 
 
 def resolve_model(name: str | None) -> str:
@@ -141,6 +186,8 @@ def main() -> int:
         print(f"{r['replicas']:>8} {r['routing']:>12} {r['output_tok_per_s']:>9.1f} {r['requests_per_s']:>7.2f} "
               f"{r['ttft_mean_ms']:>8.0f}ms {r['ttft_p50_ms']:>7.0f}ms {r['front_end_cpu_us_per_token']:>12.0f} "
               f"{r['engine_cpu_us_per_token']:>13.0f} {r['failed']:>6} {r['per_replica']}")
+        print(f"{'':>21} running {r['running_mean']}, waiting {r['waiting_mean']}, KV use {r['kv_usage_mean']}, "
+              f"preemptions {r['preemptions']}, prefix hits {r['prefix_hit_rate']}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     return 1 if any(r["failed"] for r in rows) else 0

@@ -115,6 +115,7 @@ def test_a_killed_replica_fails_only_its_requests_and_shows_on_health(server, cl
 # ------------------------------------------------------------------------------ the policy, without processes
 class _Replica:
     failure = None
+    max_num_seqs = 8
 
 
 def _router(routing: str = "prefix", slack: int = 2) -> Replicas:
@@ -142,6 +143,17 @@ def test_the_policy_follows_prefixes_then_load():
     assert PrefixAffinity(4).keys(list(range(40))) and not PrefixAffinity(4).keys("short")
     router.replicas[1 - first].failure = "gone"
     assert {_send(router, p) for p in (a, b, "c")} == {first}
+
+
+def test_a_full_replica_passes_its_prefix_on_to_one_with_a_free_slot():
+    router = _router(slack=100)  # the slack alone would never move a request
+    router.replicas[0].max_num_seqs = router.replicas[1].max_num_seqs = 2
+    a = "A" * 64
+    first = _send(router, a)
+    assert _send(router, a) == first  # a free slot there still: the prefix wins
+    assert _send(router, a) == 1 - first  # full there, a free slot on the other: it goes there
+    assert _send(router, "B" * 64) == 1 - first  # no match: the least loaded
+    assert _send(router, a) == 1 - first  # both full: the slack decides, and the prefix was last computed there
 
 
 def test_round_robin_ignores_prefixes():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import jsonschema
 import numpy as np
@@ -88,6 +89,22 @@ def test_overlapped_steps_give_the_tokens_of_plain_steps(llm, overlapped):
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in overlapped.generate(prompts, params, use_tqdm=False)] == want
     assert_idle(overlapped)
+    structured = overlapped.engine.structured
+    assert structured.pool is not None and structured.job is None  # filled on the mask thread, each fill taken
+
+
+def test_a_fill_that_fails_on_the_mask_thread_fails_the_step(model_dir):
+    def broken(seqs):
+        raise RuntimeError("the grammar library failed")
+
+    interval = sys.getswitchinterval()
+    with LLM(model_dir, **OPTIONS, overlap_steps=True) as engine:
+        structured = engine.engine.structured
+        structured.masks = broken
+        with pytest.raises(RuntimeError, match="grammar library failed"):
+            engine.generate([chat("Describe a person as JSON.")], constrained(json_object=True), use_tqdm=False)
+        assert structured.job is None
+    assert sys.getswitchinterval() == interval  # the mask thread's shorter interval is given back
 
 
 @pytest.mark.parametrize("bad, named", [(dict(regex="(unclosed"), "regex"),

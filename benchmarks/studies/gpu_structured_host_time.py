@@ -47,9 +47,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backends", default="xgrammar,llguidance")
     parser.add_argument("--cprofile", action="store_true")
+    parser.add_argument("--schema", type=Path, default=SCHEMA, help="the JSON schema (default: JSONSchemaBench's o11173)")
     args = parser.parse_args()
     model = str(write_checkpoint())
-    schema = json.loads(SCHEMA.read_text())
+    schema = json.loads(args.schema.read_text())
     for backend in args.backends.split(","):
         llm = LLM(model, device="cuda", structured_output=backend, max_model_len=2048, max_num_seqs=64,
                   dtype="bfloat16")

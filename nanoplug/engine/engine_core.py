@@ -14,6 +14,7 @@ drains. `step` itself runs on one thread at a time (LLM's step lock, or the serv
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -93,6 +94,9 @@ class EngineCore:
         self.scheduler = Scheduler(config, blocks)
         self.builder = BatchBuilder(self.scheduler.blocks, self.scheduler.penalty_slots, self.structured,
                                     self.overlap and self.defers_sampling)
+        # overlapped, a step's masks are filled on the mask thread while the next step is scheduled and built
+        self.masks_beside = self.overlap and self.defers_sampling and os.environ.get("NANOPLUG_MASKS_BESIDE") != "0"
+        self.masks_due = False  # the launched step waits for masks begun on the mask thread (_sample_due)
         self.speculation = Speculation.resolve(self.registry, config, wired.target, self.facts.vocab_size,
                                                self.worker)  # None: no speculator
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, config.max_model_len)
@@ -211,6 +215,7 @@ class EngineCore:
         if not free:
             raise AdapterError(f"all {self.max_loras} adapter slots are taken (loaded, or used by requests still "
                                "running); unload one, or restart with more slots (max_loras, --max-loras)")
+        self._sample_due()
         try:
             self.worker.load_adapter(free[0], AdapterSpec(path=path, name=name, merge=False))
         except NotImplementedError as exc:
@@ -263,9 +268,11 @@ class EngineCore:
             if batch:
                 self._start_forked()
                 launched = self.builder.build(batch, is_prefill, self.in_flight)
+                self._sample_due()  # the step before reads nothing of this one; this one reads its tokens
                 self.worker.launch(launched.step)
                 self.scheduler.advance(batch, pending=True)
                 launched.number_rows()
+        self._sample_due()
         previous, self.in_flight = self.in_flight, launched
         if previous is None:
             if launched is None and self.scheduler.has_work():
@@ -282,6 +289,7 @@ class EngineCore:
         where the next step starts. A step launched before it (overlapped) is collected first."""
         started, updates = time.perf_counter(), []
         policy = self.speculation.policy
+        self._sample_due()
         if self.in_flight is not None:  # the plain step launched last, its wait its own (k = 0) figure
             previous, self.in_flight = self.in_flight, None
             updates += self._apply(previous, self.worker.collect())
@@ -310,18 +318,31 @@ class EngineCore:
         launched = self.builder.build(batch, is_prefill, None)
         if launched.step.sampling.mask_later:  # (an overlapping engine's builder: the masks follow the launch)
             self.worker.launch(launched.step)
-            self._sample_masked(launched)
+            self._sample_masked(launched, beside=False)
             result = self.worker.collect()
         else:
             result = self.worker.run(launched.step)
         self.scheduler.advance(batch)
         return self._apply(launched, result)
 
-    def _sample_masked(self, launched: Launched | None) -> None:
+    def _sample_masked(self, launched: Launched | None, beside: bool = True) -> None:
         """Structured outputs, overlapped: the launched step's forward runs while the previous step's tokens
-        advanced the grammars; now its masks are filled on the host and it is sampled under them."""
-        if launched is not None and launched.step.sampling.mask_later:
+        advanced the grammars; now its masks are filled on the host and it is sampled under them. `beside`: the
+        masks are begun on the mask thread and the step is sampled at the next `_sample_due`, once this thread
+        has handed out the tokens and scheduled and built the next step."""
+        if launched is None or not launched.step.sampling.mask_later:
+            return
+        if beside and self.masks_beside:
+            self.structured.begin(launched.masked)
+            self.masks_due = True
+        else:
             self.worker.sample(self.structured.masks(launched.masked))
+
+    def _sample_due(self) -> None:
+        """Sample the launched step under the masks begun beside, before the worker is given anything else."""
+        if self.masks_due:
+            self.masks_due = False
+            self.worker.sample(self.structured.end())
 
     def _apply(self, launched: Launched, result: StepResult) -> list[RequestUpdate]:
         """Give a finished step's tokens to their sequences, register full blocks, check for stops."""
@@ -402,6 +423,8 @@ class EngineCore:
 
     def close(self) -> None:
         """Stop the worker; safe to call twice."""
+        self.masks_due = False
+        self.structured.close()
         worker, self.worker = self.worker, None
         if worker is not None:
             worker.shutdown()

@@ -5,13 +5,19 @@ The backend plugin is resolved at start-up (asked, chosen, why) but built at the
 so an engine that never sees one never reads its vocabulary into a grammar library. Compiling happens in
 `make_request` (the caller's thread, before anything is queued): a bad constraint is that caller's
 RequestError, and the step loop only ever fills masks from grammars compiled already.
+
+An overlapped engine fills a step's masks on a thread of their own (`begin`/`end`) while its own thread hands
+the last step's tokens out and schedules and builds the next one: both libraries fill without the GIL, so the
+fill leaves the step's critical path whenever it is shorter than that work.
 """
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -27,6 +33,32 @@ from nanoplug.errors import RequestError
 
 log = logging.getLogger("nanoplug")
 CACHE_SIZE = 512  # compiled grammars kept per engine (least recently used dropped first)
+SWITCH_INTERVAL = 1e-4  # how often the GIL changes hands while masks are filled beside a step loop
+
+
+class _FastSwitching:
+    """The process's GIL switch interval, shortened while any engine's masks are being filled on its mask thread:
+    that thread needs the GIL for a moment to start the fill and to hand the masks back, and CPython's default
+    (5 ms) would keep it waiting for the step loop. Counted, so engines of one process share it."""
+
+    def __init__(self):
+        self.lock, self.active, self.saved = threading.Lock(), 0, None
+
+    def enter(self) -> None:
+        with self.lock:
+            if self.active == 0:
+                self.saved = sys.getswitchinterval()
+                sys.setswitchinterval(min(self.saved, SWITCH_INTERVAL))
+            self.active += 1
+
+    def leave(self) -> None:
+        with self.lock:
+            self.active -= 1
+            if self.active == 0:
+                sys.setswitchinterval(self.saved)
+
+
+_fast_switching = _FastSwitching()
 
 
 class StructuredOutputs:
@@ -46,6 +78,8 @@ class StructuredOutputs:
         self.cache: OrderedDict[str, Any] = OrderedDict()
         self.lock = threading.Lock()  # make_request compiles on callers' threads
         self.compile_seconds: dict[str, float] = {}  # the first compile of each key, for benchmarks
+        self.pool: ThreadPoolExecutor | None = None  # the mask thread (begin/end), made at the first use
+        self.job: Future | None = None  # the masks being filled on the mask thread
 
     @classmethod
     def resolve(cls, registry: Registry, asked: str, target: Any) -> tuple[Resolution | None, str]:
@@ -119,6 +153,31 @@ class StructuredOutputs:
         if matchers:
             self._backend().fill_masks(matchers, bitmask, rows)
         return bitmask
+
+    def begin(self, seqs: list[Sequence]) -> None:
+        """Start filling `seqs`' masks on the mask thread; `end` returns them. One fill at a time."""
+        assert self.job is None, "end() the fill begun before"
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(1, thread_name_prefix="nanoplug-masks")
+        _fast_switching.enter()
+        self.job = self.pool.submit(self.masks, seqs)
+
+    def end(self) -> np.ndarray:
+        """The masks `begin` started (waiting for them); a failure of the fill is raised here."""
+        job, self.job = self.job, None
+        try:
+            return job.result()
+        finally:
+            _fast_switching.leave()
+
+    def close(self) -> None:
+        if self.job is not None:
+            self.job.cancel()
+            self.job = None
+            _fast_switching.leave()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
 
     def _bitmask(self, rows: int) -> np.ndarray:
         self.turn ^= 1

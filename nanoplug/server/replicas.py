@@ -8,7 +8,8 @@ replica.
 Dispatch is by prefix affinity, then load (as SGLang's cache-aware router and llm-d's prefix scorer do): the
 prompt's first blocks are hashed in a chain (`PrefixAffinity`), and a request goes to the replica that last
 served the longest chain of them, since its prefix cache likely still holds them; with no match, or when that
-replica holds `balance_slack` more open requests than the least loaded, the least loaded replica takes it.
+replica has no free batch slot while another has one, or holds `balance_slack` more open requests than the least
+loaded, the least loaded replica takes it.
 The blocks are of the prompt as the front end has it: token ids when the client sent ids, else the text (or
 a chat's messages) in blocks of `kv_block_size * 4` characters (about a KV block of tokens): the front end
 never tokenizes a prompt twice.
@@ -146,11 +147,19 @@ class Replicas:
         least = min(live, key=lambda i: (load.get(i, 0), self.dispatched[i]))  # ties: the one sent fewer so far
         keys = self.affinity.keys(prompt)
         chosen = self.affinity.lookup(keys)
-        if chosen is None or self.replicas[chosen].failure is not None or \
-                load.get(chosen, 0) > load.get(least, 0) + self.balance_slack:
+        if chosen is None or self.replicas[chosen].failure is not None or self._passes_on(chosen, least, load):
             chosen = least
         self.affinity.record(keys, chosen)
         return chosen
+
+    def _passes_on(self, chosen: int, least: int, load: dict[int, int]) -> bool:
+        """Whether the replica that holds the prompt's prefix gives the request to the least loaded one: when the
+        request would wait there for a batch slot that the other has free now (the wait is a whole request's time,
+        the prefix computed again one prefill), or when it holds `balance_slack` more open requests."""
+        mine, other = load.get(chosen, 0), load.get(least, 0)
+        if mine >= self.replicas[chosen].max_num_seqs and other < self.replicas[least].max_num_seqs:
+            return True
+        return mine > other + self.balance_slack
 
     async def submit(self, items: list, fill_context: bool = False, want_prompt_ids: bool = False) -> list[RequestStream]:
         chosen = self.pick(items[0][0])
