@@ -49,6 +49,7 @@ class Result:
     gaps: list[float] = field(default_factory=list)
     tokens: int = 0
     error: str = ""
+    no_text: bool = False  # served, but every token's text was empty (its first token's time is its end)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -67,16 +68,20 @@ async def one_request(client, model: str, prompt: list[int], params) -> Result:
         stream = await client.completions.create(
             model=model, prompt=prompt, max_tokens=params.max_tokens, temperature=params.temperature, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": params.ignore_eos})
-        tokens = 0
+        tokens, ended = 0, None
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
                 times.append(time.perf_counter())
+            if chunk.choices and chunk.choices[0].finish_reason:
+                ended = time.perf_counter()
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
     except Exception as exc:  # counted and reported, never hidden
         return Result(False, error=f"{type(exc).__name__}: {exc}")
+    if not times and tokens and ended is not None:  # tokens whose text is empty (a random model's special tokens):
+        return Result(True, ended - start, 0.0, [], tokens, no_text=True)  # served; its first text came with its end
     if not times:
-        return Result(False, error="no token streamed")
+        return Result(False, error=f"no token streamed ({tokens} completion tokens)")
     gaps = [b - a for a, b in zip(times, times[1:])]
     tpot = (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else 0.0
     return Result(True, times[0] - start, tpot, gaps, tokens)

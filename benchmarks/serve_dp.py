@@ -76,6 +76,7 @@ def run_config(args, model: str, replicas: int, routing: str, prompts, params) -
     seconds = end - start
     return {"replicas": replicas, "routing": routing if replicas > 1 else "-", "requests": len(results),
             "failed": len(results) - len(ok), "errors": sorted({r.error for r in results if not r.ok})[:3],
+            "no_text": sum(r.no_text for r in ok),  # served requests whose tokens all had empty text
             "seconds": seconds, "output_tok_per_s": tokens / seconds,
             "requests_per_s": len(ok) / seconds, "ttft_mean_ms": 1e3 * sum(r.ttft for r in ok) / max(len(ok), 1),
             "ttft_p50_ms": 1e3 * percentile([r.ttft for r in ok], 0.5),
@@ -187,7 +188,8 @@ def main() -> int:
               f"{r['ttft_mean_ms']:>8.0f}ms {r['ttft_p50_ms']:>7.0f}ms {r['front_end_cpu_us_per_token']:>12.0f} "
               f"{r['engine_cpu_us_per_token']:>13.0f} {r['failed']:>6} {r['per_replica']}")
         print(f"{'':>21} running {r['running_mean']}, waiting {r['waiting_mean']}, KV use {r['kv_usage_mean']}, "
-              f"preemptions {r['preemptions']}, prefix hits {r['prefix_hit_rate']}")
+              f"preemptions {r['preemptions']}, prefix hits {r['prefix_hit_rate']}, "
+              f"served without text {r['no_text']}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     return 1 if any(r["failed"] for r in rows) else 0

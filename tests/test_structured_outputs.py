@@ -102,8 +102,8 @@ def test_a_fill_that_fails_on_the_mask_thread_fails_the_step(model_dir):
         structured = engine.engine.structured
         structured.masks = broken
         with pytest.raises(RuntimeError, match="grammar library failed"):
-            engine.generate([chat("Describe a person as JSON.")], constrained(json_object=True), use_tqdm=False)
-        assert structured.job is None
+            engine.generate([chat("Describe a person as JSON.")] * 4, constrained(json_object=True), use_tqdm=False)
+        assert structured.pool is not None and structured.job is None  # (4 rows: filled on the mask thread)
     assert sys.getswitchinterval() == interval  # the mask thread's shorter interval is given back
 
 

@@ -39,6 +39,9 @@ from nanoplug.engine.structured import StructuredOutputs
 
 __all__ = ["EngineCore", "EngineRequest", "EngineStats", "RequestUpdate"]
 log = logging.getLogger("nanoplug")
+# from this many constrained rows a step's masks are filled on the mask thread: a row or two fill in less time than
+# handing them to the thread takes
+MASKS_BESIDE_FROM = 4
 NOTHING_TO_RUN = "the scheduler found nothing to run although requests wait; the KV cache is too small"
 
 
@@ -332,7 +335,7 @@ class EngineCore:
         has handed out the tokens and scheduled and built the next step."""
         if launched is None or not launched.step.sampling.mask_later:
             return
-        if beside and self.masks_beside:
+        if beside and self.masks_beside and len(launched.masked) >= MASKS_BESIDE_FROM:
             self.structured.begin(launched.masked)
             self.masks_due = True
         else:
