@@ -8,7 +8,9 @@ untied: about 30 GB), then
 (b) `nanoplug bench` (the throughput workload) and `nanoplug bench --latency` on the checkpoint.
 
 `--tune` first sweeps the kernel's block sizes per batch size and writes the table the kernel reads
-(nanoplug/kernels/moe/configs/E=128,N=768,device_name=<GPU>.json); commit it. `--tiny` runs everything on the CPU
+(nanoplug/kernels/moe/configs/E=128,N=768,device_name=<GPU>.json); commit it. `--sweep-gemv` times the few-token
+GEMV path (`experts_gemv`) over a grid of its block sizes against the grouped GEMM at 1-8 tokens, each call in a
+CUDA graph over 4 layers' weights in turn (as a step reads them: from HBM, not L2). `--tiny` runs everything on the CPU
 with a tiny shape (the batched-matmul path stands in for the kernel), which the tests do.
 
 usage: python benchmarks/gpu_moe.py [--tiny] [--tune] [--skip a,b] [--folder DIR]
@@ -90,6 +92,48 @@ def kernel_figures(shape, device, dtype, out: dict) -> None:
               flush=True)
 
 
+def sweep_gemv(shape, device, dtype) -> None:
+    """Per batch of 1-8 tokens: the grouped GEMM (its tuned config) and each GEMV config, graph-timed."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _cuda_timing import graph_us
+    from nanoplug.api.layers import experts_plain
+    from nanoplug.kernels.moe import fused_moe
+
+    e, k, h, i = shape["num_experts"], shape["num_experts_per_tok"], shape["hidden_size"], shape["moe_intermediate_size"]
+    layers = [_inputs(1, e, k, h, i, dtype, device, seed=s) for s in range(4)]
+    grid = [dict(UP_BLOCK_N=un, UP_BLOCK_K=uk, DOWN_BLOCK_N=dn, DOWN_BLOCK_K=dk, num_warps=w)
+            for un, uk, dn, dk, w in itertools.product((8, 16), (128, 256), (4, 8), (128, 256), (4, 8))]
+    print("| tokens | path | us a layer | TB/s of the experts read |\n|---|---|---|---|")
+    for m in (1, 2, 4, 8):
+        x, _, _, weights, ids = _inputs(m, e, k, h, i, dtype, device, seed=9)
+        pairs_bytes = m * k * 3 * h * i * 2  # the GEMV reads each pair's expert (the GEMM each touched one once)
+        touched = int(torch.unique(ids).numel()) * 3 * h * i * 2
+
+        def timed(fn):
+            return graph_us(lambda: [fn(lay[1], lay[2]) for lay in layers], calls=5) / 4
+
+        grouped = timed(lambda w13, w2: fused_moe.fused_experts(x, w13, w2, weights, ids,
+                                                                config=fused_moe.config_for(m, e, i, device)))
+        print(f"| {m} | grouped GEMM | {grouped:.1f} | {touched / grouped / 1e6:.2f} |", flush=True)
+        best = None
+        for cfg in grid:
+            try:
+                us = timed(lambda w13, w2: fused_moe.experts_gemv(x, w13, w2, weights, ids, config=cfg))
+            except Exception as exc:  # noqa: BLE001  (out of registers, say: skip it)
+                print(f"  skip {cfg}: {type(exc).__name__}")
+                continue
+            if best is None or us < best[0]:
+                best = (us, cfg)
+        w13, w2 = layers[0][1], layers[0][2]
+        want = experts_plain(x.float(), w13.float(), w2.float(), weights, ids)
+        got = fused_moe.experts_gemv(x, w13, w2, weights, ids, config=best[1]).float()
+        err = float((got - want).abs().max() / want.abs().max())
+        print(f"| {m} | GEMV {best[1]} | {best[0]:.1f} | {pairs_bytes / best[0] / 1e6:.2f} | (error {err:.1e})",
+              flush=True)
+        default = timed(lambda w13, w2: fused_moe.experts_gemv(x, w13, w2, weights, ids))
+        print(f"| {m} | GEMV, GEMV_CONFIG | {default:.1f} | {pairs_bytes / default / 1e6:.2f} |", flush=True)
+
+
 def tune(shape, device, dtype) -> Path:
     """Each batch size's fastest block sizes over a grid (checked against the plain path), written as the table."""
     from nanoplug.kernels.moe import fused_moe
@@ -146,6 +190,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="a tiny shape on the CPU (what the tests run)")
     p.add_argument("--tune", action="store_true", help="sweep the kernel's block sizes first and write the table")
+    p.add_argument("--sweep-gemv", action="store_true", help="time the few-token GEMV path's block sizes first")
     p.add_argument("--skip", default="", help="stages to skip: a (kernel), b (bench)")
     p.add_argument("--folder", default=None, help="where the checkpoint is (written there first if missing)")
     p.add_argument("--json", default=None, help="write the figures here")
@@ -160,6 +205,8 @@ def main(argv=None) -> int:
     skip = set(filter(None, args.skip.split(",")))
     if args.tune:
         stage("tune the kernel's block sizes", lambda: tune(shape, device, dtype), failures)
+    if args.sweep_gemv:
+        stage("the few-token GEMV path's block sizes", lambda: sweep_gemv(shape, device, dtype), failures)
     if "a" not in skip:
         stage("(a) fused MoE kernel", lambda: kernel_figures(shape, device, dtype, figures["kernel"]), failures)
     if "b" not in skip:

@@ -86,6 +86,19 @@ def test_triton_grouped_gemm_equals_plain(case):
             assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), cfg
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_triton_gemv_path_equals_plain(case):
+    x, w13, w2, weights, ids = _inputs(*case, seed=2)
+    want = experts_plain(x, w13, w2, weights, ids)
+    with interpreted(fused_moe) as fm:
+        small = dict(fm.GEMV_CONFIG, UP_BLOCK_N=4, UP_BLOCK_K=16, DOWN_BLOCK_N=8, DOWN_BLOCK_K=32)  # K steps
+        for cfg in (fm.GEMV_CONFIG, small):  # past the rows and the columns (48 and 64 are not multiples)
+            got = fm.experts_gemv(x, w13, w2, weights, ids, config=cfg)
+            assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), cfg
+        if case[0] <= fm.GEMV_TOKENS:  # a decode step's few tokens take it by default
+            assert torch.allclose(fm.fused_experts(x, w13, w2, weights, ids), want, atol=1e-5, rtol=1e-5)
+
+
 def test_h200_configs_are_read():
     table = fused_moe._configs(128, 768, "NVIDIA H200")
     assert table and {1, 64, 256} <= set(table)

@@ -39,13 +39,14 @@ def test_kernel_equals_plain(m, dtype):
     assert float((got - want).abs().max() / want.abs().max()) < tol
 
 
-def test_kernel_in_a_cuda_graph():
-    x, w13, w2, weights, ids = _inputs(8, 128, 8, 2048, 768, torch.bfloat16)
+@pytest.mark.parametrize("m", [1, 8])  # the GEMV path, the grouped GEMM
+def test_kernel_in_a_cuda_graph(m):
+    x, w13, w2, weights, ids = _inputs(m, 128, 8, 2048, 768, torch.bfloat16)
     out = fused_moe.fused_experts(x, w13, w2, weights, ids)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = fused_moe.fused_experts(x, w13, w2, weights, ids)
-    new_ids = torch.roll(ids, 1, dims=0)
+    new_ids = torch.roll(ids, 1, dims=1)  # each expert now with another slot's weight
     ids.copy_(new_ids)
     graph.replay()
     assert torch.allclose(captured.float(), fused_moe.fused_experts(x, w13, w2, weights, ids).float(), atol=1e-3)

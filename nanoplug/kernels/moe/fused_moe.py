@@ -7,6 +7,11 @@ weight -> [T*k, H]; the k rows of a token summed. The launch grids are sized fro
 alone (blocks past the padded count exit at once), so a step needs no host sync and CUDA graphs capture it.
 Block sizes come from `configs/` (per expert count, intermediate size and GPU, by batch size; written by
 benchmarks/gpu_moe.py --tune). On a CPU the kernel runs only under TRITON_INTERPRET=1 (the tests).
+
+A decode step of a few tokens (up to GEMV_TOKENS) takes two GEMV launches instead (`experts_gemv`): no sort, no
+padding to a block of rows, the SiLU-and-mul inside the first and the sum over a token's k experts inside the
+second. There each pair reads its expert's rows once either way, and the sort and the other small launches around
+the GEMMs cost more than the products (24 layers of them in a batch-1 step of the 30B-A3B shape).
 """
 from __future__ import annotations
 
@@ -24,6 +29,10 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=64, BLOCK_SIZE_K=32, GROUP_SIZE_M=8, num_warps=4, num_stages=3)
 SMALL_BATCH_CONFIG = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=64, GROUP_SIZE_M=1, num_warps=4,
                           num_stages=3)
+GEMV_TOKENS = 4  # up to this many tokens a step, the two GEMV launches (experts_gemv)
+# the GEMVs' rows per program (gate_up: that many gate rows and their up rows; down: output rows over k experts),
+# K step and warps
+GEMV_CONFIG = dict(UP_BLOCK_N=8, UP_BLOCK_K=256, DOWN_BLOCK_N=4, DOWN_BLOCK_K=256, num_warps=4)
 
 if triton is not None:
 
@@ -68,6 +77,56 @@ if triton is not None:
             acc *= tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
         c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + rn[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+    @triton.jit
+    def _gate_up_gemv_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, K, I, stride_xm, stride_we, stride_wn, stride_am,
+                             TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """act[pair, n] = silu(gate) * up for BLOCK_N of the pair's expert's gate rows and the matching up rows
+        (gate and up each rounded to the activations' dtype first, as the grouped path stores gate_up)."""
+        pair, pid_n = tl.program_id(0), tl.program_id(1)
+        token = pair // TOP_K
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        n_ok = rn < I
+        gate_ptrs = w13_ptr + expert * stride_we + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
+        up_ptrs = gate_ptrs + I * stride_wn
+        acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = rk < K - k0
+            xv = tl.load(x_ptr + token * stride_xm + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+            ok = n_ok[:, None] & k_ok[None, :]
+            acc_gate += tl.load(gate_ptrs + k0, mask=ok, other=0.0).to(tl.float32) * xv[None, :]
+            acc_up += tl.load(up_ptrs + k0, mask=ok, other=0.0).to(tl.float32) * xv[None, :]
+        gate = tl.sum(acc_gate, axis=1).to(act_ptr.dtype.element_ty).to(tl.float32)
+        up = tl.sum(acc_up, axis=1).to(act_ptr.dtype.element_ty).to(tl.float32)
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(act_ptr + pair * stride_am + rn, act.to(act_ptr.dtype.element_ty), mask=n_ok)
+
+    @triton.jit
+    def _down_gemv_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, H, I, stride_am, stride_we, stride_wn,
+                          stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """out[token, n] = sum over the token's k pairs of weight * (w2[expert] @ act[pair])[n] for BLOCK_N rows,
+        each pair's row rounded to the output dtype before the sum (as the grouped path's down rows are)."""
+        token, pid_n = tl.program_id(0), tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        n_ok = rn < H
+        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            pair = token * TOP_K + j
+            expert = tl.load(ids_ptr + pair).to(tl.int64)
+            w_ptrs = w2_ptr + expert * stride_we + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                k_ok = rk < I - k0
+                a = tl.load(act_ptr + pair * stride_am + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+                acc += tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * a[None, :]
+            down = tl.sum(acc, axis=1) * tl.load(weights_ptr + pair).to(tl.float32)
+            total += down.to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + token * stride_om + rn, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
@@ -137,16 +196,41 @@ def takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
             and w13.is_contiguous() and w2.is_contiguous())
 
 
+def experts_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """`fused_experts` for a few tokens: gate_up with the SiLU-and-mul, then down with the weighted sum over each
+    token's k experts, one launch each (config: GEMV_CONFIG's keys)."""
+    cfg = config or GEMV_CONFIG
+    x = x.contiguous()
+    t, k = topk_ids.shape
+    _, two_i, hidden = w13.shape
+    inter = two_i // 2
+    ids = topk_ids.flatten().contiguous()
+    weights = topk_weights.flatten().contiguous()
+    act = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
+    _gate_up_gemv_kernel[(t * k, triton.cdiv(inter, cfg["UP_BLOCK_N"]))](
+        x, w13, ids, act, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        TOP_K=k, BLOCK_N=cfg["UP_BLOCK_N"], BLOCK_K=cfg["UP_BLOCK_K"], num_warps=cfg["num_warps"])
+    out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
+    _down_gemv_kernel[(t, triton.cdiv(hidden, cfg["DOWN_BLOCK_N"]))](
+        act, w2, ids, weights, out, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        TOP_K=k, BLOCK_N=cfg["DOWN_BLOCK_N"], BLOCK_K=cfg["DOWN_BLOCK_K"], num_warps=cfg["num_warps"])
+    return out
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, silu_and_mul=None, config: dict | None = None) -> torch.Tensor:
     """sum_k topk_weights[t, k] * MLP_{topk_ids[t, k]}(x[t]), the signature of `experts_plain`: two grouped GEMM
-    launches (gate_up, down) and the SiLU-and-mul between them."""
+    launches (gate_up, down) and the SiLU-and-mul between them; up to GEMV_TOKENS tokens, `experts_gemv`
+    (unless a grouped GEMM config is given)."""
     from nanoplug.api.layers import experts_batched
 
     if not takes(x, w13, w2):
         return experts_batched(x, w13, w2, topk_weights, topk_ids)
-    x = x.contiguous()
     t, k = topk_ids.shape
+    if config is None and t <= GEMV_TOKENS:
+        return experts_gemv(x, w13, w2, topk_weights, topk_ids)
+    x = x.contiguous()
     num_experts, two_i, hidden = w13.shape
     cfg = config or config_for(t, num_experts, two_i // 2, x.device)
     sorted_ids, expert_ids, num_padded = align_block_size(topk_ids, num_experts, cfg["BLOCK_SIZE_M"])
