@@ -78,7 +78,6 @@ if triton is not None:
         c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + rn[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
-
     @triton.jit
     def _gate_up_gemv_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, K, I, stride_xm, stride_we, stride_wn, stride_am,
                              TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
