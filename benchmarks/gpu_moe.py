@@ -7,6 +7,9 @@ untied: about 30 GB), then
     TB/s (the bytes of the experts the batch touches, plus activations);
 (b) `nanoplug bench` (the throughput workload) and `nanoplug bench --latency` on the checkpoint.
 
+`--fp8` runs both with the experts in e4m3 and one scale per row (`--quantization fp8`: every linear layer, the
+experts read as e4m3 by the same kernels): half the bytes of a decode step's experts.
+
 `--tune` first sweeps the kernel's block sizes per batch size and writes the table the kernel reads
 (nanoplug/kernels/moe/configs/E=128,N=768,device_name=<GPU>.json); commit it. `--sweep-gemv` times the few-token
 GEMV path (`experts_gemv`) over a grid of its block sizes against the grouped GEMM at 1-8 tokens, each call in a
@@ -71,7 +74,7 @@ def _time_ms(fn, device) -> float:
     return (time.perf_counter() - t) / 3 * 1e3
 
 
-def kernel_figures(shape, device, dtype, out: dict) -> None:
+def kernel_figures(shape, device, dtype, out: dict, fp8: bool = False) -> None:
     from nanoplug.api.layers import experts_batched, experts_plain
     from nanoplug.kernels.moe import fused_moe
 
@@ -80,15 +83,22 @@ def kernel_figures(shape, device, dtype, out: dict) -> None:
     print(f"| batch | path | ms | TFLOP/s | TB/s | experts touched | max rel. error vs plain |\n|---|---|---|---|---|---|---|")
     for m in BATCHES:
         x, w13, w2, weights, ids = _inputs(m, e, k, h, i, dtype, device)
-        want = experts_plain(x.float(), w13.float(), w2.float(), weights, ids)
-        err = float((run(x, w13, w2, weights, ids).float() - want).abs().max() / want.abs().max())
-        ms = _time_ms(lambda: run(x, w13, w2, weights, ids), device)
+        scales = None
+        if fp8:
+            from nanoplug.plugins.weight_formats.fp8 import quantize_rows
+
+            (w13, s13), (w2, s2) = ([torch.stack(t) for t in zip(*map(quantize_rows, w))] for w in (w13, w2))
+            scales = (s13, s2)
+        want = experts_plain(x.float(), w13 if fp8 else w13.float(), w2 if fp8 else w2.float(), weights, ids,
+                             scales=scales)
+        err = float((run(x, w13, w2, weights, ids, scales=scales).float() - want).abs().max() / want.abs().max())
+        ms = _time_ms(lambda: run(x, w13, w2, weights, ids, scales=scales), device)
         touched = int(torch.unique(ids).numel())
         flops = 2 * m * k * 3 * h * i
         nbytes = touched * 3 * h * i * w13.element_size() + m * h * x.element_size() * 2 + m * k * (3 * i + h) * 2
         row = dict(ms=ms, tflops=flops / ms / 1e9, tbs=nbytes / ms / 1e9, experts=touched, error=err)
         out[m] = row
-        print(f"| {m} | {run.__name__} | {ms:.4f} | {row['tflops']:.2f} | {row['tbs']:.3f} | {touched} | {err:.1e} |",
+        print(f"| {m} | {run.__name__}{' fp8' if fp8 else ''} | {ms:.4f} | {row['tflops']:.2f} | {row['tbs']:.3f} | {touched} | {err:.1e} |",
               flush=True)
 
 
@@ -166,9 +176,10 @@ def tune(shape, device, dtype) -> Path:
     return file
 
 
-def bench(folder: Path, tiny: bool, out: dict) -> None:
+def bench(folder: Path, tiny: bool, out: dict, fp8: bool = False) -> None:
     engine = ["--device", "cpu", "--dtype", "float32", "--kv-block-size", "16", "--max-model-len", "256"] if tiny \
         else []
+    engine += ["--quantization", "fp8"] if fp8 else []
     runs = {
         "throughput": ["--num-seqs", "4", "--max-input-len", "100", "--max-output-len", "100"] if tiny else [],
         "latency": ["--latency", *(["--latency-prompts", "2", "--ttft-prompt-len", "40", "--decode-prompt-len", "20",
@@ -194,6 +205,7 @@ def main(argv=None) -> int:
     p.add_argument("--skip", default="", help="stages to skip: a (kernel), b (bench)")
     p.add_argument("--folder", default=None, help="where the checkpoint is (written there first if missing)")
     p.add_argument("--json", default=None, help="write the figures here")
+    p.add_argument("--fp8", action="store_true", help="the experts (and every linear layer) in fp8, per-row scales")
     args = p.parse_args(argv)
     from nanoplug.bench.checkpoints import QWEN3_30B_A3B_SHAPE, write_large_random_checkpoint
 
@@ -208,14 +220,15 @@ def main(argv=None) -> int:
     if args.sweep_gemv:
         stage("the few-token GEMV path's block sizes", lambda: sweep_gemv(shape, device, dtype), failures)
     if "a" not in skip:
-        stage("(a) fused MoE kernel", lambda: kernel_figures(shape, device, dtype, figures["kernel"]), failures)
+        stage("(a) fused MoE kernel", lambda: kernel_figures(shape, device, dtype, figures["kernel"], args.fp8),
+              failures)
     if "b" not in skip:
         def _bench():
             t = time.perf_counter()
             write_large_random_checkpoint(folder, "Qwen3MoeForCausalLM", dtype=torch.bfloat16,
                                           device=device.type, **shape)
             print(f"checkpoint {folder} ({time.perf_counter() - t:.0f} s)", flush=True)
-            bench(folder, args.tiny, figures["bench"])
+            bench(folder, args.tiny, figures["bench"], args.fp8)
         stage("(b) nanoplug bench", _bench, failures)
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1))

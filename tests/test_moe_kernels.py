@@ -1,5 +1,6 @@
 """The MoE layer's fast paths against the plain one: the batched-matmul CPU path and the Triton grouped GEMM
-(`nanoplug.kernels.moe.fused_moe`, under TRITON_INTERPRET=1), and the router against transformers' routers."""
+(`nanoplug.kernels.moe.fused_moe`, under TRITON_INTERPRET=1), with experts dense and in fp8 with per-row scales,
+and the router against transformers' routers."""
 from __future__ import annotations
 
 import pytest
@@ -103,3 +104,29 @@ def test_h200_configs_are_read():
     table = fused_moe._configs(128, 768, "NVIDIA H200")
     assert table and {1, 64, 256} <= set(table)
     assert all(set(c) == set(fused_moe.DEFAULT_CONFIG) for c in table.values())
+
+
+def _fp8_experts(w13, w2):
+    """Each expert quantized per row as the fp8 format does on load: (w13 values, w2 values, (scales, scales))."""
+    from nanoplug.plugins.weight_formats.fp8 import quantize_rows
+
+    (q13, s13), (q2, s2) = ([torch.stack(t) for t in zip(*map(quantize_rows, w))] for w in (w13, w2))
+    return q13, q2, (s13, s2)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fp8_experts_every_path_equals_plain_over_their_dequantization(case):
+    """The kernels read e4m3 values and scale each output row after the sum: equal to the reference over the
+    dequantized weights (float32 activations), and that reference is not the dense one (the values are coarse)."""
+    x, w13, w2, weights, ids = _inputs(*case, seed=3)
+    q13, q2, scales = _fp8_experts(w13, w2)
+    want = experts_plain(x, q13, q2, weights, ids, scales=scales)
+    assert not torch.allclose(want, experts_plain(x, w13, w2, weights, ids), atol=1e-4)
+    assert torch.allclose(experts_batched(x, q13, q2, weights, ids, scales=scales), want, atol=1e-6, rtol=1e-5)
+    with interpreted(fused_moe) as fm:
+        assert fm.takes(x, q13, q2, scales) and not fm.takes(x, q13, q2)
+        got = fm.fused_experts(x, q13, q2, weights, ids, config=fm.SMALL_BATCH_CONFIG, scales=scales)
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+        small = dict(fm.GEMV_CONFIG, UP_BLOCK_N=4, UP_BLOCK_K=16, DOWN_BLOCK_N=8, DOWN_BLOCK_K=32)
+        got = fm.experts_gemv(x, q13, q2, weights, ids, config=small, scales=scales)
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)

@@ -127,9 +127,102 @@ def test_an_activation_other_than_silu_is_refused():
         LLM(path, kv_block_size=16, num_kv_blocks=64, max_model_len=256)
 
 
-def test_a_quantized_weight_format_is_refused_for_experts():
+def test_a_weight_format_that_does_not_say_how_it_keeps_experts_is_refused():
+    from types import SimpleNamespace
+
+    from nanoplug.api import LinearMethod
+
+    class RowsOnly(LinearMethod):  # a format with 2-D layers only, silent about experts
+        def apply(self, layer, x, bias):
+            raise AssertionError("not called")
+
     with pytest.raises(ModelLoadError, match="does not apply to mixture-of-experts weights"):
-        LLM(checkpoint("qwen3_moe"), quantization="fp8", kv_block_size=16, num_kv_blocks=64, max_model_len=256)
+        FusedMoE(SimpleNamespace(world_size=1, rank=0), 4, 64, 32, RowsOnly())
+
+
+def _fp8_exact(name: str) -> str:
+    """A copy of checkpoint `name` whose 2-D weights (but the embedding and LM head) are e4m3 values times a
+    power-of-two scale per row, each row holding a +-448: the fp8 format's per-row quantization keeps them exactly,
+    so its engine must compute transformers' float32 logits over the same file."""
+    import os
+
+    src = checkpoint(name)
+    dst = scratch_dir(f"{name}_fp8_exact")
+    for f in os.listdir(src):
+        if f != "model.safetensors":
+            os.symlink(os.path.join(src, f), dst / f)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    for key, w in tensors.items():
+        if w.dim() == 2 and "embed" not in key and "lm_head" not in key:
+            scale = torch.exp2(torch.round(torch.log2(w.abs().amax(dim=1, keepdim=True) / 448)))
+            q = (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+            top = w.abs().argmax(dim=1, keepdim=True)
+            q.scatter_(1, top, 448 * torch.sign(w.gather(1, top)))
+            tensors[key] = q * scale
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return str(dst)
+
+
+def test_fp8_experts_split_over_ranks_sum_to_one_process():
+    """Each expert is quantized whole, then its rows (gate_up) or columns (down) narrowed: the ranks' partial sums
+    add up to one process's output, with one process's scales (gate_up's split by rows, down's whole)."""
+    from types import SimpleNamespace
+
+    from nanoplug.plugins.weight_formats.fp8 import FP8LinearMethod
+
+    g = torch.Generator().manual_seed(0)
+    e, h, i = 4, 32, 16
+    gate, up, down = (torch.randn(e, *shape, generator=g) for shape in ((i, h), (i, h), (h, i)))
+
+    def loaded(world_size, rank):
+        moe = FusedMoE(SimpleNamespace(world_size=world_size, rank=rank), e, h, i, FP8LinearMethod())
+        for x in range(e):
+            moe.gate_up_proj.weight.weight_loader(moe.gate_up_proj.weight, gate[x], (x, 0))
+            moe.gate_up_proj.weight.weight_loader(moe.gate_up_proj.weight, up[x], (x, 1))
+            moe.down_proj.weight.weight_loader(moe.down_proj.weight, down[x], x)
+        return moe
+
+    x = torch.randn(5, h, generator=g)
+    weights, ids = torch.rand(5, 2, generator=g), torch.randint(0, e, (5, 2), generator=g)
+    one = loaded(1, 0)
+    ranks = [loaded(2, r) for r in range(2)]
+    assert torch.equal(ranks[0].down_proj.weight_scale, one.down_proj.weight_scale)
+    assert torch.equal(torch.cat([r.gate_up_proj.weight_scale[:, :i // 2] for r in ranks], 1),
+                       one.gate_up_proj.weight_scale[:, :i])
+    total = sum(r.partial(x, weights, ids) for r in ranks)
+    assert torch.allclose(total, one.partial(x, weights, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_fp8_experts_equal_transformers_where_fp8_is_exact():
+    """quantization="fp8" on an MoE: every expert quantized per row on load and kept stacked (e4m3 values, float32
+    scales), served by the batched CPU path and by the Triton kernels (interpreted), logits equal to transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    from nanoplug.kernels.moe import fused_moe
+
+    name = "qwen3_moe"
+    path = _fp8_exact(name)
+    llm = LLM(path, quantization="fp8", attention="manual", kv_block_size=16, num_kv_blocks=64, max_model_len=256)
+    moes = [m for m in llm.engine.worker.model.modules() if isinstance(m, FusedMoE)]
+    assert moes and all(m.gate_up_proj.weight.dtype == m.down_proj.weight.dtype == torch.float8_e4m3fn
+                        and m.gate_up_proj.weight_scale.dtype == torch.float32 for m in moes)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = prompt_ids(name)[:3]
+    params = SamplingParams(temperature=0, max_tokens=4, output_logits=True, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for ids, out in zip(prompts, outputs):
+        with torch.no_grad():
+            want = hf(torch.tensor([ids + out.token_ids[:-1]])).logits[0, len(ids) - 1:].float()
+        assert relative_error(torch.stack(out.logits), want) < 1e-4
+    with interpreted(fused_moe) as fm:
+        for m in moes:
+            m.fused = fm.fused_experts
+        try:
+            again = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        finally:
+            for m in moes:
+                m.fused = None
+    assert tokens_of(again) == tokens_of(outputs)
 
 
 def test_experts_kept_in_a_checkpoints_format_are_refused_over_several_ranks():

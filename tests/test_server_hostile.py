@@ -223,6 +223,33 @@ def test_every_route_fuzzed_never_500s_and_leaves_nothing_open(client):
     assert_serves(client)
 
 
+def test_a_large_body_is_parsed_as_a_small_one_is():
+    """From SPLIT_PARSE bytes a body is decoded by msgspec and then validated (shorter holds of the GIL): the same
+    request, and the same 400 for the same mistake, as pydantic's JSON validation gives; what msgspec refuses
+    (a lone surrogate, NaN) takes pydantic's path."""
+    from nanoplug.server import api
+    from nanoplug.server.errors import APIError
+    from nanoplug.server.protocol import CompletionRequest
+
+    ids = [[7] * 500] * (api.SPLIT_PARSE // 1000)
+    good = json.dumps({"prompt": ids, "max_tokens": 3, "temperature": 0.5}).encode()
+    assert len(good) >= api.SPLIT_PARSE
+    assert api._parse(CompletionRequest, good) == CompletionRequest.model_validate_json(good)
+    def outcome(raw: str):
+        try:
+            return api._parse(CompletionRequest, raw.encode()).model_dump(exclude={"prompt"})
+        except APIError as exc:
+            return exc.status, exc.param, exc.code
+
+    for odd in ({"max_tokens": "three"}, {"temperature": [1]}, {"nonsense": 1}, {"stop": "\ud800"}):
+        large = outcome(json.dumps({"prompt": ids, "max_tokens": 3, **odd}))
+        assert large == outcome(json.dumps({"prompt": [[7] * 5], "max_tokens": 3, **odd})), odd
+    assert outcome(json.dumps({"prompt": [[7, "x"]] + ids})) == outcome(json.dumps({"prompt": [[7, "x"]]}))
+    nan = json.dumps({"prompt": ids, "max_tokens": 3}).replace('"max_tokens": 3', '"max_tokens": 3, "temperature": NaN')
+    with pytest.raises(APIError):
+        api._parse(CompletionRequest, nan.encode())
+
+
 def test_health_answers_within_100ms_while_a_large_request_is_admitted(monkeypatch):
     """A request at the default body limit (4 MB of token ids, 1,024 prompts) is parsed, checked and
     split into choices off the event loop: /health, polled meanwhile, keeps answering within 100 ms. The

@@ -48,8 +48,12 @@ def llm(model_dir):
 
 @pytest.fixture(scope="module")
 def overlapped(model_dir):
-    with LLM(model_dir, **OPTIONS, overlap_steps=True) as engine:
-        assert engine.engine.overlap and engine.engine.defers_sampling
+    """Overlapped steps with the masks filled on the mask thread (opt-in: NANOPLUG_MASKS_BESIDE=1)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOPLUG_MASKS_BESIDE", "1")
+        engine = LLM(model_dir, **OPTIONS, overlap_steps=True)
+    with engine:
+        assert engine.engine.overlap and engine.engine.defers_sampling and engine.engine.masks_beside
         yield engine
 
 
@@ -91,6 +95,11 @@ def test_overlapped_steps_give_the_tokens_of_plain_steps(llm, overlapped):
     assert_idle(overlapped)
     structured = overlapped.engine.structured
     assert structured.pool is not None and structured.job is None  # filled on the mask thread, each fill taken
+    overlapped.engine.masks_beside = False  # the default: filled in line, before the step is sampled
+    try:
+        assert [o.outputs[0].token_ids for o in overlapped.generate(prompts, params, use_tqdm=False)] == want
+    finally:
+        overlapped.engine.masks_beside = True
 
 
 def test_a_fill_that_fails_on_the_mask_thread_fails_the_step(model_dir):
@@ -99,6 +108,7 @@ def test_a_fill_that_fails_on_the_mask_thread_fails_the_step(model_dir):
 
     interval = sys.getswitchinterval()
     with LLM(model_dir, **OPTIONS, overlap_steps=True) as engine:
+        engine.engine.masks_beside = True  # (opt-in: NANOPLUG_MASKS_BESIDE=1)
         structured = engine.engine.structured
         structured.masks = broken
         with pytest.raises(RuntimeError, match="grammar library failed"):

@@ -9,13 +9,24 @@ format (int8, GGUF, fp8) or a device's fast GEMM is a method, and no model file 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanoplug.api.errors import WeightShapeError
+
+
+@dataclass(frozen=True)
+class ExpertRows:
+    """An MoE's experts kept quantized with one scale per output row, stacked as the fused MoE kernels read them:
+    values of `dtype` [E, rows, cols] and float32 scales [E, rows]. `quantize(w)` takes one expert's whole
+    [rows, cols] weight to (values, scales [rows]); tensor parallelism narrows both after."""
+
+    dtype: torch.dtype
+    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class LinearMethod(ABC):
@@ -31,6 +42,10 @@ class LinearMethod(ABC):
     """True when an MoE's experts stay in this method's format, each expert's two projections 2-D layers of this
     method (created, loaded and applied as any layer; on one rank: under tensor parallelism `dequantized_experts`
     decides). The experts are most of an MoE's weights: dequantized, a 4-bit file would not fit where it should."""
+
+    expert_rows: ExpertRows | None = None
+    """Set when this method quantizes an MoE's experts per output row on load (fp8): they stay stacked, in the
+    fused kernels' layout, on any number of ranks; `keeps_experts` and `dequantized_experts` then do not apply."""
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
         """Register the layer's parameters (this rank's sizes). Each parameter carries

@@ -58,6 +58,9 @@ def add_parser(sub) -> None:
                    help="run steps one after another (default: the host prepares the next step while the GPU computes)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--quantization", default=None, metavar="FORMAT",
+                   help="a weight format by name (fp8: linear weights and an MoE's experts to e4m3 on load; "
+                        "default: auto, the checkpoint's own)")
     add_speculation_options(p)
     p.set_defaults(func=run)
 
@@ -75,6 +78,8 @@ def run(args) -> int:
                    device=args.device, dtype=args.dtype)
     if args.no_overlap:
         options["overlap_steps"] = False
+    if args.quantization is not None:
+        options["quantization"] = args.quantization
     options.update(speculation_options(args))
     if args.prefill_attention:
         options["prefill_attention"] = args.prefill_attention

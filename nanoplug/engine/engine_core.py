@@ -97,8 +97,10 @@ class EngineCore:
         self.scheduler = Scheduler(config, blocks)
         self.builder = BatchBuilder(self.scheduler.blocks, self.scheduler.penalty_slots, self.structured,
                                     self.overlap and self.defers_sampling)
-        # overlapped, a step's masks are filled on the mask thread while the next step is scheduled and built
-        self.masks_beside = self.overlap and self.defers_sampling and os.environ.get("NANOPLUG_MASKS_BESIDE") != "0"
+        # overlapped, a step's masks may be filled on the mask thread while the next step is scheduled and built:
+        # opt-in (NANOPLUG_MASKS_BESIDE=1), as it measured slower than filling them in line on the GPU machine
+        # (benchmarks/RESULTS.md, structured outputs)
+        self.masks_beside = self.overlap and self.defers_sampling and os.environ.get("NANOPLUG_MASKS_BESIDE") == "1"
         self.masks_due = False  # the launched step waits for masks begun on the mask thread (_sample_due)
         self.speculation = Speculation.resolve(self.registry, config, wired.target, self.facts.vocab_size,
                                                self.worker)  # None: no speculator

@@ -13,7 +13,6 @@ fill leaves the step's critical path whenever it is shorter than that work.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from collections import OrderedDict
@@ -29,36 +28,11 @@ from nanoplug.api.step import host_array
 from nanoplug.config import SamplingParams
 from nanoplug.engine.registry import Registry, Resolution
 from nanoplug.engine.sequence import Sequence
+from nanoplug.engine.switching import fast_switching as _fast_switching
 from nanoplug.errors import RequestError
 
 log = logging.getLogger("nanoplug")
 CACHE_SIZE = 512  # compiled grammars kept per engine (least recently used dropped first)
-SWITCH_INTERVAL = 1e-4  # how often the GIL changes hands while masks are filled beside a step loop
-
-
-class _FastSwitching:
-    """The process's GIL switch interval, shortened while any engine's masks are being filled on its mask thread:
-    that thread needs the GIL for a moment to start the fill and to hand the masks back, and CPython's default
-    (5 ms) would keep it waiting for the step loop. Counted, so engines of one process share it."""
-
-    def __init__(self):
-        self.lock, self.active, self.saved = threading.Lock(), 0, None
-
-    def enter(self) -> None:
-        with self.lock:
-            if self.active == 0:
-                self.saved = sys.getswitchinterval()
-                sys.setswitchinterval(min(self.saved, SWITCH_INTERVAL))
-            self.active += 1
-
-    def leave(self) -> None:
-        with self.lock:
-            self.active -= 1
-            if self.active == 0:
-                sys.setswitchinterval(self.saved)
-
-
-_fast_switching = _FastSwitching()
 
 
 class StructuredOutputs:

@@ -39,6 +39,19 @@ def test_kernel_equals_plain(m, dtype):
     assert float((got - want).abs().max() / want.abs().max()) < tol
 
 
+@pytest.mark.parametrize("m", [1, 3, 64, 257])
+def test_fp8_experts_equal_plain_over_their_dequantization(m):
+    """bf16 activations, e4m3 experts with per-row scales (the fp8 format's experts): the GEMV path and the
+    grouped GEMM against the reference over the dequantized weights."""
+    from nanoplug.plugins.weight_formats.fp8 import quantize_rows
+
+    x, w13, w2, weights, ids = _inputs(m, 128, 8, 2048, 768, torch.bfloat16)
+    (q13, s13), (q2, s2) = ([torch.stack(t) for t in zip(*map(quantize_rows, w))] for w in (w13, w2))
+    want = experts_plain(x.float(), q13, q2, weights, ids, scales=(s13, s2))
+    got = fused_moe.fused_experts(x, q13, q2, weights, ids, scales=(s13, s2)).float()
+    assert float((got - want).abs().max() / want.abs().max()) < 2e-2
+
+
 @pytest.mark.parametrize("m", [1, 8])  # the GEMV path, the grouped GEMM
 def test_kernel_in_a_cuda_graph(m):
     x, w13, w2, weights, ids = _inputs(m, 128, 8, 2048, 768, torch.bfloat16)

@@ -4,9 +4,11 @@ Every expert is a SwiGLU MLP; their weights live stacked, one tensor per project
 [E, 2I, H], `down_proj.weight` [E, H, I]), so a fused kernel runs each projection for all experts in one
 launch. Tensor parallelism shards every expert as the dense MLP is sharded (gate and up by output rows,
 down by input columns, one all-reduce after). A platform puts its fused kernel in through
-`install_fused_ops` (`FusedOps.moe`, same signature as `fused_experts`). Experts kept in a weight format whose
-kernels are 2-D (GGUF on the CPU: `LinearMethod.keeps_experts`) are instead a layer of it per expert and
-projection (`ExpertLayers`), on one rank.
+`install_fused_ops` (`FusedOps.moe`, same signature as `fused_experts`). A format that quantizes per output row
+(fp8: `LinearMethod.expert_rows`) keeps the stacked layout, values and one float32 scale per expert and row, which
+every path takes as `scales=(gate_up, down)`. Experts kept in a weight format whose kernels are 2-D (GGUF on the
+CPU: `LinearMethod.keeps_experts`) are instead a layer of it per expert and projection (`ExpertLayers`), on one
+rank.
 """
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ from torch import nn
 
 from nanoplug.api.errors import ModelLoadError
 from nanoplug.api.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from nanoplug.api.linear import DenseLinearMethod, LinearMethod, check_shape
+from nanoplug.api.linear import DenseLinearMethod, ExpertRows, LinearMethod, check_shape
+
+Scales = tuple[torch.Tensor, torch.Tensor] | None  # per-row scales of (gate_up, down): [E, 2I] and [E, H] float32
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,10 +43,19 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=num_experts)
 
 
+def dequantize_experts(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Experts' weights [E, rows, cols] (or a selection of them) in `dtype`: values times their row's scale."""
+    if scale is None:
+        return w
+    return (w.float() * scale[..., None]).to(dtype)
+
+
 def experts_plain(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_ids: torch.Tensor, scales: Scales = None) -> torch.Tensor:
     """The reference: for each expert that any token chose, its tokens' rows through its MLP, weighted and summed
-    back (the way transformers' eager experts do it)."""
+    back (the way transformers' eager experts do it); quantized experts dequantized first."""
+    if scales is not None:
+        w13, w2 = (dequantize_experts(w, s, x.dtype) for w, s in zip((w13, w2), scales))
     return experts_each(x, lambda e, h: F.linear(h, w13[e]), lambda e, h: F.linear(h, w2[e]), w13.shape[0],
                         topk_weights, topk_ids)
 
@@ -73,9 +86,10 @@ def experts_each(x: torch.Tensor, gate_up: Callable[[int, torch.Tensor], torch.T
 
 
 def experts_batched(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor) -> torch.Tensor:
+                    topk_ids: torch.Tensor, scales: Scales = None) -> torch.Tensor:
     """The CPU path: tokens sorted by expert into one padded batch per chosen expert, then one batched matmul per
-    projection (`torch.bmm` over the experts any token chose; the others' weights are not read)."""
+    projection (`torch.bmm` over the experts any token chose; the others' weights are not read, quantized ones
+    are dequantized as read)."""
     t, k = topk_ids.shape
     if t == 0:
         return torch.zeros_like(x)
@@ -88,9 +102,12 @@ def experts_batched(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
     slot = torch.repeat_interleave(torch.arange(hit.numel(), device=x.device), hit_counts) * width + rank_of
     rows = torch.zeros(hit.numel() * width, x.shape[1], dtype=x.dtype, device=x.device)
     rows[slot] = x[order // k]
-    h = torch.bmm(rows.view(hit.numel(), width, -1), w13[hit].transpose(1, 2))
+    s13, s2 = scales if scales is not None else (None, None)
+    w13_hit = dequantize_experts(w13[hit], None if s13 is None else s13[hit], x.dtype)
+    w2_hit = dequantize_experts(w2[hit], None if s2 is None else s2[hit], x.dtype)
+    h = torch.bmm(rows.view(hit.numel(), width, -1), w13_hit.transpose(1, 2))
     gate, up = h.chunk(2, dim=-1)
-    y = torch.bmm(F.silu(gate) * up, w2[hit].transpose(1, 2)).flatten(0, 1)[slot]
+    y = torch.bmm(F.silu(gate) * up, w2_hit.transpose(1, 2)).flatten(0, 1)[slot]
     y = y * topk_weights.flatten()[order, None]
     out = torch.zeros(t * k, x.shape[1], dtype=y.dtype, device=x.device)
     out[order] = y
@@ -100,13 +117,18 @@ def experts_batched(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
 class ExpertWeights(nn.Module):
     """One projection of every expert, stacked: `weight` [E, rows, cols] of this rank. Checkpoints hold one tensor
     per expert (and per part: gate and up are the two halves of `gate_up_proj`); each is checked whole, then this
-    rank's rows (`tp_dim` 0) or columns (1) are kept."""
+    rank's rows (`tp_dim` 0) or columns (1) are kept. With `quantized` (ExpertRows) each whole tensor is quantized
+    first, so every rank holds the scales one process would (`weight_scale` [E, rows], float32)."""
 
-    def __init__(self, group: Any, num_experts: int, rows: int, cols: int, parts: int, tp_dim: int):
+    def __init__(self, group: Any, num_experts: int, rows: int, cols: int, parts: int, tp_dim: int,
+                 quantized: ExpertRows | None = None):
         super().__init__()
-        self.group, self.tp_dim, self.parts = group, tp_dim, parts
-        self.weight = nn.Parameter(torch.empty(num_experts, rows, cols), requires_grad=False)
+        self.group, self.tp_dim, self.parts, self.quantized = group, tp_dim, parts, quantized
+        dtype = None if quantized is None else quantized.dtype
+        self.weight = nn.Parameter(torch.empty(num_experts, rows, cols, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        scale = None if quantized is None else torch.ones(num_experts, rows, dtype=torch.float32)
+        self.register_buffer("weight_scale", scale, persistent=False)
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Any = None) -> None:
         if shard_id is None:
@@ -119,10 +141,17 @@ class ExpertWeights(nn.Module):
         full = [rows * ws, cols] if self.tp_dim == 0 else [rows, cols * ws]
         what = f"expert {expert}" + (f", split over {ws} ranks along dim {self.tp_dim}" if ws > 1 else "")
         check_shape(tensor, full, what)
+        scale = None
+        if self.quantized is not None:
+            tensor, scale = self.quantized.quantize(tensor.to(param.device))
         if ws > 1:
-            tensor = tensor.narrow(self.tp_dim, rank * (rows if self.tp_dim == 0 else cols),
-                                   rows if self.tp_dim == 0 else cols)
+            start, size = (rank * rows, rows) if self.tp_dim == 0 else (rank * cols, cols)
+            tensor = tensor.narrow(self.tp_dim, start, size)
+            if scale is not None and self.tp_dim == 0:
+                scale = scale.narrow(0, start, size)
         param.data[expert, part * rows:(part + 1) * rows].copy_(tensor)
+        if scale is not None:
+            self.weight_scale[expert, part * rows:(part + 1) * rows] = scale
 
 
 class ExpertLayers(nn.Module):
@@ -165,14 +194,15 @@ class FusedMoE(nn.Module):
         super().__init__()
         ws = group.world_size
         self.group, self.num_experts = group, num_experts
-        if linear_method is not None and linear_method.keeps_experts and ws == 1:  # each expert's projections 2-D
+        rows_format = None if linear_method is None else linear_method.expert_rows
+        if linear_method is not None and linear_method.keeps_experts and ws == 1 and rows_format is None:
             self.gate_up_proj = ExpertLayers(num_experts, lambda: MergedColumnParallelLinear(
                 group, hidden_size, [intermediate_size] * 2, False, linear_method))
             self.down_proj = ExpertLayers(num_experts, lambda: RowParallelLinear(
                 group, intermediate_size, hidden_size, False, linear_method))
             return
         # a format whose kernels are 2-D (GGUF) leaves the experts dense: the loader dequantizes them, and says so
-        if linear_method is not None and not linear_method.dequantized_experts \
+        if linear_method is not None and not linear_method.dequantized_experts and rows_format is None \
                 and not isinstance(linear_method, DenseLinearMethod):
             if linear_method.keeps_experts:
                 raise ModelLoadError(
@@ -185,15 +215,17 @@ class FusedMoE(nn.Module):
             raise ValueError(f"the experts' intermediate size ({intermediate_size}) is not divisible by "
                              f"tensor_parallel_size ({ws})")
         local = intermediate_size // ws
-        self.gate_up_proj = ExpertWeights(group, num_experts, 2 * local, hidden_size, parts=2, tp_dim=0)
-        self.down_proj = ExpertWeights(group, num_experts, hidden_size, local, parts=1, tp_dim=1)
+        self.gate_up_proj = ExpertWeights(group, num_experts, 2 * local, hidden_size, 2, 0, rows_format)
+        self.down_proj = ExpertWeights(group, num_experts, hidden_size, local, 1, 1, rows_format)
 
     def partial(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """This rank's sum over its slice of every expert's intermediate features, before the all-reduce."""
         if isinstance(self.gate_up_proj, ExpertLayers):
             return experts_each(x, self.gate_up_proj, self.down_proj, self.num_experts, topk_weights, topk_ids)
         run = self.fused or experts_batched
-        return run(x, self.gate_up_proj.weight, self.down_proj.weight, topk_weights, topk_ids)
+        up, down = self.gate_up_proj, self.down_proj
+        scales = None if up.weight_scale is None else (up.weight_scale, down.weight_scale)
+        return run(x, up.weight, down.weight, topk_weights, topk_ids, scales=scales)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         y = self.partial(x, topk_weights, topk_ids)

@@ -6,7 +6,9 @@ activations per row (token) to e4m3 and runs `torch._scaled_mm` with the row-wis
 scale per row, weight scale per column of the output; bfloat16 out), as vLLM's per-token fp8 path does.
 Where that kernel is missing or refuses the shapes, and on every other device, the reference path
 multiplies the dequantized weight with F.linear: same weights, activations unquantized. The embedding
-and the LM head stay in the model's dtype (as in vLLM's fp8 checkpoints).
+and the LM head stay in the model's dtype (as in vLLM's fp8 checkpoints). A mixture-of-experts model's experts
+are quantized the same way and kept stacked (`ExpertRows`): the fused MoE kernels read the e4m3 values and scale
+each output row, activations unquantized.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoplug.api import DenseLinearMethod, LinearMethod, Target, WeightFormat, check_shape
+from nanoplug.api import DenseLinearMethod, ExpertRows, LinearMethod, Target, WeightFormat, check_shape
 
 log = logging.getLogger("nanoplug")
 FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -68,6 +70,9 @@ class FP8LinearMethod(LinearMethod):
     def __init__(self):
         self.dense = DenseLinearMethod()
         self.rowwise: bool | None = None  # whether _scaled_mm's row-wise scaling runs here (tried on first use)
+        # an MoE's experts: the same per-row e4m3 values, stacked for the fused MoE kernels (weight-only: the
+        # activations stay in the model's dtype there)
+        self.expert_rows = ExpertRows(FP8, quantize_rows)
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
         if layer.role != "linear":
