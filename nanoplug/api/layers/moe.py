@@ -224,8 +224,9 @@ class FusedMoE(nn.Module):
             return experts_each(x, self.gate_up_proj, self.down_proj, self.num_experts, topk_weights, topk_ids)
         run = self.fused or experts_batched
         up, down = self.gate_up_proj, self.down_proj
-        scales = None if up.weight_scale is None else (up.weight_scale, down.weight_scale)
-        return run(x, up.weight, down.weight, topk_weights, topk_ids, scales=scales)
+        if up.weight_scale is None:  # (a platform's op written before quantized experts need not take `scales`)
+            return run(x, up.weight, down.weight, topk_weights, topk_ids)
+        return run(x, up.weight, down.weight, topk_weights, topk_ids, scales=(up.weight_scale, down.weight_scale))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         y = self.partial(x, topk_weights, topk_ids)
