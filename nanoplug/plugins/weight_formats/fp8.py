@@ -27,10 +27,11 @@ MIN_SCALE = 1e-12  # a row of zeros keeps a positive scale (and quantizes to zer
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float8 e4m3 values [rows, cols] and float32 scales [rows] with w ~= values * scales[:, None]."""
+    """float8 e4m3 values [..., rows, cols] and float32 scales [..., rows] with w ~= values * scales[..., None]
+    (a layer's weight, or an MoE's stacked experts, each row its own scale)."""
     w = w.float()
     scale = (w.abs().amax(dim=-1) / FP8_MAX).clamp(min=MIN_SCALE)
-    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    return (w / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
