@@ -102,46 +102,59 @@ def kernel_figures(shape, device, dtype, out: dict, fp8: bool = False) -> None:
               flush=True)
 
 
-def sweep_gemv(shape, device, dtype) -> None:
-    """Per batch of 1-8 tokens: the grouped GEMM (its tuned config) and each GEMV config, graph-timed."""
+def sweep_gemv(shape, device, dtype, fp8: bool = False) -> None:
+    """Per batch of 1-8 tokens: the grouped GEMM (its tuned config) and each GEMV config, graph-timed; with `fp8`
+    the experts in e4m3 with per-row scales (one byte a weight: the K step that fills a load differs)."""
     sys.path.insert(0, str(Path(__file__).parent))
     from _cuda_timing import graph_us
     from nanoplug.api.layers import experts_plain
     from nanoplug.kernels.moe import fused_moe
 
     e, k, h, i = shape["num_experts"], shape["num_experts_per_tok"], shape["hidden_size"], shape["moe_intermediate_size"]
-    layers = [_inputs(1, e, k, h, i, dtype, device, seed=s) for s in range(4)]
+    layers = []
+    for s in range(4):  # (w13, w2, scales) of 4 layers
+        _, w13, w2, _, _ = _inputs(1, e, k, h, i, dtype, device, seed=s)
+        if fp8:
+            from nanoplug.plugins.weight_formats.fp8 import quantize_rows
+
+            (w13, s13), (w2, s2) = quantize_rows(w13), quantize_rows(w2)
+            layers.append((w13, w2, (s13, s2)))
+        else:
+            layers.append((w13, w2, None))
+    width = 1 if fp8 else 2
+    ks = (128, 256, 512) if fp8 else (128, 256)
     grid = [dict(UP_BLOCK_N=un, UP_BLOCK_K=uk, DOWN_BLOCK_N=dn, DOWN_BLOCK_K=dk, num_warps=w)
-            for un, uk, dn, dk, w in itertools.product((8, 16), (128, 256), (4, 8), (128, 256), (4, 8))]
-    print("| tokens | path | us a layer | TB/s of the experts read |\n|---|---|---|---|")
+            for un, uk, dn, dk, w in itertools.product((8, 16), ks, (4, 8), ks, (4, 8))]
+    print(f"| tokens | path{' (fp8)' if fp8 else ''} | us a layer | TB/s of the experts read |\n|---|---|---|---|")
     for m in (1, 2, 4, 8):
         x, _, _, weights, ids = _inputs(m, e, k, h, i, dtype, device, seed=9)
-        pairs_bytes = m * k * 3 * h * i * 2  # the GEMV reads each pair's expert (the GEMM each touched one once)
-        touched = int(torch.unique(ids).numel()) * 3 * h * i * 2
+        pairs_bytes = m * k * 3 * h * i * width  # the GEMV reads each pair's expert (the GEMM each touched one once)
+        touched = int(torch.unique(ids).numel()) * 3 * h * i * width
 
         def timed(fn):
-            return graph_us(lambda: [fn(lay[1], lay[2]) for lay in layers], calls=5) / 4
+            return graph_us(lambda: [fn(*lay) for lay in layers], calls=5) / 4
 
-        grouped = timed(lambda w13, w2: fused_moe.fused_experts(x, w13, w2, weights, ids,
-                                                                config=fused_moe.config_for(m, e, i, device)))
+        grouped = timed(lambda w13, w2, sc: fused_moe.fused_experts(x, w13, w2, weights, ids, scales=sc,
+                                                                    config=fused_moe.config_for(m, e, i, device)))
         print(f"| {m} | grouped GEMM | {grouped:.1f} | {touched / grouped / 1e6:.2f} |", flush=True)
         best = None
         for cfg in grid:
             try:
-                us = timed(lambda w13, w2: fused_moe.experts_gemv(x, w13, w2, weights, ids, config=cfg))
+                us = timed(lambda w13, w2, sc: fused_moe.experts_gemv(x, w13, w2, weights, ids, config=cfg, scales=sc))
             except Exception as exc:  # noqa: BLE001  (out of registers, say: skip it)
                 print(f"  skip {cfg}: {type(exc).__name__}")
                 continue
             if best is None or us < best[0]:
                 best = (us, cfg)
-        w13, w2 = layers[0][1], layers[0][2]
-        want = experts_plain(x.float(), w13.float(), w2.float(), weights, ids)
-        got = fused_moe.experts_gemv(x, w13, w2, weights, ids, config=best[1]).float()
+        w13, w2, sc = layers[0]
+        want = experts_plain(x.float(), w13 if fp8 else w13.float(), w2 if fp8 else w2.float(), weights, ids,
+                             scales=sc)
+        got = fused_moe.experts_gemv(x, w13, w2, weights, ids, config=best[1], scales=sc).float()
         err = float((got - want).abs().max() / want.abs().max())
         print(f"| {m} | GEMV {best[1]} | {best[0]:.1f} | {pairs_bytes / best[0] / 1e6:.2f} | (error {err:.1e})",
               flush=True)
-        default = timed(lambda w13, w2: fused_moe.experts_gemv(x, w13, w2, weights, ids))
-        print(f"| {m} | GEMV, GEMV_CONFIG | {default:.1f} | {pairs_bytes / default / 1e6:.2f} |", flush=True)
+        default = timed(lambda w13, w2, sc: fused_moe.experts_gemv(x, w13, w2, weights, ids, scales=sc))
+        print(f"| {m} | GEMV, the default config | {default:.1f} | {pairs_bytes / default / 1e6:.2f} |", flush=True)
 
 
 def tune(shape, device, dtype) -> Path:
@@ -218,7 +231,7 @@ def main(argv=None) -> int:
     if args.tune:
         stage("tune the kernel's block sizes", lambda: tune(shape, device, dtype), failures)
     if args.sweep_gemv:
-        stage("the few-token GEMV path's block sizes", lambda: sweep_gemv(shape, device, dtype), failures)
+        stage("the few-token GEMV path's block sizes", lambda: sweep_gemv(shape, device, dtype, args.fp8), failures)
     if "a" not in skip:
         stage("(a) fused MoE kernel", lambda: kernel_figures(shape, device, dtype, figures["kernel"], args.fp8),
               failures)

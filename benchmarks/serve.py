@@ -122,22 +122,28 @@ def drive_json(job: str) -> str:
     return json.dumps({"results": [r.__dict__ for r in results], "start": start, "end": end})
 
 
-def run_level(url: str, api_key: str, model: str, concurrency: int, prompts, params, processes: int) -> dict:
-    """One concurrency level, its clients spread over `processes` processes (one Python client process
-    parses some 10,000 events/s, less than a GPU server sends at high concurrency)."""
+def drive_spread(url: str, api_key: str, model: str, concurrency: int, prompts, params, processes: int
+                 ) -> tuple[list[Result], float, float]:
+    """`drive` with the clients spread over `processes` processes: one Python client process parses some 10,000
+    events/s, less than a GPU server sends at high concurrency, and the openai client spends ~10-20 ms building
+    each request of a 2,000-token id prompt (its transform walks every id)."""
     processes = max(1, min(processes, concurrency))
     if processes == 1:
-        results, start, end = asyncio.run(drive(url, api_key, model, concurrency, prompts, params))
-    else:
-        from concurrent.futures import ProcessPoolExecutor
+        return asyncio.run(drive(url, api_key, model, concurrency, prompts, params))
+    from concurrent.futures import ProcessPoolExecutor
 
-        jobs = [json.dumps({"url": url, "api_key": api_key, "model": model,
-                            "concurrency": len(range(k, concurrency, processes)), "prompts": prompts[k::processes],
-                            "params": [p.model_dump() for p in params[k::processes]]}) for k in range(processes)]
-        with ProcessPoolExecutor(processes) as pool:
-            shares = [json.loads(out) for out in pool.map(drive_json, jobs)]
-        results = [Result(**r) for share in shares for r in share["results"]]
-        start, end = min(s["start"] for s in shares), max(s["end"] for s in shares)
+    jobs = [json.dumps({"url": url, "api_key": api_key, "model": model,
+                        "concurrency": len(range(k, concurrency, processes)), "prompts": prompts[k::processes],
+                        "params": [p.model_dump() for p in params[k::processes]]}) for k in range(processes)]
+    with ProcessPoolExecutor(processes) as pool:
+        shares = [json.loads(out) for out in pool.map(drive_json, jobs)]
+    results = [Result(**r) for share in shares for r in share["results"]]
+    return results, min(s["start"] for s in shares), max(s["end"] for s in shares)
+
+
+def run_level(url: str, api_key: str, model: str, concurrency: int, prompts, params, processes: int) -> dict:
+    """One concurrency level, its clients spread over `processes` processes (`drive_spread`)."""
+    results, start, end = drive_spread(url, api_key, model, concurrency, prompts, params, processes)
     seconds = end - start
     ok = [r for r in results if r.ok]
     gaps = [g for r in ok for g in r.gaps]

@@ -19,7 +19,6 @@ mean and p50 TTFT, the front end's and the engines' CPU per output token, and a 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
@@ -34,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
-from serve import Server, drive, percentile  # noqa: E402  (benchmarks/serve.py)
+from serve import Server, drive_spread, percentile  # noqa: E402  (benchmarks/serve.py)
 
 
 def workload(args) -> tuple[list[list[int]], list]:
@@ -61,7 +60,8 @@ def run_config(args, model: str, replicas: int, routing: str, prompts, params) -
     try:
         before = server.cpu_seconds()
         poller = MetricsPoller(server.url)
-        results, start, end = asyncio.run(drive(server.url, "none", model, args.concurrency, prompts, params))
+        results, start, end = drive_spread(server.url, "none", model, args.concurrency, prompts, params,
+                                           args.client_processes)
         poller.stop()
         front, engines = (a - b for a, b in zip(server.cpu_seconds(), before))
         health = httpx.get(f"{server.url}/health", timeout=10).json()
@@ -85,6 +85,12 @@ def run_config(args, model: str, replicas: int, routing: str, prompts, params) -
             # why one routing beats the other: rows each step could run, evictions, and what the cache saved
             "running_mean": poller.mean("vllm:num_requests_running"),
             "waiting_mean": poller.mean("vllm:num_requests_waiting"),
+            "open_mean": poller.mean("nanoplug_num_requests_open"),
+            "open_per_replica": poller.per_replica("open"), "running_per_replica": poller.per_replica("running"),
+            "waiting_per_replica": poller.per_replica("waiting"),  # in the server: running, waiting or on the way
+            # the server's side of the TTFT: arrival to first token, of which waiting in an engine's queue
+            "server_ttft_mean_ms": mean_of(final, "vllm:time_to_first_token_seconds"),
+            "queue_mean_ms": mean_of(final, "vllm:request_queue_time_seconds"),
             "kv_usage_mean": poller.mean("vllm:kv_cache_usage_perc"),
             "preemptions": final.get("nanoplug_preemptions_total"),
             "prefix_hit_rate": final.get("nanoplug_prefix_cache_hit_rate")}
@@ -98,6 +104,12 @@ def scrape(url: str) -> dict[str, float]:
     return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
 
 
+def mean_of(metrics: dict[str, float], histogram: str) -> float | None:
+    """A histogram's mean in milliseconds, from its _sum and _count."""
+    count = metrics.get(histogram + "_count")
+    return round(1e3 * metrics[histogram + "_sum"] / count, 1) if count else None
+
+
 class MetricsPoller:
     """/metrics read every `every` seconds while the workload runs, for the gauges' means."""
 
@@ -107,10 +119,13 @@ class MetricsPoller:
         self.samples: list[dict[str, float]] = []
         self.done = threading.Event()
 
+        self.replicas: list[list[dict]] = []  # /health's per-replica open, running and waiting counts
+
         def poll():
             while not self.done.wait(every):
                 try:
                     self.samples.append(scrape(url))
+                    self.replicas.append(httpx.get(f"{url}/health", timeout=10).json().get("replicas", []))
                 except httpx.HTTPError:
                     pass
 
@@ -120,6 +135,13 @@ class MetricsPoller:
     def stop(self) -> None:
         self.done.set()
         self.thread.join()
+
+    def per_replica(self, field: str) -> list[float]:
+        """Each replica's mean of a /health count over the run (where one replica idles while the other queues)."""
+        rows = [r for r in self.replicas if r]
+        if not rows:
+            return []
+        return [round(sum(r[i].get(field, 0) for r in rows) / len(rows), 2) for i in range(len(rows[0]))]
 
     def mean(self, name: str) -> float | None:
         values = [s[name] for s in self.samples if name in s]
@@ -166,8 +188,13 @@ def main() -> int:
     ap.add_argument("--vocab-low", type=int, default=100)
     ap.add_argument("--vocab-high", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--client-processes", type=int, default=None,
+                    help="client processes sharing the concurrency (default: 1 on up to 4 cores, else 8). One "
+                         "process of the openai client held only ~10 of 64 requests in an H100 server")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.client_processes is None:
+        args.client_processes = 1 if (os.cpu_count() or 1) <= 4 else 8
     model = resolve_model(args.model)
     prompts, params = workload(args)
     configs = args.configs or ["1:-", f"{args.replicas}:round_robin", f"{args.replicas}:prefix"]
@@ -180,16 +207,21 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"\nserve_dp: {args.requests} requests over {args.prefixes} prefixes of {args.prefix_len} tokens "
           f"(+{args.suffix_len}, {args.output_len} out), concurrency {args.concurrency}, {args.num_kv_blocks} KV blocks "
-          f"of {args.kv_block_size} per replica; {platform.machine()} {os.cpu_count()} cores, commit {commit}")
+          f"of {args.kv_block_size} per replica, {args.client_processes} client process(es); {platform.machine()} "
+          f"{os.cpu_count()} cores, commit {commit}")
     print(f"{'replicas':>8} {'routing':>12} {'tok/s':>9} {'req/s':>7} {'TTFT mean':>10} {'TTFT p50':>9} "
           f"{'front us/tok':>12} {'engine us/tok':>13} {'failed':>6} per replica")
     for r in rows:
         print(f"{r['replicas']:>8} {r['routing']:>12} {r['output_tok_per_s']:>9.1f} {r['requests_per_s']:>7.2f} "
               f"{r['ttft_mean_ms']:>8.0f}ms {r['ttft_p50_ms']:>7.0f}ms {r['front_end_cpu_us_per_token']:>12.0f} "
               f"{r['engine_cpu_us_per_token']:>13.0f} {r['failed']:>6} {r['per_replica']}")
-        print(f"{'':>21} running {r['running_mean']}, waiting {r['waiting_mean']}, KV use {r['kv_usage_mean']}, "
+        print(f"{'':>21} open {r['open_mean']}, running {r['running_mean']}, waiting {r['waiting_mean']}, "
+              f"server TTFT {r['server_ttft_mean_ms']} ms (queued {r['queue_mean_ms']} ms), KV use {r['kv_usage_mean']}, "
               f"preemptions {r['preemptions']}, prefix hits {r['prefix_hit_rate']}, "
               f"served without text {r['no_text']}")
+        if r["open_per_replica"]:
+            print(f"{'':>21} per replica: open {r['open_per_replica']}, running {r['running_per_replica']}, "
+                  f"waiting {r['waiting_per_replica']}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     return 1 if any(r["failed"] for r in rows) else 0

@@ -55,6 +55,13 @@ def test_requests_spread_over_both_replicas_with_the_engines_answers(server, cli
     assert got == want
     after = sent(server)
     assert all(a > b for a, b in zip(after, before)), (before, after)  # short prompts: the least loaded, in turn
+    # each replica's live counts, for a gateway or a benchmark to see one replica queue while the other idles
+    # (open at once; running and waiting as of each engine's next frame, sent when it goes idle)
+    counts = lambda: [(r["open"], r["running"], r["waiting"]) for r in health(server)["replicas"]]  # noqa: E731
+    deadline = time.monotonic() + 10
+    while counts() != [(0, 0, 0)] * 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert counts() == [(0, 0, 0)] * 2
 
 
 @pytest.mark.slow  # two engine processes start

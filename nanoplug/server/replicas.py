@@ -124,8 +124,11 @@ class Replicas:
         return total
 
     def health(self) -> list[dict]:
-        """Each replica's state and how many requests it was sent."""
-        return [{"replica": i, "status": "ok", "requests": self.dispatched[i]} if r.failure is None else
+        """Each replica's state, how many requests it was sent and holds now (open: what dispatch weighs), and its
+        scheduler's running and waiting counts as of its last step."""
+        load = self.streams.load
+        return [{"replica": i, "status": "ok", "requests": self.dispatched[i], "open": load.get(i, 0),
+                 "running": r.stats.num_running, "waiting": r.stats.num_waiting} if r.failure is None else
                 {"replica": i, "status": "dead", "error": r.failure, "requests": self.dispatched[i]}
                 for i, r in enumerate(self.replicas)]
 
