@@ -15,6 +15,11 @@ mean and p50 TTFT, the front end's and the engines' CPU per output token, and a 
     python benchmarks/serve_dp.py --model qwen3-0.6b-random --replicas 2 --prefixes 16 --prefix-len 2048 \\
         --requests 512 --concurrency 64 --output-len 64 --num-kv-blocks 96 --kv-block-size 256   # the H200 run
     python benchmarks/serve_dp.py --configs 2:prefix      # one configuration (replicas:routing) per process
+
+The clients run in `--client-processes` processes (8 on a machine of more than 4 cores): one Python process of
+the openai client cannot keep 64 requests of 2,000-token prompts in flight against a GPU server. Each row also
+gives the server's side (requests it held, its TTFT and engine queue time, each replica's load from /health), so
+a client-bound run shows as one.
 """
 from __future__ import annotations
 
@@ -85,9 +90,9 @@ def run_config(args, model: str, replicas: int, routing: str, prompts, params) -
             # why one routing beats the other: rows each step could run, evictions, and what the cache saved
             "running_mean": poller.mean("vllm:num_requests_running"),
             "waiting_mean": poller.mean("vllm:num_requests_waiting"),
-            "open_mean": poller.mean("nanoplug_num_requests_open"),
+            "open_mean": poller.mean("nanoplug_num_requests_open"),  # in the server: running, waiting or on the way
             "open_per_replica": poller.per_replica("open"), "running_per_replica": poller.per_replica("running"),
-            "waiting_per_replica": poller.per_replica("waiting"),  # in the server: running, waiting or on the way
+            "waiting_per_replica": poller.per_replica("waiting"),
             # the server's side of the TTFT: arrival to first token, of which waiting in an engine's queue
             "server_ttft_mean_ms": mean_of(final, "vllm:time_to_first_token_seconds"),
             "queue_mean_ms": mean_of(final, "vllm:request_queue_time_seconds"),
@@ -118,7 +123,6 @@ class MetricsPoller:
 
         self.samples: list[dict[str, float]] = []
         self.done = threading.Event()
-
         self.replicas: list[list[dict]] = []  # /health's per-replica open, running and waiting counts
 
         def poll():
