@@ -68,6 +68,22 @@ def test_matmul_equals_dequantize_then_matmul(fmt, m):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("int8", [False, True])
+def test_the_experts_gemv_equals_each_experts_own(fmt, int8):
+    """Three experts' blocks stacked into one weight: each (token, slot) pair's row, reading its expert by id on the
+    device, has the bits of that expert's own GEMV on its token (x_div: the pairs of one token share its row)."""
+    experts = [quantized(fmt, seed=seed)[0] for seed in (5, 6, 7)]
+    stacked = repack(fmt, torch.cat(experts), 3 * ROWS, COLS)
+    config = kernels.GemvConfig(16, 16, 4, int8=int8)
+    x = torch.randn(2, COLS, generator=torch.Generator().manual_seed(8))
+    ids = torch.tensor([2, 0, 1, 2])  # token 0 takes experts 2 and 0, token 1 experts 1 and 2
+    got = kernels.gemv(x, stacked, torch.empty(4, ROWS), config, experts=(ids, 2))
+    for pair, expert in enumerate(ids.tolist()):
+        own = repack(fmt, experts[expert], ROWS, COLS)
+        assert torch.equal(got[pair], kernels.gemv(x[pair // 2:pair // 2 + 1], own, torch.empty(1, ROWS), config)[0])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_gemv_with_its_loop_unrolled_equals_the_plain_loop(fmt):
     """The GEMV whose K loop is unrolled at compile time adds the same terms in the same order: the same
     bits (24 groups in chunks of 16: a ragged last chunk)."""
@@ -145,3 +161,45 @@ def test_engine_on_the_triton_path_matches_the_float32_engine(mixed_gguf):
     finally:
         quant.close()
         dense.close()
+
+
+def _gguf_tensor(fmt: str, rows: int, cols: int, seed: int):
+    from nanoplug.checkpoint.gguf_file import GGUFTensor
+
+    blocks, ref = quantized(fmt, rows, cols, seed)
+    kind = gguf.GGMLQuantizationType[fmt]
+    return GGUFTensor("w", "w", int(kind), fmt, (rows, cols), blocks.numpy()), ref
+
+
+@pytest.mark.parametrize("up_fmt", ["Q4_K", "Q8_0"])  # gate in Q4_K too: stacked in their blocks; else dense
+def test_stacked_experts_equal_the_plain_loop_on_gguf_pys_weights(up_fmt):
+    """An MoE's experts loaded a (expert, part) at a time, as the checkpoint has them: one format stays stacked in
+    its blocks, parts in two are held dense; every path (a GEMV per pair for up to E pairs, the batched matmuls on
+    the dequantized experts for more) equals the plain loop over gguf-py's dequantized weights."""
+    from nanoplug.api.layers.moe import experts_batched, experts_plain, experts_stacked
+    from nanoplug.kernels.gguf.triton_experts import StackedGGUFExperts
+
+    e, hidden, inter = 4, 256, 256  # (a Q4_K row holds super-blocks of 256)
+    up = StackedGGUFExperts(e, 2 * inter, hidden, 2, torch.float32, None)
+    down = StackedGGUFExperts(e, hidden, inter, 1, torch.float32, None)
+    w13, w2 = [], []
+    for expert in range(e):
+        for part, fmt in enumerate(("Q4_K", up_fmt)):
+            t, ref = _gguf_tensor(fmt, inter, hidden, seed=10 * expert + part)
+            up.weight_loader(up.weight, t, (expert, part))
+            w13.append(ref)
+        t, ref = _gguf_tensor("Q4_K", hidden, inter, seed=10 * expert + 5)
+        down.weight_loader(down.weight, t, expert)
+        w2.append(ref)
+    up.finish()
+    down.finish()
+    assert up.quantized == (up_fmt == "Q4_K") and down.quantized
+    w13, w2 = torch.cat(w13).view(e, 2 * inter, hidden), torch.stack(w2)
+    assert torch.equal(up.dense(torch.float32), w13) and torch.equal(down.dense(torch.float32), w2)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(3, hidden, generator=gen)
+    weights, ids = torch.rand(3, 2, generator=gen), torch.tensor([[1, 3], [3, 0], [2, 1]])
+    for tokens in (2, 3):  # 4 pairs (the GEMVs where quantized), 6 (more than the experts: dequantized)
+        got = experts_stacked(x[:tokens], up, down, weights[:tokens], ids[:tokens], experts_batched)
+        want = experts_plain(x[:tokens], w13, w2, weights[:tokens], ids[:tokens])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())  # float32 sums

@@ -58,3 +58,17 @@ def test_matmul_equals_dequantize_then_matmul(fmt, m):
     bound = 1e-5 * (x.double().abs() @ ref.double().abs().T)
     assert ((got.double() - exact).abs() <= bound).all(), (got.double() - exact).abs().max()
     assert (out[:, :3] == 7).all() and (out[:, 3 + ROWS:] == 7).all()
+
+
+@pytest.mark.parametrize("fmt", ["Q6_K", "Q5_0"])
+def test_the_experts_gemv_equals_each_experts_own(fmt):
+    """Three experts' blocks stacked into one weight: each (token, slot) pair's row, reading its expert by id on the
+    device, has the bits of that expert's own GEMV on its token (x_div: the pairs of one token share its row)."""
+    experts = [random_blocks(fmt, ROWS, COLS[fmt], seed) for seed in (3, 4, 5)]
+    stacked = kernels.raw_blocks(fmt, torch.from_numpy(np.concatenate(experts)), 3 * ROWS, COLS[fmt])
+    x = torch.randn(2, COLS[fmt], generator=torch.Generator().manual_seed(6))
+    ids = torch.tensor([2, 0, 1, 2])  # token 0 takes experts 2 and 0, token 1 experts 1 and 2
+    got = kernels.gemv(x, stacked, torch.empty(4, ROWS), experts=(ids, 2))
+    for pair, expert in enumerate(ids.tolist()):
+        own = kernels.raw_blocks(fmt, torch.from_numpy(experts[expert]), ROWS, COLS[fmt])
+        assert torch.equal(got[pair], kernels.gemv(x[pair // 2:pair // 2 + 1], own, torch.empty(1, ROWS))[0])

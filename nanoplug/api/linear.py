@@ -47,6 +47,14 @@ class LinearMethod(ABC):
     """Set when this method quantizes an MoE's experts per output row on load (fp8): they stay stacked, in the
     fused kernels' layout, on any number of ranks; `keeps_experts` and `dequantized_experts` then do not apply."""
 
+    def stacked_experts(self, num_experts: int, rows: int, cols: int, parts: int, dtype: torch.dtype
+                        ) -> nn.Module | None:
+        """One projection of an MoE's experts kept in this method's format, stacked and run by its own kernels (a
+        `layers.moe.StackedExperts`: GGUF under Triton), on one rank; None (the default): this method has none,
+        and `expert_rows`, `keeps_experts` or `dequantized_experts` decide. `rows` of every expert, loaded in
+        `parts` (gate and up: 2) of rows / parts each."""
+        return None
+
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
         """Register the layer's parameters (this rank's sizes). Each parameter carries
         `weight_loader(param, tensor, shard_id=None)`, the layer's own loader, which shards/packs and

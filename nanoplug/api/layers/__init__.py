@@ -10,7 +10,8 @@ from nanoplug.api.layers.activation import SiluAndMul, silu_and_mul
 from nanoplug.api.layers.attention import PagedAttention, StepContext
 from nanoplug.api.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoplug.api.layers.fused import FusedOps, install_fused_ops
-from nanoplug.api.layers.moe import FusedMoE, SparseMoeBlock, experts_batched, experts_plain, route
+from nanoplug.api.layers.moe import (FusedMoE, SparseMoeBlock, StackedExperts, experts_batched, experts_plain,
+                                     experts_stacked, route)
 from nanoplug.api.layers.linear import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear,
                                         QKVParallelLinear, ReplicatedLinear, RowParallelLinear)
 from nanoplug.api.layers.norm import RMSNorm, add_rms_norm, rms_norm
@@ -22,7 +23,7 @@ __all__ = [
     "QKVParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelLMHead", "RMSNorm", "rms_norm",
     "add_rms_norm", "RotaryEmbedding", "apply_rope", "rope_inv_freq", "SiluAndMul", "silu_and_mul", "FusedOps",
     "install_fused_ops", "PagedAttention", "StepContext", "FusedMoE", "SparseMoeBlock", "route", "experts_plain",
-    "experts_batched",
+    "experts_batched", "experts_stacked", "StackedExperts",
 ]
 
 

@@ -6,12 +6,14 @@ launch. Tensor parallelism shards every expert as the dense MLP is sharded (gate
 down by input columns, one all-reduce after). A platform puts its fused kernel in through
 `install_fused_ops` (`FusedOps.moe`, same signature as `fused_experts`). A format that quantizes per output row
 (fp8: `LinearMethod.expert_rows`) keeps the stacked layout, values and one float32 scale per expert and row, which
-every path takes as `scales=(gate_up, down)`. Experts kept in a weight format whose kernels are 2-D (GGUF on the
-CPU: `LinearMethod.keeps_experts`) are instead a layer of it per expert and projection (`ExpertLayers`), on one
-rank.
+every path takes as `scales=(gate_up, down)`. A format with kernels of its own for stacked experts (GGUF under
+Triton: `LinearMethod.stacked_experts`) keeps them in its blocks (`StackedExperts`), on one rank. Experts kept in a
+weight format whose kernels are 2-D (GGUF on the CPU: `LinearMethod.keeps_experts`) are instead a layer of it per
+expert and projection (`ExpertLayers`), on one rank.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any, Callable
 
 import torch
@@ -154,6 +156,60 @@ class ExpertWeights(nn.Module):
             self.weight_scale[expert, part * rows:(part + 1) * rows] = scale
 
 
+class StackedExperts(nn.Module, ABC):
+    """One projection of every expert, stacked in a weight format's blocks and run by its kernels
+    (`LinearMethod.stacked_experts`). The checkpoint's per-expert tensors arrive through `weight` as for
+    ExpertWeights ((expert, part) shards); the format's `process_after_loading` stacks them. A step of few
+    (token, slot) pairs runs `pairs`, each pair reading its expert's blocks; more run the fused or batched path on
+    `dense`. Neither needs a host sync, so CUDA graphs capture both."""
+
+    quantized: bool = True  # False: the experts arrived as floats (or in mixed formats) and are held dense
+
+    def __init__(self, num_experts: int, rows: int, cols: int, parts: int, dtype: torch.dtype):
+        super().__init__()
+        self.num_experts, self.rows, self.cols, self.parts, self.dtype = num_experts, rows, cols, parts, dtype
+        self.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.loaded: dict[tuple[int, int], Any] = {}  # (expert, part) -> the checkpoint's tensor, until stacked
+
+    def weight_loader(self, param: nn.Parameter, tensor: Any, shard_id: Any = None) -> None:
+        if shard_id is None:
+            raise ModelLoadError("experts' weights are loaded one expert at a time (experts.N.gate_proj/up_proj/"
+                                 "down_proj); a checkpoint with them already stacked is not supported yet")
+        expert, part = shard_id if isinstance(shard_id, tuple) else (shard_id, 0)
+        check_shape(tensor, [self.rows // self.parts, self.cols], f"expert {expert}")
+        self.loaded[expert, part] = tensor
+
+    def take_loaded(self) -> list[Any]:
+        """The loaded tensors in stacking order (expert by expert, its parts in order), handed over once."""
+        tensors = [self.loaded[e, p] for e in range(self.num_experts) for p in range(self.parts)]
+        self.loaded = {}
+        return tensors
+
+    @abstractmethod
+    def pairs(self, x: torch.Tensor, ids: torch.Tensor, x_div: int) -> torch.Tensor:
+        """[len(ids), rows]: row m is x[m // x_div] times expert ids[m]'s weight, in x's dtype."""
+
+    @abstractmethod
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """Every expert's weight [E, rows, cols] in `dtype` (dequantized into a fresh tensor when quantized)."""
+
+
+def experts_stacked(x: torch.Tensor, gate_up: StackedExperts, down: StackedExperts, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, run: Callable) -> torch.Tensor:
+    """Experts kept stacked in a format's blocks: while the (token, slot) pairs are no more than the experts, each
+    pair reads its expert's blocks (fewer bytes than dequantizing them all); else `run` (fused or batched) on every
+    expert dequantized."""
+    t, k = topk_ids.shape
+    num_experts = gate_up.num_experts
+    if not (gate_up.quantized and down.quantized and t * k <= num_experts):
+        return run(x, gate_up.dense(x.dtype), down.dense(x.dtype), topk_weights, topk_ids)
+    ids = topk_ids.flatten()
+    gate, up = gate_up.pairs(x, ids, k).chunk(2, dim=-1)
+    y = down.pairs(F.silu(gate) * up, ids, 1)
+    return (y.float().view(t, k, -1) * topk_weights[..., None]).sum(1).to(x.dtype)
+
+
 class ExpertLayers(nn.Module):
     """One projection of every expert kept in a weight format (`LinearMethod.keeps_experts`): a 2-D layer of the
     method per expert. The checkpoint's per-expert tensors arrive as parts of `weight` (as for ExpertWeights), an
@@ -184,7 +240,8 @@ class FusedMoE(nn.Module):
     """The experts of one MoE block: `forward(x, topk_weights, topk_ids)` is sum_k w_k * MLP_{id_k}(x) per token.
 
     The step runs `fused` (a platform's one-launch-per-projection kernel) where installed, else the batched
-    matmuls; experts kept in a weight format (`ExpertLayers`) run each chosen expert's 2-D layers in turn.
+    matmuls; experts stacked in a format's blocks (`StackedExperts`) run `experts_stacked`; experts kept in a
+    weight format as 2-D layers (`ExpertLayers`) run each chosen expert's layers in turn.
     `experts_plain` is the reference all are tested against."""
 
     fused: Callable | None = None  # set by install_fused_ops (FusedOps.moe)
@@ -195,6 +252,14 @@ class FusedMoE(nn.Module):
         ws = group.world_size
         self.group, self.num_experts = group, num_experts
         rows_format = None if linear_method is None else linear_method.expert_rows
+        if linear_method is not None and ws == 1 and rows_format is None:
+            up = linear_method.stacked_experts(num_experts, 2 * intermediate_size, hidden_size, 2,
+                                               torch.get_default_dtype())
+            if up is not None:
+                self.gate_up_proj = up
+                self.down_proj = linear_method.stacked_experts(num_experts, hidden_size, intermediate_size, 1,
+                                                               torch.get_default_dtype())
+                return
         if linear_method is not None and linear_method.keeps_experts and ws == 1 and rows_format is None:
             self.gate_up_proj = ExpertLayers(num_experts, lambda: MergedColumnParallelLinear(
                 group, hidden_size, [intermediate_size] * 2, False, linear_method))
@@ -224,6 +289,8 @@ class FusedMoE(nn.Module):
             return experts_each(x, self.gate_up_proj, self.down_proj, self.num_experts, topk_weights, topk_ids)
         run = self.fused or experts_batched
         up, down = self.gate_up_proj, self.down_proj
+        if isinstance(up, StackedExperts):
+            return experts_stacked(x, up, down, topk_weights, topk_ids, run)
         if up.weight_scale is None:  # (a platform's op written before quantized experts need not take `scales`)
             return run(x, up.weight, down.weight, topk_weights, topk_ids)
         return run(x, up.weight, down.weight, topk_weights, topk_ids, scales=(up.weight_scale, down.weight_scale))

@@ -235,18 +235,22 @@ if triton is not None:
             return _tile_dot(x_row, a, b, s, mn, g, G, IS_Q8, Q4_0, HAS_MIN, PTX)
 
     @triton.jit
-    def _gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, N, G, stride_x, stride_o,
+    def _gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, out_ptr, ids_ptr, N, G, stride_x, stride_o, X_DIV,
                      IS_Q8: tl.constexpr, Q4_0: tl.constexpr, HAS_MIN: tl.constexpr, PTX: tl.constexpr,
-                     INT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, K_GROUPS: tl.constexpr):
-        """out[m, n] = sum_k x[m, k] w[n, k] for one row m per program column, in float32, one reduction at
-        the end (the weight tile is read once; the activations come from L1/L2). INT8: the activations
+                     INT8: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+                     K_GROUPS: tl.constexpr):
+        """out[m, n] = sum_k x[m // X_DIV, k] w[n, k] for one row m per program column, in float32, one reduction
+        at the end (the weight tile is read once; the activations come from L1/L2). INT8: the activations
         quantized to int8 a group of 32, each program quantizing the groups it reads (no extra launch), a
         few integer instructions a group where float activations take a few a weight. K_GROUPS (K / 32, or
-        0: K at run time): the loop unrolled at compile time, which some tiles prefer."""
+        0: K at run time): the loop unrolled at compile time, which some tiles prefer. EXPERTS: the weight is
+        experts of N rows each, stacked, and row m takes expert ids[m]'s."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
         rows64 = rows.to(tl.int64)
-        x_row = x_ptr + tl.program_id(1).to(tl.int64) * stride_x
+        if EXPERTS:
+            rows64 += tl.load(ids_ptr + tl.program_id(1)).to(tl.int64) * N
+        x_row = x_ptr + (tl.program_id(1) // X_DIV).to(tl.int64) * stride_x
         acc = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)
         if K_GROUPS:
             for g0 in tl.static_range(0, K_GROUPS, BLOCK_G):
@@ -307,13 +311,19 @@ def dequantize(p: Packed, out: torch.Tensor, ids: torch.Tensor | None = None) ->
     return out
 
 
-def gemv(x: torch.Tensor, p: Packed, out: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
-    """out [M, rows] = x [M, cols] @ w.T, one program column per row of x (meant for M = 1)."""
+def gemv(x: torch.Tensor, p: Packed, out: torch.Tensor, config: GemvConfig | None = None,
+         experts: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+    """out [M, rows] = x [M, cols] @ w.T, one program column per row of x (meant for M = 1). `experts` (ids,
+    x_div): p is experts stacked, out [len(ids), p.rows / experts] and row m is x[m // x_div] times expert
+    ids[m]'s rows (an MoE's (token, slot) pairs)."""
     c = config or (INTERPRETER_GEMV if interpreting() else GEMV_CONFIG[p.fmt, p.cols > LONG_K])
-    grid = (triton.cdiv(p.rows, c.block_n), x.shape[0])
-    _gemv_kernel[grid](x, p.quants, p.scales, _mins(p), out, p.rows, p.cols // 32, x.stride(0), out.stride(0),
-                       **_flags(p), PTX=_ptx(), INT8=c.int8, BLOCK_N=c.block_n, BLOCK_G=c.block_g,
-                       K_GROUPS=p.cols // 32 if c.unroll else 0, num_warps=c.warps, num_stages=1)
+    ids, x_div = experts if experts is not None else (p.scales, 1)  # (a pointer the kernel never reads)
+    rows = out.shape[1] if experts is not None else p.rows
+    grid = (triton.cdiv(rows, c.block_n), out.shape[0])
+    _gemv_kernel[grid](x, p.quants, p.scales, _mins(p), out, ids, rows, p.cols // 32, x.stride(0), out.stride(0),
+                       x_div, **_flags(p), PTX=_ptx(), INT8=c.int8, EXPERTS=experts is not None,
+                       BLOCK_N=c.block_n, BLOCK_G=c.block_g, K_GROUPS=p.cols // 32 if c.unroll else 0,
+                       num_warps=c.warps, num_stages=1)
     return out
 
 

@@ -146,13 +146,17 @@ if triton is not None:
         tl.store(ptr, w.to(out_ptr.dtype.element_ty), mask=(rmask[:, None] & (c < C)[None, :])[:, :, None])
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, kv_ptr, out_ptr, N, C, RB, stride_x, stride_o, FMT: tl.constexpr,
-                     TS: tl.constexpr, QS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
-        """out[m, n] = sum_k x[m, k] w[n, k], one row m per program column, float32 sums."""
+    def _gemv_kernel(x_ptr, w_ptr, kv_ptr, out_ptr, ids_ptr, N, C, RB, stride_x, stride_o, X_DIV, FMT: tl.constexpr,
+                     TS: tl.constexpr, QS: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_C: tl.constexpr):
+        """out[m, n] = sum_k x[m // X_DIV, k] w[n, k], one row m per program column, float32 sums. EXPERTS: the
+        weight is experts of N rows each, stacked, and row m takes expert ids[m]'s."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
         rows64 = rows.to(tl.int64)
-        x_row = x_ptr + tl.program_id(1).to(tl.int64) * stride_x
+        if EXPERTS:
+            rows64 += tl.load(ids_ptr + tl.program_id(1)).to(tl.int64) * N
+        x_row = x_ptr + (tl.program_id(1) // X_DIV).to(tl.int64) * stride_x
         l = tl.arange(0, 32)
         acc = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
         for c0 in range(0, C, BLOCK_C):
@@ -193,15 +197,21 @@ def dequantize(w: RawBlocks, out: torch.Tensor, ids: torch.Tensor | None = None)
     return out
 
 
-def gemv(x: torch.Tensor, w: RawBlocks, out: torch.Tensor) -> torch.Tensor:
-    """out [M, rows] = x [M, cols] @ w.T, one program column per row of x (meant for M <= 2)."""
+def gemv(x: torch.Tensor, w: RawBlocks, out: torch.Tensor,
+         experts: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+    """out [M, rows] = x [M, cols] @ w.T, one program column per row of x (meant for M <= 2). `experts` (ids,
+    x_div): w is experts stacked, out [len(ids), w.rows / experts] and row m is x[m // x_div] times expert
+    ids[m]'s rows (an MoE's (token, slot) pairs)."""
     if interpreting():
         (block_n, block_c), warps = INTERPRETER_CONFIG, 4
     else:
         block_n, block_c, warps = GEMV_CONFIG
-    grid = (triton.cdiv(w.rows, block_n), x.shape[0])
-    _gemv_kernel[grid](x, w.data, _kvalues(w.data.device), out, w.rows, w.cols // 32, w.data.shape[1], x.stride(0),
-                       out.stride(0), **_consts(w), BLOCK_N=block_n, BLOCK_C=block_c, num_warps=warps)
+    ids, x_div = experts if experts is not None else (w.data, 1)  # (a pointer the kernel never reads)
+    rows = out.shape[1] if experts is not None else w.rows
+    grid = (triton.cdiv(rows, block_n), out.shape[0])
+    _gemv_kernel[grid](x, w.data, _kvalues(w.data.device), out, ids, rows, w.cols // 32, w.data.shape[1],
+                       x.stride(0), out.stride(0), x_div, **_consts(w), EXPERTS=experts is not None,
+                       BLOCK_N=block_n, BLOCK_C=block_c, num_warps=warps)
     return out
 
 

@@ -18,6 +18,7 @@ from nanoplug.api import LinearMethod, Target, check_shape
 from nanoplug.kernels.gguf import triton_kernels as kernels
 from nanoplug.kernels.gguf import triton_kquants
 from nanoplug.kernels.gguf.blocks import Packed, repack
+from nanoplug.kernels.gguf.triton_experts import StackedGGUFExperts
 from nanoplug.kernels.gguf.triton_kquants import RawBlocks
 
 
@@ -73,7 +74,11 @@ def _is_blocks(tensor: Any) -> bool:
 
 
 class TritonGGUFLinearMethod(LinearMethod):
-    dequantized_experts = True  # experts kept dense (dequantized at load): these kernels are 2-D
+    dequantized_experts = True  # under tensor parallelism an MoE's experts are dense (dequantized at load)
+
+    def stacked_experts(self, num_experts: int, rows: int, cols: int, parts: int, dtype: torch.dtype) -> nn.Module:
+        """On one rank an MoE's experts stay in their blocks, stacked (triton_experts.py)."""
+        return StackedGGUFExperts(num_experts, rows, cols, parts, dtype, self)
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
         weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
@@ -85,7 +90,10 @@ class TritonGGUFLinearMethod(LinearMethod):
         param.gguf.parts.append((out_offset, tensor))
 
     def process_after_loading(self, layer: nn.Module) -> None:
-        """Repack each run of parts of one block format into one Packed weight on the layer's device."""
+        """Repack each run of parts of one block format into one Packed weight on the layer's device (an MoE's
+        stacked experts: into one weight of them all)."""
+        if isinstance(layer, StackedGGUFExperts):
+            return layer.finish()
         param = layer.weight
         w: _Weight = param.gguf
         if w.segments is not None:  # a tied LM head: done with the embedding
