@@ -186,9 +186,10 @@ def test_experts_load_quantized_and_dense_alike(fmt, caplog):
                 assert (up.stacked.fmt, up.stacked.rows, down.stacked.fmt) == ("Q8_0", 8 * 64, "Q8_0")
                 dense_experts = dense.engine.worker.model.model.layers[1].mlp.experts
                 gen = torch.Generator().manual_seed(0)
-                x, weights = torch.randn(5, up.cols, generator=gen), torch.rand(5, 2, generator=gen)
-                ids = torch.tensor([[0, 3], [3, 7], [1, 0], [7, 6], [5, 2]])
-                for tokens in (3, 5):  # 6 pairs: each reads its expert's blocks; 10 (more than the 8 experts): dense
+                assert up.pair_limit == down.pair_limit == 68  # 8 * (1 + 8 / (34 / 32)): Q8_0 under float32
+                x, weights = torch.randn(35, up.cols, generator=gen), torch.rand(35, 2, generator=gen)
+                ids = torch.randint(0, 8, (35, 2), generator=gen)
+                for tokens in (3, 35):  # 6 pairs: each reads its expert's blocks; 70: every expert dequantized
                     torch.testing.assert_close(experts(x[:tokens], weights[:tokens], ids[:tokens]), experts_plain(
                         x[:tokens], dense_experts.gate_up_proj.weight, dense_experts.down_proj.weight,
                         weights[:tokens], ids[:tokens]), rtol=1e-5, atol=1e-5)

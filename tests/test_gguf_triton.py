@@ -196,10 +196,12 @@ def test_stacked_experts_equal_the_plain_loop_on_gguf_pys_weights(up_fmt):
     assert up.quantized == (up_fmt == "Q4_K") and down.quantized
     w13, w2 = torch.cat(w13).view(e, 2 * inter, hidden), torch.stack(w2)
     assert torch.equal(up.dense(torch.float32), w13) and torch.equal(down.dense(torch.float32), w2)
+    assert up.pair_limit == (46 if up.quantized else 0) and down.pair_limit == 46  # 4 * (1 + 8 / 0.75): Q4_K split
+    # into 4-bit quants and float32 scales and mins, 0.75 bytes a weight
     gen = torch.Generator().manual_seed(9)
-    x = torch.randn(3, hidden, generator=gen)
-    weights, ids = torch.rand(3, 2, generator=gen), torch.tensor([[1, 3], [3, 0], [2, 1]])
-    for tokens in (2, 3):  # 4 pairs (the GEMVs where quantized), 6 (more than the experts: dequantized)
+    x = torch.randn(24, hidden, generator=gen)
+    weights, ids = torch.rand(24, 2, generator=gen), torch.randint(0, e, (24, 2), generator=gen)
+    for tokens in (23, 24):  # 46 pairs (the GEMVs where quantized), 48 (dequantized)
         got = experts_stacked(x[:tokens], up, down, weights[:tokens], ids[:tokens], experts_batched)
         want = experts_plain(x[:tokens], w13, w2, weights[:tokens], ids[:tokens])
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())  # float32 sums

@@ -164,6 +164,7 @@ class StackedExperts(nn.Module, ABC):
     `dense`. Neither needs a host sync, so CUDA graphs capture both."""
 
     quantized: bool = True  # False: the experts arrived as floats (or in mixed formats) and are held dense
+    pair_limit: int = 0  # the most (token, slot) pairs `pairs` runs (set by the format; 0: the number of experts)
 
     def __init__(self, num_experts: int, rows: int, cols: int, parts: int, dtype: torch.dtype):
         super().__init__()
@@ -197,12 +198,11 @@ class StackedExperts(nn.Module, ABC):
 
 def experts_stacked(x: torch.Tensor, gate_up: StackedExperts, down: StackedExperts, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, run: Callable) -> torch.Tensor:
-    """Experts kept stacked in a format's blocks: while the (token, slot) pairs are no more than the experts, each
-    pair reads its expert's blocks (fewer bytes than dequantizing them all); else `run` (fused or batched) on every
-    expert dequantized."""
+    """Experts kept stacked in a format's blocks: up to the projections' `pair_limit` (token, slot) pairs each pair
+    reads its expert's blocks; more run `run` (fused or batched) on every expert dequantized."""
     t, k = topk_ids.shape
-    num_experts = gate_up.num_experts
-    if not (gate_up.quantized and down.quantized and t * k <= num_experts):
+    limit = min(p.pair_limit or p.num_experts for p in (gate_up, down))
+    if not (gate_up.quantized and down.quantized and t * k <= limit):
         return run(x, gate_up.dense(x.dtype), down.dense(x.dtype), topk_weights, topk_ids)
     ids = topk_ids.flatten()
     gate, up = gate_up.pairs(x, ids, k).chunk(2, dim=-1)

@@ -1,8 +1,8 @@
 """An MoE's experts kept in their GGUF blocks on the GPU: each projection's experts stacked into one weight of
 E * rows rows (the file's blocks of every expert, one after another, in the Triton kernels' layout), so that
 one GEMV launch runs every (token, slot) pair of a decode step, each program column reading its pair's expert
-(the kernels' `experts` argument), and one dequantize launch gives the fused path every expert for a larger
-step. The expert chosen is read on the device: no host sync, so CUDA graphs capture both. Experts that arrive
+(the kernels' `experts` argument), and one dequantize launch gives the fused path every expert for a step of
+more pairs than that costs bytes for (`pair_limit`: 6-8x the experts for a 4-bit format under bf16). The expert chosen is read on the device: no host sync, so CUDA graphs capture both. Experts that arrive
 as floats, or whose parts differ in format, are held dense instead.
 """
 from __future__ import annotations
@@ -36,6 +36,10 @@ class StackedGGUFExperts(StackedExperts):
             make = triton_kquants.raw_blocks if fmt in triton_kquants.FORMATS else repack
             self.stacked = make(fmt, blocks, total, self.cols)
             self.weight.data = self.stacked.quants if isinstance(self.stacked, Packed) else self.stacked.data
+            # the pairs' reads of blocks cost fewer bytes than dequantizing every expert (its blocks read, the
+            # model's dtype written and read again) while pairs < E * (1 + 2 * dtype bytes / block bytes a weight)
+            per_weight = self.stacked.nbytes / (total * self.cols)
+            self.pair_limit = int(self.num_experts * (1 + 2 * self.dtype.itemsize / per_weight))
         else:
             dense = [t.dequantize() if not isinstance(t, torch.Tensor) else t for t in tensors]
             self.stacked = torch.cat([t.to(device, self.dtype) for t in dense]).view(self.num_experts, self.rows,
