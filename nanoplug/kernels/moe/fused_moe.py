@@ -8,7 +8,8 @@ alone (blocks past the padded count exit at once), so a step needs no host sync 
 Block sizes come from `configs/` (per expert count, intermediate size and GPU, by batch size; written by
 benchmarks/gpu_moe.py --tune). On a CPU the kernel runs only under TRITON_INTERPRET=1 (the tests).
 
-A decode step of a few tokens (up to GEMV_TOKENS) takes two GEMV launches instead (`experts_gemv`): no sort, no
+A decode step of a few tokens (up to GEMV_TOKENS; FP8_GEMV_TOKENS for e4m3 experts) takes two GEMV launches
+instead (`experts_gemv`): no sort, no
 padding to a block of rows, the SiLU-and-mul inside the first and the sum over a token's k experts inside the
 second. There each pair reads its expert's rows once either way, and the sort and the other small launches around
 the GEMMs cost more than the products (24 layers of them in a batch-1 step of the 30B-A3B shape).
@@ -33,6 +34,12 @@ GEMV_TOKENS = 4  # up to this many tokens a step, the two GEMV launches (experts
 # the GEMVs' rows per program (gate_up: that many gate rows and their up rows; down: output rows over k experts),
 # K step and warps
 GEMV_CONFIG = dict(UP_BLOCK_N=8, UP_BLOCK_K=128, DOWN_BLOCK_N=4, DOWN_BLOCK_K=128, num_warps=8)
+# e4m3 experts (a byte a weight) take a longer K step to fill a load, and the GEMVs stay ahead of the grouped GEMM
+# up to 8 tokens: the fastest of `benchmarks/gpu_moe.py --sweep-gemv --fp8` on an H100 (benchmarks/RESULTS.md), by
+# tokens (1; 2 and more)
+FP8_GEMV_CONFIG = {1: dict(UP_BLOCK_N=16, UP_BLOCK_K=256, DOWN_BLOCK_N=8, DOWN_BLOCK_K=128, num_warps=8),
+                   2: dict(UP_BLOCK_N=16, UP_BLOCK_K=512, DOWN_BLOCK_N=8, DOWN_BLOCK_K=128, num_warps=8)}
+FP8_GEMV_TOKENS = 8
 
 if triton is not None:
 
@@ -227,9 +234,9 @@ def experts_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weig
                  topk_ids: torch.Tensor, config: dict | None = None, scales=None) -> torch.Tensor:
     """`fused_experts` for a few tokens: gate_up with the SiLU-and-mul, then down with the weighted sum over each
     token's k experts, one launch each (config: GEMV_CONFIG's keys)."""
-    cfg = config or GEMV_CONFIG
-    x = x.contiguous()
     t, k = topk_ids.shape
+    cfg = config or (GEMV_CONFIG if scales is None else FP8_GEMV_CONFIG[min(t, 2)])
+    x = x.contiguous()
     _, two_i, hidden = w13.shape
     inter = two_i // 2
     ids = topk_ids.flatten().contiguous()
@@ -260,7 +267,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if not takes(x, w13, w2, scales):
         return experts_batched(x, w13, w2, topk_weights, topk_ids, scales=scales)
     t, k = topk_ids.shape
-    if config is None and t <= GEMV_TOKENS:
+    if config is None and t <= (GEMV_TOKENS if scales is None else FP8_GEMV_TOKENS):
         return experts_gemv(x, w13, w2, topk_weights, topk_ids, scales=scales)
     x = x.contiguous()
     num_experts, two_i, hidden = w13.shape
