@@ -39,7 +39,7 @@ def test_kernel_equals_plain(m, dtype):
     assert float((got - want).abs().max() / want.abs().max()) < tol
 
 
-@pytest.mark.parametrize("m", [1, 3, 64, 257])
+@pytest.mark.parametrize("m", [1, 3, 8, 64, 257])  # the GEMVs up to 8 tokens (fp8), the grouped GEMM
 def test_fp8_experts_equal_plain_over_their_dequantization(m):
     """bf16 activations, e4m3 experts with per-row scales (the fp8 format's experts): the GEMV path and the
     grouped GEMM against the reference over the dequantized weights."""
