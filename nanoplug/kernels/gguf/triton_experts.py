@@ -2,8 +2,9 @@
 E * rows rows (the file's blocks of every expert, one after another, in the Triton kernels' layout), so that
 one GEMV launch runs every (token, slot) pair of a decode step, each program column reading its pair's expert
 (the kernels' `experts` argument), and one dequantize launch gives the fused path every expert for a step of
-more pairs than that costs bytes for (`pair_limit`: 6-8x the experts for a 4-bit format under bf16). The expert chosen is read on the device: no host sync, so CUDA graphs capture both. Experts that arrive
-as floats, or whose parts differ in format, are held dense instead.
+more pairs than that costs bytes for (`pair_limit`: 6-8x the experts for a 4-bit format under bf16). The expert
+chosen is read on the device: no host sync, so CUDA graphs capture both. Experts that arrive as floats, or whose
+parts differ in format, are held dense instead.
 """
 from __future__ import annotations
 
