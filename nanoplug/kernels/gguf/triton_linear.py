@@ -74,7 +74,8 @@ def _is_blocks(tensor: Any) -> bool:
 
 
 class TritonGGUFLinearMethod(LinearMethod):
-    dequantized_experts = True  # under tensor parallelism an MoE's experts are dense (dequantized at load)
+    # (the format serves one rank, where an MoE's experts are stacked; were it split, they would be dequantized)
+    dequantized_experts = True
 
     def stacked_experts(self, num_experts: int, rows: int, cols: int, parts: int, dtype: torch.dtype) -> nn.Module:
         """On one rank an MoE's experts stay in their blocks, stacked (triton_experts.py)."""
