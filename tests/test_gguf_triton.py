@@ -196,7 +196,7 @@ def test_stacked_experts_equal_the_plain_loop_on_gguf_pys_weights(up_fmt):
     assert up.quantized == (up_fmt == "Q4_K") and down.quantized
     w13, w2 = torch.cat(w13).view(e, 2 * inter, hidden), torch.stack(w2)
     assert torch.equal(up.dense(torch.float32), w13) and torch.equal(down.dense(torch.float32), w2)
-    assert up.pair_limit == (46 if up.quantized else 0) and down.pair_limit == 46  # 4 * (1 + 8 / 0.75): Q4_K split
+    assert up.pair_limit == (46 if up.quantized else e) and down.pair_limit == 46  # 4 * (1 + 8 / 0.75): Q4_K split
     # into 4-bit quants and float32 scales and mins, 0.75 bytes a weight
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(24, hidden, generator=gen)

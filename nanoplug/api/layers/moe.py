@@ -116,6 +116,15 @@ def experts_batched(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
     return out.view(t, k, -1).sum(1).to(x.dtype)
 
 
+def expert_shard(shard_id: Any, whole: Any) -> tuple[int, Any]:
+    """(expert, part) of a checkpoint tensor of one expert (`whole`: the part of a tensor not split in parts); a
+    tensor of every expert at once is refused."""
+    if shard_id is None:
+        raise ModelLoadError("experts' weights are loaded one expert at a time (experts.N.gate_proj/up_proj/"
+                             "down_proj); a checkpoint with them already stacked is not supported yet")
+    return shard_id if isinstance(shard_id, tuple) else (shard_id, whole)
+
+
 class ExpertWeights(nn.Module):
     """One projection of every expert, stacked: `weight` [E, rows, cols] of this rank. Checkpoints hold one tensor
     per expert (and per part: gate and up are the two halves of `gate_up_proj`); each is checked whole, then this
@@ -133,10 +142,7 @@ class ExpertWeights(nn.Module):
         self.register_buffer("weight_scale", scale, persistent=False)
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Any = None) -> None:
-        if shard_id is None:
-            raise ModelLoadError("experts' weights are loaded one expert at a time (experts.N.gate_proj/up_proj/"
-                                 "down_proj); a checkpoint with them already stacked is not supported yet")
-        expert, part = shard_id if isinstance(shard_id, tuple) else (shard_id, 0)
+        expert, part = expert_shard(shard_id, 0)
         ws, rank = self.group.world_size, self.group.rank
         _, rows, cols = param.shape
         rows //= self.parts
@@ -164,7 +170,6 @@ class StackedExperts(nn.Module, ABC):
     `dense`. Neither needs a host sync, so CUDA graphs capture both."""
 
     quantized: bool = True  # False: the experts arrived as floats (or in mixed formats) and are held dense
-    pair_limit: int = 0  # the most (token, slot) pairs `pairs` runs (set by the format; 0: the number of experts)
 
     def __init__(self, num_experts: int, rows: int, cols: int, parts: int, dtype: torch.dtype):
         super().__init__()
@@ -172,12 +177,10 @@ class StackedExperts(nn.Module, ABC):
         self.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.loaded: dict[tuple[int, int], Any] = {}  # (expert, part) -> the checkpoint's tensor, until stacked
+        self.pair_limit = num_experts  # the most (token, slot) pairs `pairs` runs (a format may set more)
 
     def weight_loader(self, param: nn.Parameter, tensor: Any, shard_id: Any = None) -> None:
-        if shard_id is None:
-            raise ModelLoadError("experts' weights are loaded one expert at a time (experts.N.gate_proj/up_proj/"
-                                 "down_proj); a checkpoint with them already stacked is not supported yet")
-        expert, part = shard_id if isinstance(shard_id, tuple) else (shard_id, 0)
+        expert, part = expert_shard(shard_id, 0)
         check_shape(tensor, [self.rows // self.parts, self.cols], f"expert {expert}")
         self.loaded[expert, part] = tensor
 
@@ -201,8 +204,7 @@ def experts_stacked(x: torch.Tensor, gate_up: StackedExperts, down: StackedExper
     """Experts kept stacked in a format's blocks: up to the projections' `pair_limit` (token, slot) pairs each pair
     reads its expert's blocks; more run `run` (fused or batched) on every expert dequantized."""
     t, k = topk_ids.shape
-    limit = min(p.pair_limit or p.num_experts for p in (gate_up, down))
-    if not (gate_up.quantized and down.quantized and t * k <= limit):
+    if not (gate_up.quantized and down.quantized and t * k <= min(gate_up.pair_limit, down.pair_limit)):
         return run(x, gate_up.dense(x.dtype), down.dense(x.dtype), topk_weights, topk_ids)
     ids = topk_ids.flatten()
     gate, up = gate_up.pairs(x, ids, k).chunk(2, dim=-1)
@@ -224,10 +226,7 @@ class ExpertLayers(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, tensor: Any, shard_id: Any = None) -> None:
-        if shard_id is None:
-            raise ModelLoadError("experts' weights are loaded one expert at a time (experts.N.gate_proj/up_proj/"
-                                 "down_proj); a checkpoint with them already stacked is not supported yet")
-        expert, part = shard_id if isinstance(shard_id, tuple) else (shard_id, None)  # part: gate 0 / up 1, or none
+        expert, part = expert_shard(shard_id, None)  # part: gate 0 / up 1, or none
         layer = self.layers[expert]
         layer.weight_loader(layer.weight, tensor, part)
 
