@@ -171,5 +171,5 @@ class StructuredOutputs:
             seq.grammar_failed = True
             log.error("request %s: the grammar refused token %d that was sampled under its mask", seq.request_id, token)
             return "abort"
-        # (a grammar ends only on a stop token: its end is asked after that, a call less per token otherwise)
+        # (the cheap test first: the matcher is asked whether it ended only after a stop token, a call less otherwise)
         return "stop" if token in self.stop_token_ids and matcher.terminated else None
