@@ -56,6 +56,23 @@ def test_add_rms_norm_gives_the_sum_and_its_norm(kernels, dtype):
     torch.testing.assert_close(out, ref_out, **tolerance(dtype))
 
 
+def test_the_float32_residual_stream_of_a_bf16_model(kernels):
+    """A bf16 x added to a float32 residual (the first layer: the float32 stream alone) is summed and kept in
+    float32, and its norm rounded once to bf16, as the plain ops do (within the interpreter's truncation)."""
+    x, res = data(6, 80, dtype=torch.bfloat16), data(6, 80, dtype=torch.float32, seed=1)
+    w = data(80, dtype=torch.bfloat16, seed=2)
+    out, summed = kernels.add_rms_norm(x, res, w, 1e-5)
+    ref_out, ref_summed = add_rms_norm(x, res, w, 1e-5)
+    assert summed.dtype == torch.float32 and out.dtype == torch.bfloat16 and ref_out.dtype == torch.bfloat16
+    assert torch.equal(summed, ref_summed) and torch.equal(summed, x.float() + res)
+    torch.testing.assert_close(out, ref_out, **tolerance(torch.bfloat16))
+    got = kernels.rms_norm(res, w, 1e-5)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, rms_norm(res, w, 1e-5), **tolerance(torch.bfloat16))
+    exact = torch.nn.functional.rms_norm(res, (80,), w.float(), 1e-5)  # one rounding of the float32 norm
+    assert (got.float() - exact).abs().le(exact.abs() * 2 ** -7).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul(kernels, dtype):
     x = data(4, 2 * 3000, dtype=dtype)  # 3000: three programs of 1,024 columns a row, the last partly masked

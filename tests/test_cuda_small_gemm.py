@@ -106,3 +106,20 @@ def test_an_engine_decoding_through_the_kernel_equals_the_plain_engine(gemm, mon
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logits, b.logits, strict=True):
             torch.testing.assert_close(lb, la, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_float32_logits_of_bf16_operands(gemm, rows):
+    """The LM head's `apply_float32`: the kernel's float32 accumulators unrounded (one and two rows), else the
+    widened product (three rows): both within float32 noise of the float32 product, where a bf16 result would
+    be a rounding step away."""
+    from torch import nn
+
+    layer = nn.Module()
+    layer.weight = nn.Parameter(data(40, 96, dtype=torch.bfloat16, seed=1), requires_grad=False)
+    x = data(rows, 96, dtype=torch.bfloat16)
+    got = gemm.SmallBatchLinearMethod().apply_float32(layer, x)
+    want = F.linear(x.float(), layer.weight.float())
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert not torch.equal(want, want.bfloat16().float())  # (so a bf16 rounding would have been caught)

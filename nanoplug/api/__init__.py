@@ -19,8 +19,8 @@ _LAZY = {name: f"nanoplug.api.{module}" for module, names in {
                    "WeightAdapter WeightFormat"),
     "layers": ("FusedOps Layers LinearBase PagedAttention ParallelLMHead RMSNorm RotaryEmbedding "
                "SiluAndMul StepContext VocabParallelEmbedding add_rms_norm apply_rope "
-               "install_fused_ops rms_norm rope_inv_freq silu_and_mul"),
-    "linear": "DenseLinearMethod ExpertRows LinearMethod check_shape copy_weight",
+               "install_fused_ops residual_stream rms_norm rope_inv_freq silu_and_mul"),
+    "linear": "DenseLinearMethod ExpertRows LinearMethod check_shape copy_weight wide_linear",
     "triton_support": "import_triton interpreting triton_reasons",
     "step": ("AttentionMetadata AttentionSpec KVCacheSpec KVLayer LogitsProcessingBatch "
              "LogprobsTensors PromptLogprobsBatch SamplingBatch SlotInit StepBatch StepInputs "
@@ -54,9 +54,10 @@ __all__ = [
     # the worker protocol
     "Worker", "WorkerMethod", "WorkerReport", "StartupTimes", "StepStats",
     # the linear-method seam and the layer library
-    "LinearMethod", "DenseLinearMethod", "ExpertRows", "check_shape", "copy_weight", "Layers", "LinearBase", "VocabParallelEmbedding",
-    "ParallelLMHead", "RMSNorm", "rms_norm", "add_rms_norm", "RotaryEmbedding", "apply_rope", "rope_inv_freq",
-    "SiluAndMul", "silu_and_mul", "FusedOps", "install_fused_ops", "PagedAttention", "StepContext",
+    "LinearMethod", "DenseLinearMethod", "ExpertRows", "check_shape", "copy_weight", "wide_linear", "Layers",
+    "LinearBase", "VocabParallelEmbedding", "ParallelLMHead", "RMSNorm", "rms_norm", "add_rms_norm", "residual_stream",
+    "RotaryEmbedding", "apply_rope", "rope_inv_freq", "SiluAndMul", "silu_and_mul", "FusedOps", "install_fused_ops",
+    "PagedAttention", "StepContext",
     # where Triton kernels can run
     "import_triton", "interpreting", "triton_reasons",
     # errors a plugin raises

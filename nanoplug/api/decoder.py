@@ -9,7 +9,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from nanoplug.api import ModelArchitecture, PagedAttention, RMSNorm, RotaryEmbedding, SiluAndMul, Target
+from nanoplug.api import (ModelArchitecture, PagedAttention, RMSNorm, RotaryEmbedding, SiluAndMul, Target,
+                          residual_stream)
 from nanoplug.api.config_fields import config_reasons
 
 
@@ -66,8 +67,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions, hidden, residual):
         if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
+            residual = residual_stream(hidden)
+            hidden = self.input_layernorm(residual)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden)

@@ -77,9 +77,32 @@ class LinearMethod(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`x @ W.T + bias` for this layer's weight in this method's format."""
 
+    def apply_float32(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W.T` as float32, not rounded to x's dtype (the LM head's logits: a 16-bit rounding of the
+        logits, 0.06 at a logit of 10 in bf16, parts near ties either way). The default rounds through `apply`;
+        a method that can write its float32 accumulators directly overrides it."""
+        return self.apply(layer, x, None).float()
+
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows of the weight for token ids (embeddings; a tied LM head shares the weight)."""
         return F.embedding(ids, layer.weight)
+
+
+_MM_OUT_DTYPE = [hasattr(torch.ops.aten.mm, "dtype")]  # torch >= 2.8; cleared if this build refuses it
+
+
+def wide_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x @ weight.T` of two 16-bit operands of one dtype, as float32: cuBLAS writes its float32 accumulators
+    (`mm`'s `out_dtype`) on CUDA; elsewhere the operands are widened first (exact: the products are the same)."""
+    if x.is_cuda and _MM_OUT_DTYPE[0]:
+        flat = x.reshape(-1, x.shape[-1])
+        try:
+            y = torch.ops.aten.mm.dtype(flat, weight.t(), torch.float32)
+        except (RuntimeError, NotImplementedError):
+            _MM_OUT_DTYPE[0] = False
+        else:
+            return y.reshape(*x.shape[:-1], weight.shape[0])
+    return F.linear(x.float(), weight.float())
 
 
 class DenseLinearMethod(LinearMethod):
@@ -87,6 +110,13 @@ class DenseLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
+
+    def apply_float32(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        weight = getattr(layer, "weight", None)
+        if (x.dtype in (torch.bfloat16, torch.float16) and isinstance(weight, torch.Tensor)
+                and weight.dtype == x.dtype):
+            return wide_linear(x, weight)
+        return super().apply_float32(layer, x)
 
 
 def check_shape(tensor: torch.Tensor, expected: Sequence[int], what: str = "") -> None:

@@ -14,14 +14,14 @@ from nanoplug.api.layers.moe import (FusedMoE, SparseMoeBlock, StackedExperts, e
                                      experts_stacked, route)
 from nanoplug.api.layers.linear import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear,
                                         QKVParallelLinear, ReplicatedLinear, RowParallelLinear)
-from nanoplug.api.layers.norm import RMSNorm, add_rms_norm, rms_norm
+from nanoplug.api.layers.norm import RMSNorm, add_rms_norm, residual_stream, rms_norm
 from nanoplug.api.layers.rotary import RotaryEmbedding, apply_rope, rope_inv_freq
 from nanoplug.api.linear import DenseLinearMethod, LinearMethod
 
 __all__ = [
     "Layers", "LinearBase", "ReplicatedLinear", "ColumnParallelLinear", "MergedColumnParallelLinear",
     "QKVParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelLMHead", "RMSNorm", "rms_norm",
-    "add_rms_norm", "RotaryEmbedding", "apply_rope", "rope_inv_freq", "SiluAndMul", "silu_and_mul", "FusedOps",
+    "add_rms_norm", "residual_stream", "RotaryEmbedding", "apply_rope", "rope_inv_freq", "SiluAndMul", "silu_and_mul", "FusedOps",
     "install_fused_ops", "PagedAttention", "StepContext", "FusedMoE", "SparseMoeBlock", "route", "experts_plain",
     "experts_batched", "experts_stacked", "StackedExperts",
 ]

@@ -24,7 +24,6 @@ class VocabParallelEmbedding(nn.Module):
         linear_method.create_weights(self, hidden_size, self.per_rank, torch.get_default_dtype())
         for param in self.parameters(recurse=False):
             param.weight_loader = self.weight_loader
-        self._apply_method = linear_method.apply
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Any = None) -> None:
         check_shape(tensor, [self.vocab_size, self.hidden_size], "vocab_size x hidden_size of config.json")
@@ -61,7 +60,8 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.register_buffer(name, buf, persistent=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self._apply_method(self, hidden, None)
+        """Float32 logits whatever the model's dtype (`LinearMethod.apply_float32`)."""
+        logits = self.linear_method.apply_float32(self, hidden)
         if self.group.world_size > 1:
             logits = self.group.all_gather(logits, dim=-1)
         return logits[..., : self.vocab_size]

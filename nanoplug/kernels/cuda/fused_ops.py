@@ -24,24 +24,37 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rows_per_outer, stride_outer, stride_inner,
-                         stride_res, eps, N: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr):
+                         stride_res, eps, N: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr,
+                         WIDE: tl.constexpr):
         """Row r of x (at (r // rows_per_outer) * stride_outer + (r % rows_per_outer) * stride_inner), plus the
         residual's row when ADD (that sum, rounded to x's dtype, is written out too), normalized in float32,
-        rounded, then times the weight and rounded again: rms_norm's order of roundings."""
+        rounded, then times the weight and rounded again: rms_norm's order of roundings. WIDE (a 16-bit model's
+        float32 residual stream: x float32 without ADD, or a 16-bit x with a float32 residual): the sum is kept
+        and written in float32, and its norm times the weight rounded once, to out's dtype, as the plain ops do."""
         r = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < N
         x_off = (r // rows_per_outer).to(tl.int64) * stride_outer + (r % rows_per_outer) * stride_inner
         x = tl.load(x_ptr + x_off + cols, mask=ok, other=0.0)
         if ADD:
-            x = (x.to(tl.float32) + tl.load(res_ptr + r.to(tl.int64) * stride_res + cols, mask=ok, other=0.0)
-                 .to(tl.float32)).to(x.dtype)
-            tl.store(res_out_ptr + r.to(tl.int64) * N + cols, x, mask=ok)
-        xf = x.to(tl.float32)
+            summed = x.to(tl.float32) + tl.load(res_ptr + r.to(tl.int64) * stride_res + cols, mask=ok,
+                                                other=0.0).to(tl.float32)
+            if WIDE:
+                tl.store(res_out_ptr + r.to(tl.int64) * N + cols, summed, mask=ok)
+                xf = summed
+            else:
+                x = summed.to(x.dtype)
+                tl.store(res_out_ptr + r.to(tl.int64) * N + cols, x, mask=ok)
+                xf = x.to(tl.float32)
+        else:
+            xf = x.to(tl.float32)
         inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
-        y = (xf * inv).to(x.dtype).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + r.to(tl.int64) * N + cols, (w * y).to(x.dtype), mask=ok)
+        if WIDE:
+            tl.store(out_ptr + r.to(tl.int64) * N + cols, ((xf * inv) * w).to(out_ptr.dtype.element_ty), mask=ok)
+        else:
+            y = (xf * inv).to(x.dtype).to(tl.float32)
+            tl.store(out_ptr + r.to(tl.int64) * N + cols, (w * y).to(x.dtype), mask=ok)
 
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, D: tl.constexpr, BLOCK: tl.constexpr):
@@ -114,27 +127,31 @@ def _rows(x: torch.Tensor) -> tuple[int, int, int, int] | None:
 # Each op takes the layouts the layer library's decoders give it; any other (a weight of another dtype, whose
 # plain result takes the wider dtype; other ranks; partial rotary tables) goes to the plain op.
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The layer library's rms_norm: x of the weight's dtype, or float32 (a 16-bit model's residual stream)."""
     layout = _rows(x)
-    if weight.dtype != x.dtype or layout is None:
+    wide = x.dtype == torch.float32 and weight.dtype in (torch.bfloat16, torch.float16)
+    if not (wide or weight.dtype == x.dtype) or layout is None:
         return plain_rms_norm(x, weight, eps)
     rows, per_outer, outer, inner = layout
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=weight.dtype, device=x.device)
     if rows:
         _rms_norm_kernel[(rows,)](x, x, weight, out, out, per_outer, outer, inner, 0, eps, N=x.shape[-1],
-                                  BLOCK=triton.next_power_of_2(x.shape[-1]), ADD=False)
+                                  BLOCK=triton.next_power_of_2(x.shape[-1]), ADD=False, WIDE=wide)
     return out
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    if (weight.dtype != x.dtype or residual.dtype != x.dtype or x.dim() != 2 or residual.shape != x.shape
-            or x.stride(-1) != 1 or residual.stride(-1) != 1):
+    """The layer library's add_rms_norm: residual of x's dtype, or float32 (a 16-bit model's residual stream)."""
+    wide = residual.dtype == torch.float32 and x.dtype != torch.float32
+    if (weight.dtype != x.dtype or not (wide or residual.dtype == x.dtype) or x.dim() != 2
+            or residual.shape != x.shape or x.stride(-1) != 1 or residual.stride(-1) != 1):
         return plain_add_rms_norm(x, residual, weight, eps)
     n = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    summed = torch.empty(x.shape, dtype=residual.dtype, device=x.device)
     if x.shape[0]:
         _rms_norm_kernel[(x.shape[0],)](x, residual, weight, out, summed, 1, x.stride(0), 0, residual.stride(0), eps,
-                                        N=n, BLOCK=triton.next_power_of_2(n), ADD=True)
+                                        N=n, BLOCK=triton.next_power_of_2(n), ADD=True, WIDE=wide)
     return out, summed
 
 

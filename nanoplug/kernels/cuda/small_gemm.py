@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoplug.api import DenseLinearMethod, import_triton, interpreting
+from nanoplug.api import DenseLinearMethod, import_triton, interpreting, wide_linear
 
 # where triton is missing or broken (TRITON_ERROR says why): every layer stays on cuBLAS
 triton, tl, TRITON_ERROR = import_triton()
@@ -76,12 +76,16 @@ def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> b
             and (bias is None or (bias.dim() == 1 and bias.is_contiguous() and bias.shape[0] == n)))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), by the kernel where `takes` says so."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), by the kernel where `takes` says so; out_dtype float32: the kernel's float32
+    accumulators unrounded (the LM head's logits), `wide_linear` where the kernel does not take it."""
     if not takes(x, weight, bias):
+        if out_dtype == torch.float32 and x.dtype != torch.float32 and bias is None:
+            return wide_linear(x, weight)
         return F.linear(x, weight, bias)
     (rows, k), n = x.shape, weight.shape[0]
-    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((rows, n), dtype=out_dtype or x.dtype, device=x.device)
     block_n, block_k = _blocks(k)
     _small_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, rows, n, k, x.stride(0), weight.stride(0), y.stride(0),
@@ -97,3 +101,8 @@ class SmallBatchLinearMethod(DenseLinearMethod):
         if x.dim() == 2:
             return linear(x, layer.weight, bias)
         return linear(x.reshape(-1, x.shape[-1]), layer.weight, bias).reshape(*x.shape[:-1], -1)
+
+    def apply_float32(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 or layer.weight.dtype != x.dtype:
+            return super().apply_float32(layer, x)
+        return linear(x.reshape(-1, x.shape[-1]), layer.weight, None, torch.float32).reshape(*x.shape[:-1], -1)

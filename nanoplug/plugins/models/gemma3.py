@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoplug.api import ModelArchitecture, RotaryEmbedding, Target
+from nanoplug.api import ModelArchitecture, RotaryEmbedding, Target, residual_stream
 from nanoplug.api.config_fields import config_reasons
 
 
@@ -26,10 +26,11 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rounded to `dtype` (the model's, for the float32 residual stream's norms), else to x's."""
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).to(x.dtype)
+        return (y * (1.0 + self.weight.float())).to(dtype or x.dtype)
 
 
 class _RopeConfig:
@@ -108,9 +109,10 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(hidden)))
-        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+    def forward(self, positions: torch.Tensor, stream: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """stream: the residual stream (float32 for a 16-bit model, `residual_stream`); dtype: the model's."""
+        stream = stream + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(stream, dtype)))
+        return stream + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(stream, dtype)))
 
 
 class Gemma3Model(nn.Module):
@@ -132,10 +134,11 @@ class Gemma3Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        dtype = hidden.dtype
+        stream = residual_stream(hidden * torch.tensor(self.embed_scale, dtype=dtype))
         for layer in self.layers:
-            hidden = layer(positions, hidden)
-        return self.norm(hidden)
+            stream = layer(positions, stream, dtype)
+        return self.norm(stream, dtype)
 
 
 class Gemma3ForCausalLM(nn.Module, ModelArchitecture):
