@@ -1,9 +1,9 @@
 """RMSNorm, computed in float32, with the residual add fused in when given.
 
 A 16-bit model keeps its residual stream in float32 (`residual_stream`): rounding the running sum to 8 bits of
-mantissa after every layer was the largest part of bf16's drift from float32 (greedy agreement with float32 on
-the default model rose from 53% to 83% on CPU with the float32 logits beside it; benchmarks/RESULTS.md,
-Quality). Each layer still reads and writes 16-bit activations; only the sum and the norm's input are wider."""
+mantissa after every layer was, with the logits' rounding, the largest part of bf16's drift from float32
+(benchmarks/RESULTS.md, Quality). Each layer still reads and writes 16-bit activations; only the sum and the
+norm's input are wider."""
 from __future__ import annotations
 
 import torch
