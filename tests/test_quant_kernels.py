@@ -137,6 +137,10 @@ def test_linear_on_every_path(qk, fmt, n, k):
             assert np.all(np.abs(got8 - exact) <= derived + bound_exact), (isa, rows)
             got2 = qk.linear(x, fmt, packed, n, k, bias, act="int8x2", isa=isa).numpy()
             assert np.all(np.abs(got2 - exact) <= derived / 254 + 2 * bound_exact), (isa, rows, np.abs(got2 - exact).max())
+            if rows > 1:  # a row alone (batch-1 decode's own kernel on AVX2) equals the same row in a batch
+                for act, batched in (("int8", got8), ("int8x2", got2)):
+                    alone = qk.linear(x[:1], fmt, packed, n, k, bias, act=act, isa=isa).numpy()
+                    assert np.array_equal(alone, batched[:1]), (isa, act, rows)
 
 
 def test_zero_rows_and_zero_activations(qk):
