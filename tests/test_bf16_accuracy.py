@@ -46,3 +46,16 @@ def test_bf16_keeps_a_float32_stream_and_float32_logits(name, bar):
     err_ours, err_theirs = (ours - want).abs().mean().item(), (rows[torch.bfloat16] - want).abs().mean().item()
     print(f"{name}: mean |log p - float32's|: nanoplug bf16 {err_ours:.2e}, transformers bf16 {err_theirs:.2e}")
     assert err_ours < bar * err_theirs, (err_ours, err_theirs)
+
+
+def test_wide_linear_off_cuda_widens_the_weight_a_slice_at_a_time():
+    """The CPU way of `wide_linear`: a weight of rows no multiple of the slice, leading dims kept, float32 out equal
+    to the product of the widened operands."""
+    from nanoplug.api import linear
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(2 * linear.WIDEN_ROWS + 37, 48, generator=gen).bfloat16()
+    x = torch.randn(2, 3, 48, generator=gen).bfloat16()
+    got = linear.wide_linear(x, w)
+    assert got.dtype == torch.float32 and got.shape == (2, 3, w.shape[0])
+    torch.testing.assert_close(got, torch.nn.functional.linear(x.float(), w.float()), rtol=1e-6, atol=1e-6)

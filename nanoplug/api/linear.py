@@ -91,18 +91,28 @@ class LinearMethod(ABC):
 _MM_OUT_DTYPE = [hasattr(torch.ops.aten.mm, "dtype")]  # torch >= 2.8; cleared if this build refuses it
 
 
+WIDEN_ROWS = 1024  # weight rows widened at a time where no mixed-precision product exists (CPU)
+
+
 def wide_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`x @ weight.T` of two 16-bit operands of one dtype, as float32: cuBLAS writes its float32 accumulators
-    (`mm`'s `out_dtype`) on CUDA; elsewhere the operands are widened first (exact: the products are the same)."""
+    (`mm`'s `out_dtype`) on CUDA; elsewhere the operands are widened first (exact: the products are the same),
+    the weight a slice at a time, so that each slice's float32 copy is read from cache (widening a whole LM head
+    at once cost a CPU many times the 16-bit product)."""
+    flat = x.reshape(-1, x.shape[-1])
     if x.is_cuda and _MM_OUT_DTYPE[0]:
-        flat = x.reshape(-1, x.shape[-1])
         try:
             y = torch.ops.aten.mm.dtype(flat, weight.t(), torch.float32)
         except (RuntimeError, NotImplementedError):
             _MM_OUT_DTYPE[0] = False
         else:
             return y.reshape(*x.shape[:-1], weight.shape[0])
-    return F.linear(x.float(), weight.float())
+    flat = flat.float()
+    y = torch.empty(flat.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+    for start in range(0, weight.shape[0], WIDEN_ROWS):
+        part = weight[start:start + WIDEN_ROWS]
+        torch.mm(flat, part.float().t(), out=y[:, start:start + part.shape[0]])
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 class DenseLinearMethod(LinearMethod):
