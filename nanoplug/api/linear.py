@@ -89,8 +89,6 @@ class LinearMethod(ABC):
 
 
 _MM_OUT_DTYPE = [hasattr(torch.ops.aten.mm, "dtype")]  # torch >= 2.8; cleared if this build refuses it
-
-
 WIDEN_ROWS = 1024  # weight rows widened at a time where no mixed-precision product exists (CPU)
 
 

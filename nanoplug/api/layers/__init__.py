@@ -21,8 +21,8 @@ from nanoplug.api.linear import DenseLinearMethod, LinearMethod
 __all__ = [
     "Layers", "LinearBase", "ReplicatedLinear", "ColumnParallelLinear", "MergedColumnParallelLinear",
     "QKVParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelLMHead", "RMSNorm", "rms_norm",
-    "add_rms_norm", "residual_stream", "RotaryEmbedding", "apply_rope", "rope_inv_freq", "SiluAndMul", "silu_and_mul", "FusedOps",
-    "install_fused_ops", "PagedAttention", "StepContext", "FusedMoE", "SparseMoeBlock", "route", "experts_plain",
+    "add_rms_norm", "residual_stream", "RotaryEmbedding", "apply_rope", "rope_inv_freq", "SiluAndMul", "silu_and_mul",
+    "FusedOps", "install_fused_ops", "PagedAttention", "StepContext", "FusedMoE", "SparseMoeBlock", "route", "experts_plain",
     "experts_batched", "experts_stacked", "StackedExperts",
 ]
 
