@@ -10,21 +10,14 @@ transformers' figures are cached in /tmp/bf16_agreement_<device>.pt (they take m
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
 
-TEXT = Path(__file__).resolve().parents[1] / "data" / "apache-2.0.txt"
-NEW_TOKENS = 64
-
-
-def prompts_of(ids: list[int]) -> list[list[int]]:
-    """The gate's 32 prompts of 16-63 tokens cut from the text at different places."""
-    return [ids[i * 61:(i * 61) + 16 + (i * 7) % 48] for i in range(32)]
-
-
-def agreement(got: list[list[int]], want: list[list[int]]) -> float:
-    return sum(a == b for x, y in zip(got, want) for a, b in zip(x, y)) / sum(map(len, want))
+# the gate's own text, prompts and measure, so that the study and the test cannot drift apart
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
+from test_gpu_quality import NEW_TOKENS, TEXT, agreement, prompts_of  # noqa: E402
 
 
 def first_parting(got: list[list[int]], want: list[list[int]]) -> list[int]:
