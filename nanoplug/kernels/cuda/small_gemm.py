@@ -81,8 +81,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear(x, weight, bias), by the kernel where `takes` says so; out_dtype float32: the kernel's float32
     accumulators unrounded (the LM head's logits), `wide_linear` where the kernel does not take it."""
     if not takes(x, weight, bias):
-        if out_dtype == torch.float32 and x.dtype != torch.float32 and bias is None:
-            return wide_linear(x, weight)
+        if out_dtype == torch.float32 and x.dtype != torch.float32:
+            y = wide_linear(x, weight)
+            return y if bias is None else y + bias.float()
         return F.linear(x, weight, bias)
     (rows, k), n = x.shape, weight.shape[0]
     y = torch.empty((rows, n), dtype=out_dtype or x.dtype, device=x.device)
