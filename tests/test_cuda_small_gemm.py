@@ -59,6 +59,28 @@ def test_products_it_does_not_take_go_to_f_linear(gemm):
     assert not gemm.takes(data(1, 32, dtype=torch.float32).t(), data(16, 1, dtype=torch.float32), None)
 
 
+def test_a_verifying_engine_takes_its_verification_rows_whatever_the_weight(gemm):
+    """With drafts to verify (1 + k query rows a sequence, padded as the decode graphs pad them), a small weight's
+    products of up to that many rows are the kernel's (a row's result then equals its one-row result); a big
+    weight's keep the one-row rule, and an engine without drafts is as before."""
+    from torch import nn
+
+    assert [gemm.verify_rows(n) for n in (1, 2, 4, 5, 8, 9)] == [1, 2, 4, 8, 8, 1]
+    small, big = data(64, 32, dtype=torch.float32), data(1 << 17, 32, dtype=torch.float32)
+    for rows in (3, 5, 8):
+        assert gemm.takes(data(rows, 32, dtype=torch.float32), small, None, verify=8)
+        assert not gemm.takes(data(rows, 32, dtype=torch.float32), small, None)
+        assert not gemm.takes(data(rows, 32, dtype=torch.float32), big, None, verify=8)
+    assert not gemm.takes(data(9, 32, dtype=torch.float32), small, None, verify=8)
+    layer = nn.Module()
+    layer.weight = nn.Parameter(data(40, 48, dtype=torch.float32), requires_grad=False)
+    x = data(5, 48, dtype=torch.float32, seed=3)
+    method = gemm.SmallBatchLinearMethod(verify=8)
+    together = method.apply(layer, x, None)
+    assert torch.equal(together, torch.cat([method.apply(layer, x[i:i + 1], None) for i in range(5)]))
+    assert gemm.SmallBatchLinearMethod().verify == 1
+
+
 def test_the_method_keeps_leading_dims(gemm):
     from torch import nn
 

@@ -1,10 +1,15 @@
-"""Dense linear layers on CUDA: `x @ W.T + b` by a Triton kernel when x has one row (batch-1 decode) or two rows
-and a small weight (batch-2 decode), by cuBLAS otherwise.
+"""Dense linear layers on CUDA: `x @ W.T + b` by a Triton kernel when x has one row (batch-1 decode), or two rows
+(batch-2 decode) or as many as a one-sequence verification of speculative drafts brings and a small weight, by
+cuBLAS otherwise.
 
 At one or two rows a linear layer only streams its weight; cuBLAS's kernels for these shapes leave much of
 the GPU's memory bandwidth unused on the small matrices of a decoder layer (benchmarks/RESULTS.md). The
 kernel gives each program a few output rows, reads their weight rows once in wide coalesced chunks along K,
-and accumulates in float32 for every row of x at once.
+and accumulates in float32 for every row of x at once. A row's result does not depend on the rows beside it
+(tests/gpu/test_gpu_row_invariance.py): so where a model's every layer takes it, a verification's rows equal
+one-row decode steps bit for bit, and greedy speculative decoding at batch 1 gives the plain engine's tokens in
+bf16, where cuBLAS's (its kernels chosen by the row count) would not. Past the small weights the kernel at 4-8
+rows costs 1.3-2.5x cuBLAS's time (benchmarks/studies/gpu_row_invariance.py), more than speculation gains.
 On a CPU the kernel runs only under TRITON_INTERPRET=1 (the tests).
 """
 from __future__ import annotations
@@ -63,24 +68,34 @@ def _blocks(k: int) -> tuple[int, int]:
     return (2 if block_k == 4096 and k == block_k else 4), block_k
 
 
-def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether the kernel computes this product (else cuBLAS): one or two rows of a half-precision x, a weight
-    of the same dtype with contiguous rows."""
+MAX_VERIFY_ROWS = 8  # a verification of up to 7 drafts
+
+
+def verify_rows(decode_query_len: int) -> int:
+    """The rows a one-sequence verification step's products have: its 1 + k query rows, padded as its decode graph
+    pads them (to a power of two); 1 without a speculator (or past MAX_VERIFY_ROWS: cuBLAS, not bit-equal)."""
+    rows = triton.next_power_of_2(decode_query_len) if triton is not None else 1
+    return rows if 1 < rows <= MAX_VERIFY_ROWS else 1
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, verify: int = 1) -> bool:
+    """Whether the kernel computes this product (else cuBLAS): one row of a half-precision x, or two (or up to
+    `verify`: a verification's) and a small weight; a weight of the same dtype with contiguous rows."""
     if triton is None or x.dim() != 2 or weight.dim() != 2 or (x.device.type != "cuda" and not interpreting()):
         return False
     rows, n = x.shape[0], weight.shape[0]
     small = rows == 1 or n * weight.shape[1] < MAX_WEIGHT_AT_TWO_ROWS
-    return (0 < rows <= MAX_ROWS and small and x.dtype == weight.dtype
+    return (0 < rows <= max(MAX_ROWS, verify) and small and x.dtype == weight.dtype
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.stride(1) == 1
             and weight.stride(1) == 1 and x.shape[1] == weight.shape[1]
             and (bias is None or (bias.dim() == 1 and bias.is_contiguous() and bias.shape[0] == n)))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, verify: int = 1) -> torch.Tensor:
     """F.linear(x, weight, bias), by the kernel where `takes` says so; out_dtype float32: the kernel's float32
     accumulators unrounded (the LM head's logits), `wide_linear` where the kernel does not take it."""
-    if not takes(x, weight, bias):
+    if not takes(x, weight, bias, verify):
         if out_dtype == torch.float32 and x.dtype != torch.float32:
             y = wide_linear(x, weight)
             return y if bias is None else y + bias.float()
@@ -96,12 +111,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class SmallBatchLinearMethod(DenseLinearMethod):
-    """Dense weights as the default method holds them; one- and two-row products by the kernel above."""
+    """Dense weights as the default method holds them; one- and two-row products by the kernel above, and small
+    weights' products of up to `verify` rows (`verify_rows`: an engine that verifies drafts) too. The LM head's
+    float32 logits keep the one- and two-row rule: unrounded, a row's logits differ from its one-row ones by
+    float32 noise, far below a bf16 step, and the kernel at 8 rows of a vocabulary costs 2-4x cuBLAS's time."""
+
+    def __init__(self, verify: int = 1):
+        self.verify = verify
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dim() == 2:
-            return linear(x, layer.weight, bias)
-        return linear(x.reshape(-1, x.shape[-1]), layer.weight, bias).reshape(*x.shape[:-1], -1)
+            return linear(x, layer.weight, bias, verify=self.verify)
+        return linear(x.reshape(-1, x.shape[-1]), layer.weight, bias, verify=self.verify).reshape(*x.shape[:-1], -1)
 
     def apply_float32(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 or layer.weight.dtype != x.dtype:

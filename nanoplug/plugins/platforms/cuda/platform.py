@@ -117,7 +117,10 @@ class CudaPlatform(Platform):
         return not self.enforce_eager and self.compile_fused_ops and kernels.triton is not None
 
     def linear_method(self):
-        return small_gemm.SmallBatchLinearMethod() if self._uses(small_gemm) else super().linear_method()
+        if not self._uses(small_gemm):
+            return super().linear_method()
+        # a verification's rows through the one-row kernel: greedy drafts give the plain engine's tokens in bf16
+        return small_gemm.SmallBatchLinearMethod(small_gemm.verify_rows(self.target.decode_query_len))
 
     def temperature_sampler(self):
         """Temperature-only batches (the usual chat and bench request) drawn in one pass over the logits."""
