@@ -183,6 +183,23 @@ def test_paged_decode_refuses_what_it_does_not_serve(kernels):
     assert torch.equal(out, torch.zeros(1, 4, 64))  # an empty context gives zeros, not garbage
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kv_store_equals_the_index_copies(kernels, dtype):
+    """K and V as views of a fused qkv row (strided rows), into caches of their dtype; a negative slot is skipped."""
+    caches = [torch.zeros(6, 16, 3, 64, dtype=dtype) for _ in range(4)]
+    qkv = torch.randn(5, 9 * 64, generator=gen(3)).to(dtype)
+    k, v = qkv[:, 192:384].view(5, 3, 64), qkv[:, 384:].view(5, 3, 64)
+    slots = torch.tensor([3, 17, 95, 40, 0])
+    kernels.kv_store(k, v, caches[0], caches[1], slots)
+    caches[2].view(-1, 3, 64).index_copy_(0, slots, k)
+    caches[3].view(-1, 3, 64).index_copy_(0, slots, v)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    kernels.kv_store(k + 1, v + 1, caches[0], caches[1], torch.tensor([-1, 17, -1, -1, -1]))
+    assert torch.equal(caches[0].view(-1, 3, 64)[17], k[1] + 1) and torch.equal(caches[0].view(-1, 3, 64)[3], k[0])
+    with pytest.raises(ValueError, match="does not convert"):
+        kernels.kv_store(k.float(), v.float(), caches[0].half(), caches[1].half(), slots)
+
+
 # ----------------------------------------------------------------------------------------- engines
 ENGINE = dict(kv_block_size=16, kv_cache="torch", num_kv_blocks=96, max_model_len=256)
 HEAD64 = ("Qwen3ForCausalLM", dict(head_dim=64, num_attention_heads=6, num_key_value_heads=2, seed=5))
@@ -216,6 +233,31 @@ def test_the_fused_ops_are_in_the_model_only_when_asked(kernels, served_checkpoi
     assert norms and all(m.fused == kernels.rms_norm for m in norms)
     plain = LLM(served_checkpoint, **ENGINE, attention="sdpa", cpu={"kernels": False})
     assert all(m.fused is None for m in plain.engine.worker.model.modules() if type(m).__name__ == "RMSNorm")
+
+
+def test_the_cpu_kv_store_gives_the_plain_stores_tokens_and_logits(kernels, served_checkpoint):
+    """The same engine with `kv_cache="cpu"` and `"torch"`: bit-equal logits (the store copies), decode steps replayed
+    from recordings (the store's calls are recorded like the other kernels'), and "auto" picks it here."""
+    options = {**ENGINE, "attention": "cpu"}
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, output_logits=True)
+    prompts = PROMPTS * 2 + [PROMPTS[2] + " And then"]
+    plain = LLM(served_checkpoint, **options)
+    fast = LLM(served_checkpoint, **{**options, "kv_cache": "cpu"})
+    for a, b in zip(plain.generate(prompts, params, use_tqdm=False), fast.generate(prompts, params, use_tqdm=False)):
+        assert a.token_ids == b.token_ids
+        assert all(torch.equal(la, lb) for la, lb in zip(a.logits, b.logits, strict=True))
+    assert fast.engine.worker.report().stats.graph_replays > 0
+    auto = LLM(served_checkpoint, **{**options, "kv_cache": "auto"})
+    assert auto.choices["kv_cache"].name == "cpu"
+
+
+def test_the_cpu_kv_store_says_why_it_cannot_serve(kernels):
+    from nanoplug.plugins.kv_cache.cpu import CpuStore
+
+    assert CpuStore.unavailable(target()) == [] and CpuStore.unavailable(target(torch.bfloat16)) == []
+    assert any("runs on the CPU" in r for r in CpuStore.unavailable(target(device="cuda")))
+    fp16_cache = Target(device=torch.device("cpu"), dtype=torch.float32, model=facts(), kv_cache_dtype=torch.float16)
+    assert any("float16 cache" in r for r in CpuStore.unavailable(fp16_cache))
 
 
 def facts(head_dim=64, heads=9, kv_heads=3) -> ModelFacts:

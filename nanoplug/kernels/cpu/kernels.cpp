@@ -311,7 +311,7 @@ void gemm_rows(int64_t rows, const float* x, int64_t x_stride, const float* w, f
 extern "C" {
 
 // The ABI version ops.py checks, so a stale cached build is never called with new arguments.
-int np_abi_version() { return 3; }
+int np_abi_version() { return 4; }
 
 // rows of `dim` floats; row r starts at x + (r / heads) * outer_stride + (r % heads) * dim; out is dense
 void np_rms_norm(const float* x, int64_t heads, int64_t outer_stride, const float* w, float* out,
@@ -453,6 +453,18 @@ int np_paged_decode_f16(const float* q, int64_t q_stride, const uint16_t* k_cach
                         int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale) {
   return paged_decode(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, B, H, Hkv, D,
                       block_size, scale);
+}
+
+// The KV store of n new tokens: row i of k and v (row_bytes each, rows at k_stride / v_stride bytes) copied to
+// row slots[i] of the dense caches (rows of row_bytes); a negative slot is skipped. One call for K and V.
+void np_kv_store(const uint8_t* k, int64_t k_stride, const uint8_t* v, int64_t v_stride, uint8_t* k_cache,
+                 uint8_t* v_cache, const int64_t* slots, int64_t n, int64_t row_bytes) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t slot = slots[i];
+    if (slot < 0) continue;
+    std::memcpy(k_cache + slot * row_bytes, k + i * k_stride, row_bytes);
+    std::memcpy(v_cache + slot * row_bytes, v + i * v_stride, row_bytes);
+  }
 }
 
 }  // extern "C"

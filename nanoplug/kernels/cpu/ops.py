@@ -10,7 +10,7 @@ import torch
 from nanoplug.kernels.cpu.record import RecordingLib
 from nanoplug.kernels.cpu.build import KernelsUnavailable
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "np_rms_norm": (None, [_P, _I, _I, _P, _P, _I, _I, _F]),
@@ -23,6 +23,7 @@ _SIGNATURES = {
     "np_linear": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _I, _I]),
     "np_paged_decode": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F]),
     "np_paged_decode_f16": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F]),
+    "np_kv_store": (None, [_P, _I, _P, _I, _P, _P, _P, _I, _I]),
 }
 DECODE_HEAD_DIMS = (64, 128, 256)
 MAX_DECODE_GROUP = 16  # query heads per KV head
@@ -125,6 +126,23 @@ class CpuKernels:
         out = torch.empty(x.shape[0], dtype=torch.int64)
         self._lib.np_argmax_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
         return out
+
+    def kv_store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+        """K and V [N, Hkv, D] of N new tokens into dense caches [blocks, block_size, Hkv, D] of their dtype, row i
+        at flat slot slots[i] (int64): the two `index_copy_`s of the plain store in one call."""
+        if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype or k.dtype != v.dtype:
+            raise ValueError(f"the CPU KV store copies, it does not convert: {k.dtype} into a {k_cache.dtype} cache")
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("the CPU KV store writes dense caches [blocks, block_size, kv_heads, head_dim]")
+        if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:]:
+            raise ValueError(f"K and V {tuple(k.shape)} / {tuple(v.shape)} do not fit cache rows {tuple(k_cache.shape[2:])}")
+        k, v = _with_dense_heads(k), _with_dense_heads(v)
+        if slots.dtype != torch.int64:
+            slots = slots.long()
+        slots, size = _dense(slots), k.element_size()
+        self._lib.np_kv_store(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size, k_cache.data_ptr(),
+                              v_cache.data_ptr(), slots.data_ptr(), k.shape[0], k.shape[1] * k.shape[2] * size)
 
     def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
