@@ -22,7 +22,7 @@ from nanoplug.kernels.cuda import small_gemm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _cuda_timing import graph_us  # noqa: E402  (calls captured in one CUDA graph, the median replay)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_row_invariance import SHAPES  # noqa: E402
+from gpu_row_invariance import SHAPES, kernel  # noqa: E402
 
 triton, tl = small_gemm.triton, small_gemm.tl
 L2_DEFEAT_BYTES = 512 << 20
@@ -95,11 +95,7 @@ def main() -> None:
                         fn = lambda: torch.mm(x, ws[next(turn)].t(), out=y)  # noqa: E731
                         same = True
                     elif label == "current":
-                        fn = lambda: small_gemm._small_gemm_kernel[(triton.cdiv(n, small_gemm._blocks(k)[0]),)](  # noqa: E731
-                            x, ws[next(turn)], ws[0], y, rows, n, k, x.stride(0), ws[0].stride(0), y.stride(0),
-                            M_PAD=triton.next_power_of_2(rows), BLOCK_N=small_gemm._blocks(k)[0],
-                            BLOCK_K=small_gemm._blocks(k)[1], EVEN_K=k % small_gemm._blocks(k)[1] == 0,
-                            HAS_BIAS=False, num_warps=4, num_stages=2)
+                        fn = lambda: kernel(x, ws[next(turn)])  # noqa: E731
                         same = True
                     else:
                         try:
