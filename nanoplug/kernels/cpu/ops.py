@@ -136,7 +136,8 @@ class CpuKernels:
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("the CPU KV store writes dense caches [blocks, block_size, kv_heads, head_dim]")
         if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:]:
-            raise ValueError(f"K and V {tuple(k.shape)} / {tuple(v.shape)} do not fit cache rows {tuple(k_cache.shape[2:])}")
+            raise ValueError(f"K and V {tuple(k.shape)} / {tuple(v.shape)} do not fit cache rows "
+                             f"{tuple(k_cache.shape[2:])}")
         k, v = _with_dense_heads(k), _with_dense_heads(v)
         if slots.dtype != torch.int64:
             slots = slots.long()
