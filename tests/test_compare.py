@@ -62,6 +62,7 @@ def test_scenario_really_hits_the_cache():
     ("attention", "sdpa", {}),
     ("kv_cache", "triton", {"attention": "manual"}),
     ("kv_cache", "triton", {"attention": "sdpa"}),
+    ("kv_cache", "cpu", {"attention": "manual"}),
 ])
 def test_backend_matches_reference(tiny_qwen3, manual_outcome, kind, name, options):
     outcome = compare.run_backend(tiny_qwen3, name, kind, device="cpu", dtype="float32", block_size=16, **options)
