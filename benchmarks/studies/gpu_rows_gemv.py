@@ -22,10 +22,9 @@ from nanoplug.kernels.cuda import small_gemm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _cuda_timing import graph_us  # noqa: E402  (calls captured in one CUDA graph, the median replay)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_row_invariance import SHAPES, kernel  # noqa: E402
+from gpu_row_invariance import L2_DEFEAT_BYTES, SHAPES, kernel  # noqa: E402
 
 triton, tl = small_gemm.triton, small_gemm.tl
-L2_DEFEAT_BYTES = 512 << 20
 ROWS = (1, 2, 4, 8)
 
 
