@@ -11,11 +11,14 @@ import pytest
 
 
 @contextlib.contextmanager
-def interpreted(module: ModuleType) -> Iterator[ModuleType]:
-    """`module` reloaded under the interpreter (it must have imported triton), for the length of the block."""
+def interpreted(*modules: ModuleType) -> Iterator[ModuleType]:
+    """`modules` reloaded under the interpreter, in order (a module after those whose kernels its kernels call),
+    for the length of the block; the last is given. Each must have imported triton."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "1")
-        module = importlib.reload(module)
-        assert module.triton is not None, f"triton does not import: {module.TRITON_ERROR}"
-        yield module
-    importlib.reload(module)
+        loaded = [importlib.reload(module) for module in modules]
+        for module in loaded:
+            assert module.triton is not None, f"triton does not import: {module.TRITON_ERROR}"
+        yield loaded[-1]
+    for module in modules:
+        importlib.reload(module)

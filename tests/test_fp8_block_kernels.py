@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoplug.kernels.quant import fp8, triton_fp8
+from nanoplug.kernels.quant import fp8, split_k, triton_fp8
 from tests._triton_interpreter import interpreted
 
 FP8 = torch.float8_e4m3fn
@@ -52,7 +52,7 @@ def representable(m: int, k: int, group: int, seed: int) -> torch.Tensor:
 def test_group_quant_equals_the_reference():
     x = representable(3, 256, 128, seed=1)
     x[1, :128] = 0.0  # a group of zeros
-    with interpreted(triton_fp8) as kern:
+    with interpreted(split_k, triton_fp8) as kern:
         q, s = kern.group_quant(x, 128)
     q_ref, s_ref = group_quant_reference(x, 128)
     assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
@@ -64,7 +64,7 @@ def test_kernels_equal_dequantize_then_matmul(m, split):
     w, scale = weights(n, k, block)
     w_deq = fp8.dequantize_blocks(w, scale, block, torch.float64)
     x = representable(m, k, block[1], seed=m)
-    with interpreted(triton_fp8) as kern:
+    with interpreted(split_k, triton_fp8) as kern:
         out = kern.fp8_block_matmul(x, w, scale, block, split_k=split)
     assert out.dtype == x.dtype and out.shape == (m, n)
     xq, xs = group_quant_reference(x, block[1])
@@ -94,7 +94,7 @@ def test_linear_method_takes_the_kernel_for_fp8_blocks():
     assert layer.kernel is None  # no fp8 GEMM on a CPU: dequantized
     x = representable(2, k, block[1], seed=3)
     plain = method.apply(layer, x, None)
-    with interpreted(triton_fp8):
+    with interpreted(split_k, triton_fp8):
         layer.kernel = quant_kernels.fp8_block_triton
         fast = method.apply(layer, x, None)
     torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)

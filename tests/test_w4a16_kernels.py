@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoplug.kernels.quant import int4, triton_w4a16
+from nanoplug.kernels.quant import int4, split_k, triton_w4a16
 from tests._triton_interpreter import interpreted
 
 
@@ -44,7 +44,7 @@ def test_kernels_equal_dequantize_then_matmul(asym, dtype):
     n, k, group = 40, 256, 128  # n not a multiple of a block
     _, packed, scales, zeros = _weights(n, k, group, asym)
     scales = scales.to(dtype)
-    with interpreted(triton_w4a16) as kern:
+    with interpreted(split_k, triton_w4a16) as kern:
         for m, split in ((1, None), (3, 2), (1, 1), (20, None)):  # GEMV (split-K, whole), then the GEMM
             # the GEMV multiplies float32 weights, the GEMM weights rounded to x's dtype
             w = int4.dequantize_int4(packed, scales, zeros, torch.float32 if m <= kern.GEMV_ROWS else dtype)
@@ -58,6 +58,23 @@ def test_kernels_equal_dequantize_then_matmul(asym, dtype):
             assert ((out.double() - ref).abs() <= bound).all(), (m, (out.double() - ref).abs().max())
 
 
+def test_split_gemv_leaves_its_buffers_at_zero():
+    """The split GEMV sums into shared float32 partials and counts that the last program of each tile sets back to
+    zero (what a CUDA graph's replays rely on): a second call gives the same result, each row its own alone's, and
+    the buffers read zero after every call."""
+    n, k, group = 24, 512, 128
+    _, packed, scales, zeros = _weights(n, k, group, True, seed=7)
+    with interpreted(split_k, triton_w4a16) as kern:
+        x = torch.randn(4, k, generator=torch.Generator().manual_seed(8))
+        alone = torch.cat([kern.w4a16_matmul(x[i:i + 1], packed, scales, zeros, split_k=4) for i in range(4)])
+        for m in (1, 2, 3, 4):
+            first = kern.w4a16_matmul(x[:m], packed, scales, zeros, split_k=4)
+            part, count = split_k._BUFFERS[x.device]
+            assert not part.any() and not count.any()
+            assert torch.equal(kern.w4a16_matmul(x[:m], packed, scales, zeros, split_k=4), first)
+            assert torch.allclose(first, alone[:m], rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("asym", [False, True])
 def test_dequantize_kernel_and_the_big_batch_path(asym, monkeypatch):
     """The one-pass dequantization equals dequantize_int4 exactly; past DEQUANT_ROWS rows the product is cuBLAS's
@@ -65,7 +82,7 @@ def test_dequantize_kernel_and_the_big_batch_path(asym, monkeypatch):
     n, k, group = 40, 256, 64
     _, packed, scales, zeros = _weights(n, k, group, asym, seed=5)
     scales = scales.to(torch.float16)
-    with interpreted(triton_w4a16) as kern:
+    with interpreted(split_k, triton_w4a16) as kern:
         w = kern.dequantize(packed, scales, zeros, torch.float16)
         assert torch.equal(w, int4.dequantize_int4(packed, scales, zeros, torch.float16))
         monkeypatch.setattr(kern, "DEQUANT_ROWS", 6)
@@ -96,7 +113,7 @@ def test_linear_method_triton_path_with_activation_order():
     x = torch.randn(2, k)
     layer.kernel = None  # the dequantized path (the CPU's own kernel is tested in test_int_weight_kernels.py)
     dense = method.apply(layer, x, None)
-    with interpreted(triton_w4a16):
+    with interpreted(split_k, triton_w4a16):
         layer.kernel = quant_kernels.int4_triton
         fast = method.apply(layer, x, None)
     assert torch.allclose(fast, dense, atol=1e-4, rtol=1e-5)

@@ -24,7 +24,7 @@ def test_bf16_kernels_equal_dequantize_then_matmul(n, k, asym):
     scales = (torch.rand(n, k // group, generator=g, device=dev) * 0.01).to(torch.bfloat16)
     zeros = torch.randint(0, 16, (n, k // group), generator=g, device=dev, dtype=torch.uint8) if asym else None
     packed = int4.pack_int4(q)
-    for m in (1, 4, 16, 40, 300):  # GEMV, the small GEMM, the GEMM, dequantize + cuBLAS
+    for m in (1, 2, 4, 16, 40, 300):  # GEMV, the small GEMM, the GEMM, dequantize + cuBLAS
         # the GEMV multiplies float32 weights, the GEMMs weights rounded to bfloat16
         w = int4.dequantize_int4(packed, scales, zeros, torch.float32 if m <= 4 else torch.bfloat16)
         x = torch.randn(m, k, generator=g, device=dev).to(torch.bfloat16)
@@ -33,3 +33,31 @@ def test_bf16_kernels_equal_dequantize_then_matmul(n, k, asym):
         bound = k * 2 ** -24 * (x.double().abs() @ w.double().abs().t()) + ref.abs() * 2 ** -8 + 1e-6
         assert ((out - ref).abs() <= bound).all(), (m, (out - ref).abs().max())
 
+
+
+@pytest.mark.parametrize("split", [1, 4, None])
+def test_gemv_in_a_graph_replays_like_eager(split):
+    """The split GEMV's partials and counts are set back to zero by each call: replays of a graph of GEMVs over
+    several layers (sharing those buffers) give the eager results every time."""
+    dev, group = torch.device("cuda"), 128
+    g = torch.Generator(device=dev).manual_seed(1)
+    layers = []
+    for n, k in ((6144, 4096), (4096, 12288), (1000, 4096)):
+        q = torch.randint(0, 16, (n, k), generator=g, device=dev, dtype=torch.uint8)
+        scales = (torch.rand(n, k // group, generator=g, device=dev) * 0.01).to(torch.bfloat16)
+        layers.append((int4.pack_int4(q), scales))
+    xs = [torch.randn(2, packed.shape[1] * 8, generator=g, device=dev).to(torch.bfloat16) for packed, _ in layers]
+
+    def run():
+        return [w4a16_matmul(x, packed, scales, None, split_k=split) for x, (packed, scales) in zip(xs, layers)]
+    eager = run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = run()
+    for _ in range(3):
+        for o in outs:
+            o.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        for o, e in zip(outs, eager):
+            assert torch.allclose(o.float(), e.float(), rtol=2 ** -7, atol=1e-3)

@@ -5,7 +5,8 @@ max(amax, 1e-10) / 448, as vLLM's `per_token_group_quant_fp8`), then
 - a GEMM on fp8 tensor cores (the pattern of vLLM's `w8a8_block_fp8_matmul`): per K block one fp8 tl.dot,
   scaled by the row's activation scale and the weight block's scale, float32 accumulation;
 - a GEMV for a few rows (decode) that quantizes its slice of activations itself (no extra launch) and reads
-  the weights once at fp8's byte per weight, K split over programs when N alone cannot fill the GPU.
+  the weights once at fp8's byte per weight, K split over programs in the same launch (split_k.py) when N alone
+  cannot fill the GPU.
 
 Both compute sum_k xq[m, k] * sx[m, g(k)] * wq[n, k] * sw[n // bn, g(k)]: dequantize-then-matmul with the
 activations rounded to e4m3 (tests/test_fp8_block_kernels.py under TRITON_INTERPRET=1, tests/gpu/ on the GPU).
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from nanoplug.api import import_triton
+from nanoplug.kernels.quant import split_k as splits
 
 triton, tl, TRITON_ERROR = import_triton()  # where it fails, the linear method says why (TRITON_ERROR)
 FP8_MAX = 448.0
@@ -62,8 +64,8 @@ if triton is not None:
                  mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
-    def _block_gemv(x_ptr, w_ptr, ws_ptr, out_ptr, N, K, bn, sxm, swn, som, K_PER_SPLIT,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr):
+    def _block_gemv(x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, N, K, bn, sxm, swn, som, K_PER_SPLIT,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
         # BLOCK_K is the scales' block along K and the activations' group; BLOCK_N divides bn
         row, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -81,10 +83,7 @@ if triton is not None:
             w = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             w_s = tl.load(ws_ptr + w_scale_row * swn + k0 // BLOCK_K)
             acc += tl.sum(w.to(tl.float32) * xq[None, :], axis=1) * (x_scale * w_s)
-        if ATOMIC:
-            tl.atomic_add(out_ptr + row * som + rn, acc, mask=n_ok)
-        else:
-            tl.store(out_ptr + row * som + rn, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+        splits.finish(acc, out_ptr, part_ptr, count_ptr, row, rn, n_ok, N, som, SPLIT)  # (K split in one launch)
 
 
 def group_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,13 +128,12 @@ def fp8_block_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             split_k = 1
             while m * triton.cdiv(n, block_n) * split_k < GEMV_PROGRAMS and groups % (split_k * 2) == 0:
                 split_k *= 2
-        atomic = split_k > 1
-        out = (torch.zeros if atomic else torch.empty)(m, n, device=x.device,
-                                                       dtype=torch.float32 if atomic else x.dtype)
-        _block_gemv[(m, triton.cdiv(n, block_n), split_k)](
-            x2, weight, scale, out, n, k, bn, x2.stride(0), scale.stride(0), out.stride(0),
-            triton.cdiv(groups, split_k) * bk, BLOCK_N=block_n, BLOCK_K=bk, ATOMIC=atomic)
-        out = out.to(x.dtype)
+        tiles = triton.cdiv(n, block_n)
+        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+        part, count = splits.buffers(x.device, GEMV_ROWS * n, GEMV_ROWS * tiles) if split_k > 1 else (out, out)
+        _block_gemv[(m, tiles, split_k)](
+            x2, weight, scale, out, part, count, n, k, bn, x2.stride(0), scale.stride(0), out.stride(0),
+            triton.cdiv(groups, split_k) * bk, BLOCK_N=block_n, BLOCK_K=bk, SPLIT=split_k)
     else:
         xq, xs = group_quant(x2, bk)
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)

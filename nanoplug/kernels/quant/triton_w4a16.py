@@ -2,10 +2,10 @@
 [N, K/8], scales and zeros [N, K/group]), dequantized per group in registers, float32 accumulation.
 
 Two kernels: a GEMM on tensor cores (tl.dot) for prefill batches, with the weights rounded to x's dtype as
-`dequantize_int4(..., x.dtype)` does, and a GEMV for a few rows (decode), which multiplies the float32 weights
-(`dequantize_int4(..., float32)`: rounding each to bfloat16 costs two conversions a weight at a quarter of the
-FMA rate, which the H200 sweep of RESULTS.md's kernel table suggests bounded the GEMV at ~0.9 TB/s) and splits K
-over programs (float32 atomics) so a batch-1 step keeps the GPU's memory busy. From DEQUANT_ROWS rows on (long
+`dequantize_int4(..., x.dtype)` does, and a GEMV for a few rows (decode), which multiplies float32 values
+(q - zero) by x and each group's sums by its scale (`dequantize_int4(..., float32)` within float32 rounding; no
+bfloat16 round trip a weight, one multiplication by the scale a group and row instead of a weight) and splits K
+over programs in one launch (split_k.py) so a batch-1 step keeps the GPU's memory busy. From DEQUANT_ROWS rows on (long
 prefills) the weight is dequantized into a scratch in one pass and cuBLAS multiplies it: 2.5 bytes a weight more
 of traffic, spread over that many rows, against a GEMM at the tensor cores' full rate. Each equals that
 dequantization then a matmul within float32 rounding (tests/test_w4a16_kernels.py under TRITON_INTERPRET=1,
@@ -16,10 +16,12 @@ from __future__ import annotations
 import torch
 
 from nanoplug.api import import_triton
+from nanoplug.kernels.quant import split_k as splits
 
 triton, tl, TRITON_ERROR = import_triton()  # where it fails, the plugin says why (TRITON_ERROR)
 GEMV_ROWS = 4  # up to this many rows take the GEMV
-GEMV_BLOCK_N, GEMV_PROGRAMS = 32, 512  # the GEMV's rows per program; K is split until about this many programs run
+GEMV_BLOCK_N, GEMV_PROGRAMS, GEMV_SPLIT = 64, 4096, 8  # the GEMV's rows per program; K split until about this
+# many programs run, in at most GEMV_SPLIT parts (benchmarks/studies/gpu_quant_gemv.py)
 GEMM_CONFIG = (64, 128, 4, 4)  # the GEMM's BLOCK_M, BLOCK_N, warps and pipeline stages past 16 rows
 DEQUANT_ROWS = 256  # from this many rows on, the weight is dequantized into a scratch and multiplied by cuBLAS
 
@@ -63,9 +65,12 @@ if triton is not None:
                  mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
-    def _w4a16_gemv(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, sxm, sqn, ssn, szn, som,
-                    K_PER_SPLIT, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # 2-D tiles of whole words [BLOCK_N, BLOCK_K / 8], each word's eight values taken by shifting in turn
+    def _w4a16_gemv(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, N, K, group_size, sxm, sqn, ssn, szn,
+                    som, K_PER_SPLIT, SPLIT: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+        # 2-D tiles of whole words [BLOCK_N, BLOCK_K / 8] (one group a step), each word's eight values taken by
+        # shifting in turn and multiplied by x as (q - zero); the step's sums are scaled once, not each weight.
+        # K split over SPLIT programs in the same launch (split_k.py).
         row, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rw = tl.arange(0, BLOCK_K // 8)
@@ -81,12 +86,13 @@ if triton is not None:
             else:
                 z = tl.full((BLOCK_N,), 8.0, tl.float32)
             zm = z + 8388608.0  # 2^23: a 4-bit value OR-ed into 2^23's bits is 2^23 + q, no int-to-float convert
+            step = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
             for j in tl.static_range(8):
                 x = tl.load(x_ptr + row * sxm + k0 + rw * 8 + j).to(tl.float32)
                 qm = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-                w = (qm - zm[:, None]) * s[:, None]  # float32 weights: no conversion per weight (quarter-rate)
-                acc += w * x[None, :]
-        tl.atomic_add(out_ptr + row * som + rn, tl.sum(acc, axis=1), mask=n_ok)
+                step += (qm - zm[:, None]) * x[None, :]
+            acc += step * s[:, None]
+        splits.finish(tl.sum(acc, axis=1), out_ptr, part_ptr, count_ptr, row, rn, n_ok, N, som, SPLIT)
 
     @triton.jit
     def _w4a16_dequant(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, sqn, ssn, szn, son,
@@ -136,15 +142,17 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     szn = zeros.stride(0) if zeros is not None else 0
     if m <= GEMV_ROWS:
         block_n = block_n or GEMV_BLOCK_N
-        if split_k is None:  # enough programs to fill the GPU; each a whole number of K steps
-            split_k = max(1, min(k // bk, GEMV_PROGRAMS // max(1, m * triton.cdiv(n, block_n))))
-            while (k // bk) % split_k:
+        tiles, steps = triton.cdiv(n, block_n), k // bk
+        if split_k is None:  # enough programs to keep the memory busy, at most GEMV_SPLIT each tile
+            split_k = max(1, min(GEMV_SPLIT, steps, GEMV_PROGRAMS // (m * tiles)))
+            while steps % split_k:
                 split_k -= 1
-        out = torch.zeros(m, n, device=x.device, dtype=torch.float32)
-        _w4a16_gemv[(m, triton.cdiv(n, block_n), split_k)](
-            x2, qweight, scales, zero_arg, out, n, k, group_size, x2.stride(0), qweight.stride(0), scales.stride(0),
-            szn, out.stride(0), k // split_k, HAS_ZERO=zeros is not None, BLOCK_N=block_n, BLOCK_K=bk)
-        out = out.to(x.dtype)
+        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+        part, count = splits.buffers(x.device, GEMV_ROWS * n, GEMV_ROWS * tiles) if split_k > 1 else (out, out)
+        _w4a16_gemv[(m, tiles, split_k)](
+            x2, qweight, scales, zero_arg, out, part, count, n, k, group_size, x2.stride(0), qweight.stride(0),
+            scales.stride(0), szn, out.stride(0), k // split_k, SPLIT=split_k, HAS_ZERO=zeros is not None,
+            BLOCK_N=block_n, BLOCK_K=bk)
     elif m >= DEQUANT_ROWS and x.dtype != torch.float32:  # a big batch: cuBLAS at full rate on the weight in bf16
         out = torch.nn.functional.linear(x2, dequantize(qweight, scales, zeros, x.dtype))
     else:
