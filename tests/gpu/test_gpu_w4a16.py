@@ -34,7 +34,6 @@ def test_bf16_kernels_equal_dequantize_then_matmul(n, k, asym):
         assert ((out - ref).abs() <= bound).all(), (m, (out - ref).abs().max())
 
 
-
 @pytest.mark.parametrize("split", [1, 4, None])
 def test_gemv_in_a_graph_replays_like_eager(split):
     """The split GEMV's partials and counts are set back to zero by each call: replays of a graph of GEMVs over

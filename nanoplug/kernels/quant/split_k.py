@@ -1,8 +1,8 @@
 """Split-K decode GEMVs in one launch: K split over programs whose float32 sums meet in shared partials, the last
 program of each output tile (a per-tile count) writing the output and setting the partials and the count back to
-zero. No zeroing launch before and no conversion launch after (a split GEMV was three launches, which at batch 1
-cost about as much as the product of a small layer); the buffers are zero between calls, so one pair per device
-serves every layer and every CUDA graph (one step runs at a time)."""
+zero: no zeroing launch before and no conversion launch after (a split GEMV was three launches). The buffers are
+zero between calls, so one pair per device serves every layer, both kernels and every CUDA graph: the engines
+queue all their work on the device's one stream, so no two GEMVs overlap."""
 from __future__ import annotations
 
 import torch
