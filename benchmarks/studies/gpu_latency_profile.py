@@ -2,6 +2,7 @@
 time; then a torch profile of one fresh 512-token request (top CPU ops and CUDA kernels).
 
 usage: python benchmarks/studies/gpu_latency_profile.py [--attention flash] [--kv-cache triton] [--trace FILE]
+           [--model DIR]  (default: the bench's random Qwen3-0.6B shape)
 """
 from __future__ import annotations
 
@@ -34,8 +35,9 @@ def main() -> None:
     parser.add_argument("--attention", default="flash")
     parser.add_argument("--kv-cache", default="triton")
     parser.add_argument("--trace", default=None, help="write a Chrome trace of the profiled request here")
+    parser.add_argument("--model", default=None, help="a checkpoint folder (default: the bench's)")
     args = parser.parse_args()
-    llm, startup = open_engine(attention=args.attention, kv_cache=args.kv_cache)
+    llm, startup = open_engine(args.model, attention=args.attention, kv_cache=args.kv_cache)
     core = llm.engine
     fresh = FreshPrompts(core.facts.vocab_size)
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=16)

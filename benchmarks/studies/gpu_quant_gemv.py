@@ -26,7 +26,8 @@ from _cuda_timing import graph_us  # noqa: E402  (calls captured in one CUDA gra
 from studies.gpu_row_invariance import L2_DEFEAT_BYTES  # noqa: E402
 
 LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
-SWEEP = [(bn, split) for bn in (16, 32, 64) for split in (None, 1, 2, 4, 8)]
+SWEEP = {"int4": [(bn, split, warps) for bn in (32, 64) for split in (None, 2, 4, 8) for warps in (2, 4, 8)],
+         "fp8": [(bn, split, warps) for bn in (16, 32, 64) for split in (None, 2, 4, 8) for warps in (1, 2, 4)]}
 BLOCK = (128, 128)
 
 
@@ -107,10 +108,11 @@ def reference(kind: str, x: torch.Tensor, w: tuple) -> torch.Tensor:
 
 
 def call(kind: str, module, x: torch.Tensor, w: tuple, setting: tuple) -> torch.Tensor:
-    bn, split = setting
+    bn, split, warps = setting
+    more = {"warps": warps} if warps else {}  # (an older tree's GEMVs take no warps)
     if kind == "int4":
-        return module.w4a16_matmul(x, w[0], w[1], None, split, bn)
-    return module.fp8_block_matmul(x, w[0], w[1], BLOCK, split, bn)
+        return module.w4a16_matmul(x, w[0], w[1], None, split, bn, **more)
+    return module.fp8_block_matmul(x, w[0], w[1], BLOCK, split, bn, **more)
 
 
 def main() -> None:
@@ -118,7 +120,7 @@ def main() -> None:
     parser.add_argument("--kinds", default="int4,fp8")
     parser.add_argument("--rows", default="1,4")
     parser.add_argument("--old", default="", help="another tree whose GEMVs run beside these")
-    parser.add_argument("--sweep", action="store_true", help="each setting of SWEEP (rows per program, K split) too")
+    parser.add_argument("--sweep", action="store_true", help="each setting of SWEEP (rows per program, K split, warps) too")
     args = parser.parse_args()
     old = old_modules(args.old) if args.old else {}
     dev = torch.device("cuda")
@@ -165,8 +167,8 @@ def main() -> None:
             for rows, x in xs.items():
                 ref = reference(kind, x, ws[0])
                 runs = {}
-                for setting in [(None, None)] + (SWEEP if args.sweep else []):
-                    tag = "this" if setting[0] is None else "this n{} s{}".format(*setting)
+                for setting in [(None, None, None)] + (SWEEP[kind] if args.sweep else []):
+                    tag = "this" if setting[0] is None else "this n{} s{} w{}".format(*setting)
                     try:
                         err = ((call(kind, mine, x, ws[0], setting).float() - ref).abs().max() / ref.abs().max()).item()
                         turn = itertools.cycle(range(copies))
@@ -178,7 +180,7 @@ def main() -> None:
                         print(f"  {kind} {name} rows {rows} {tag}: WRONG (relative error {err:.2e})")
                 if kind in old:
                     turn = itertools.cycle(range(copies))
-                    runs["old"] = graph_us(lambda: call(kind, old[kind], x, ws[next(turn)], (None, None)),
+                    runs["old"] = graph_us(lambda: call(kind, old[kind], x, ws[next(turn)], (None, None, None)),
                                            calls=copies)
                 if not any(tag.startswith("this") for tag in runs):
                     continue

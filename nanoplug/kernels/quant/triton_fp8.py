@@ -22,7 +22,9 @@ triton, tl, TRITON_ERROR = import_triton()  # where it fails, the linear method 
 FP8_MAX = 448.0
 EPS = 1e-10  # vLLM's: a group of zeros keeps a positive scale
 GEMV_ROWS = 4  # up to this many rows take the GEMV
-GEMV_BLOCK_N, GEMV_PROGRAMS = 64, 512  # the GEMV's rows per program; K is split until this many programs run
+# the GEMV's rows a program at one activation row and at more, and its warps (benchmarks/studies/gpu_quant_gemv.py)
+GEMV_BLOCK_N, GEMV_BLOCK_N_ROWS, GEMV_WARPS = 16, 32, 1
+GEMV_PROGRAMS, GEMV_SPLIT = 2048, 8  # K is split until this many programs run, in at most GEMV_SPLIT parts
 # the GEMM's BLOCK_M, BLOCK_N (a divisor of the blocks' rows), warps and stages, below and from 1024 rows
 GEMM_CONFIG, GEMM_CONFIG_LARGE = (64, 128, 4, 4), (128, 128, 8, 3)
 
@@ -66,24 +68,28 @@ if triton is not None:
     @triton.jit
     def _block_gemv(x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, N, K, bn, sxm, swn, som, K_PER_SPLIT,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
-        # BLOCK_K is the scales' block along K and the activations' group; BLOCK_N divides bn
+        # BLOCK_K is the scales' block along K and the activations' group; BLOCK_N divides bn. The activations'
+        # group is a [1, BLOCK_K] tile, its amax a reduction within a warp (one warp a program: no barrier but
+        # the tile's move into the weights' layout); each step's products are summed within a thread's 16
+        # columns, the rows' sums taken once at the end
         row, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         n_ok = rn < N
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
         w_scale_row = (pid_n * BLOCK_N) // bn
         k_start = pid_k * K_PER_SPLIT
         for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
             kk = k0 + rk
             k_ok = kk < K
-            x = tl.load(x_ptr + row * sxm + kk, mask=k_ok, other=0.0).to(tl.float32)
-            x_scale = tl.maximum(tl.max(tl.abs(x)), 1e-10) / 448.0
+            x = tl.load(x_ptr + row * sxm + kk[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32)
+            x_scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10)[:, None] / 448.0
             xq = tl.clamp(x / x_scale, -448.0, 448.0).to(w_ptr.dtype.element_ty).to(tl.float32)
             w = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             w_s = tl.load(ws_ptr + w_scale_row * swn + k0 // BLOCK_K)
-            acc += tl.sum(w.to(tl.float32) * xq[None, :], axis=1) * (x_scale * w_s)
-        splits.finish(acc, out_ptr, part_ptr, count_ptr, row, rn, n_ok, N, som, SPLIT)  # (K split in one launch)
+            step = w.to(tl.float32) * (xq * (x_scale * w_s))
+            acc += tl.sum(tl.reshape(step, (BLOCK_N, BLOCK_K // 16, 16)), axis=2)
+        splits.finish(tl.sum(acc, axis=1), out_ptr, part_ptr, count_ptr, row, rn, n_ok, N, som, SPLIT)
 
 
 def group_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,9 +117,10 @@ def _block_n(bn: int, cap: int) -> int:
 
 def fp8_block_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                      split_k: int | None = None, block_n: int | None = None,
-                     gemm: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                     gemm: tuple[int, int, int, int] | None = None, warps: int | None = None) -> torch.Tensor:
     """x [..., K] @ (weight [N, K] e4m3 * scale [ceil(N/bn), ceil(K/bk)] per block).T -> [..., N] in x's dtype,
-    x quantized to e4m3 per token and group of bk columns. `split_k`, `block_n`: the GEMV's (default: its own)."""
+    x quantized to e4m3 per token and group of bk columns. `split_k`, `block_n`, `warps`: the GEMV's (default:
+    its own)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
@@ -122,18 +129,20 @@ def fp8_block_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     n = weight.shape[0]
     bn, bk = block
     if m <= GEMV_ROWS:
-        block_n = _block_n(bn, block_n or GEMV_BLOCK_N)
+        block_n = _block_n(bn, block_n or (GEMV_BLOCK_N if m == 1 else GEMV_BLOCK_N_ROWS))
         groups = triton.cdiv(k, bk)
         if split_k is None:  # enough programs to fill the GPU (132 SMs, several programs each)
             split_k = 1
-            while m * triton.cdiv(n, block_n) * split_k < GEMV_PROGRAMS and groups % (split_k * 2) == 0:
+            while (m * triton.cdiv(n, block_n) * split_k < GEMV_PROGRAMS and split_k < GEMV_SPLIT
+                   and groups % (split_k * 2) == 0):
                 split_k *= 2
         tiles = triton.cdiv(n, block_n)
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
         part, count = splits.buffers(x.device, GEMV_ROWS * n, GEMV_ROWS * tiles) if split_k > 1 else (out, out)
         _block_gemv[(m, tiles, split_k)](
             x2, weight, scale, out, part, count, n, k, bn, x2.stride(0), scale.stride(0), out.stride(0),
-            triton.cdiv(groups, split_k) * bk, BLOCK_N=block_n, BLOCK_K=bk, SPLIT=split_k)
+            triton.cdiv(groups, split_k) * bk, BLOCK_N=block_n, BLOCK_K=bk, SPLIT=split_k,
+            num_warps=warps or GEMV_WARPS)
     else:
         xq, xs = group_quant(x2, bk)
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)

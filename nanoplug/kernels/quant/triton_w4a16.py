@@ -130,8 +130,9 @@ def block_k(k: int, group_size: int) -> int | None:
 
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                  split_k: int | None = None, block_n: int | None = None,
-                 gemm: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """x [..., K] @ dequantize_int4(qweight, scales, zeros).T -> [..., N] in x's dtype."""
+                 gemm: tuple[int, int, int, int] | None = None, warps: int | None = None) -> torch.Tensor:
+    """x [..., K] @ dequantize_int4(qweight, scales, zeros).T -> [..., N] in x's dtype. `split_k`, `block_n`,
+    `warps`: the GEMV's (default: its own); `gemm`: the GEMM's BLOCK_M, BLOCK_N, warps and stages."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
     m, k = x2.shape
@@ -152,7 +153,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         _w4a16_gemv[(m, tiles, split_k)](
             x2, qweight, scales, zero_arg, out, part, count, n, k, group_size, x2.stride(0), qweight.stride(0),
             scales.stride(0), szn, out.stride(0), k // split_k, SPLIT=split_k, HAS_ZERO=zeros is not None,
-            BLOCK_N=block_n, BLOCK_K=bk)
+            BLOCK_N=block_n, BLOCK_K=bk, num_warps=warps or 4)
     elif m >= DEQUANT_ROWS and x.dtype != torch.float32:  # a big batch: cuBLAS at full rate on the weight in bf16
         out = torch.nn.functional.linear(x2, dequantize(qweight, scales, zeros, x.dtype))
     else:
