@@ -8,6 +8,7 @@ cast is wrong near powers of two, its bfloat16 tl.dot too):
   the activations: |error| <= sum_k |w_k| (2^-4 |x_k| + s_g(k) 2^-10) (e4m3's 3 mantissa bits, round to
   nearest; half its smallest subnormal step) plus those terms; under a CUDA graph as eagerly;
 - int8 W8A8 through torch._int_mm: its int32 sums exact, the result float(acc) * x_scale * w_scale;
+- cuBLAS's block-scaled fp8 GEMM (SM90) within the same bounds as the Triton GEMM, under a CUDA graph as eagerly;
 - fp8 per channel through torch._scaled_mm: within bfloat16 rounding of the same quantized operands;
 - engines on compressed-tensors W4A16, fp8-block and W8A8 checkpoints take the kernels under CUDA graphs and give
   the CPU engine's greedy tokens (float32; the CPU's own kernels for int4 and int8); on a fine-grained FP8
@@ -42,29 +43,66 @@ def test_group_quant_equals_vllms_formula():
     assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (160, 384)])
-def test_fp8_block_kernels_equal_dequantize_then_matmul(n, k):
+def assert_within_fp8_bounds(out, x, w_deq, tensor_cores: bool) -> None:
+    """`out` (bfloat16) against the float64 product of the e4m3-rounded activations and the dequantized weights, and
+    against the exact product within the fp8 rounding of the activations."""
+    k = x.shape[-1]
+    eps32 = torch.finfo(torch.float32).eps
+    out = out.double()
+    xq, xs = group_quant_reference(x, 128)
+    x_rounded = (xq.double().unflatten(-1, (-1, 128)) * xs.double()[..., None]).flatten(-2)
+    rounded = x_rounded @ w_deq.t()
+    out_rounding = rounded.abs() * 2 ** -8  # bfloat16 output
+    # fp8 tensor cores keep about 14 bits while they sum a block's 128 products (DeepSeek-V3, 3.3.2; each block's
+    # sum is then added in float32): 2^-12 of sum |x w| on top of float32's rounding
+    mma = 2 ** -12 if tensor_cores else 0.0
+    f32 = (k * eps32 + mma) * (x_rounded.abs() @ w_deq.abs().t()) + out_rounding + 1e-9
+    assert ((out - rounded).abs() <= f32).all(), (x.shape[0], ((out - rounded).abs() / f32).max())
+    exact = x.double() @ w_deq.t()
+    per_x = x.double().abs() * 2 ** -4 + xs.double().repeat_interleave(128, -1) * 2 ** -10
+    bound = per_x @ w_deq.abs().t() + k * eps32 * (x.double().abs() @ w_deq.abs().t()) + exact.abs() * 2 ** -8
+    assert ((out - exact).abs() <= bound).all(), (x.shape[0], ((out - exact).abs() / bound).max())
+
+
+def _weights(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator]:
     g = torch.Generator(device="cuda").manual_seed(0)
     w = (torch.randn(n, k, generator=g, device="cuda") * 64).clamp(-448, 448).to(FP8)
     scale = torch.rand(-(-n // 128), -(-k // 128), generator=g, device="cuda") * 3e-4 + 1e-4
-    w_deq = fp8.dequantize_blocks(w, scale, BLOCK, torch.float64)
-    eps32 = torch.finfo(torch.float32).eps
+    return w, scale, fp8.dequantize_blocks(w, scale, BLOCK, torch.float64), g
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (160, 384)])
+def test_fp8_block_kernels_equal_dequantize_then_matmul(n, k):
+    w, scale, w_deq, g = _weights(n, k)
     for m in (1, 4, 16, 300, 1100):  # GEMV, the GEMM in each of its configs
         x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
-        out = triton_fp8.fp8_block_matmul(x, w, scale, BLOCK).double()
-        xq, xs = group_quant_reference(x, 128)
-        x_rounded = (xq.double().unflatten(-1, (-1, 128)) * xs.double()[..., None]).flatten(-2)
-        rounded = x_rounded @ w_deq.t()
-        out_rounding = rounded.abs() * 2 ** -8  # bfloat16 output
-        # the GEMM's fp8 tensor cores keep about 14 bits while they sum a block's 128 products (DeepSeek-V3, 3.3.2;
-        # each block's sum is then added in float32): 2^-12 of sum |x w| on top of float32's rounding
-        mma = 2 ** -12 if m > triton_fp8.GEMV_ROWS else 0.0
-        f32 = (k * eps32 + mma) * (x_rounded.abs() @ w_deq.abs().t()) + out_rounding + 1e-9
-        assert ((out - rounded).abs() <= f32).all(), (m, ((out - rounded).abs() / f32).max())
-        exact = x.double() @ w_deq.t()
-        per_x = x.double().abs() * 2 ** -4 + xs.double().repeat_interleave(128, -1) * 2 ** -10
-        bound = per_x @ w_deq.abs().t() + k * eps32 * (x.double().abs() @ w_deq.abs().t()) + exact.abs() * 2 ** -8
-        assert ((out - exact).abs() <= bound).all(), (m, ((out - exact).abs() / bound).max())
+        out = triton_fp8.fp8_block_matmul(x, w, scale, BLOCK)
+        assert_within_fp8_bounds(out, x, w_deq, tensor_cores=m > triton_fp8.GEMV_ROWS)
+
+
+def _cublas_or_skip(n: int, k: int):
+    from nanoplug.kernels.quant import cublas_fp8
+
+    why = cublas_fp8.unavailable(torch.device("cuda"), n, k, BLOCK)
+    if why:  # (an H100 or H200 has it: the benchmarks' GPUs)
+        pytest.skip(why)
+    return cublas_fp8
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288)])
+def test_cublas_block_gemm_equals_dequantize_then_matmul(n, k):
+    cublas_fp8 = _cublas_or_skip(n, k)
+    w, scale, w_deq, g = _weights(n, k)
+    layer = _layer("fp8_block", w, scale, None)
+    layer.block = BLOCK
+    assert quant_kernels.choose(layer) is quant_kernels.fp8_block_cublas
+    for m in (5, 300, 1100):  # rows padded to a multiple of 4, and not
+        x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+        assert_within_fp8_bounds(cublas_fp8.matmul(x, w, layer.cublas_scales), x, w_deq, tensor_cores=True)
+        want = cublas_fp8.matmul(x, w, layer.cublas_scales)
+        assert torch.equal(quant_kernels.fp8_block_cublas(layer, x[None]), want[None])
+    x = torch.randn(2, k, generator=g, device="cuda").to(torch.bfloat16)  # decode rows: the Triton GEMV
+    assert torch.equal(quant_kernels.fp8_block_cublas(layer, x), triton_fp8.fp8_block_matmul(x, w, scale, BLOCK))
 
 
 @pytest.mark.parametrize("m", [1, 3, 40])
@@ -76,6 +114,20 @@ def test_fp8_block_kernels_replay_in_a_cuda_graph(m):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = triton_fp8.fp8_block_matmul(x, w, scale, BLOCK)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+def test_cublas_block_gemm_replays_in_a_cuda_graph():
+    cublas_fp8 = _cublas_or_skip(1024, 4096)
+    w = (torch.randn(1024, 4096, device="cuda") * 64).to(FP8)
+    scales = cublas_fp8.weight_scales(torch.rand(8, 32, device="cuda") * 1e-3)
+    x = torch.randn(37, 4096, device="cuda").to(torch.bfloat16)
+    eager = cublas_fp8.matmul(x, w, scales)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cublas_fp8.matmul(x, w, scales)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
@@ -128,6 +180,11 @@ def test_engines_take_the_kernels_and_give_the_cpu_tokens(tmp_path, scheme, kern
     folder = write_random_quantized(tmp_path / scheme, scheme, dtype=torch.float32, hidden_size=256,
                                     intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    if kernel == "fp8_block_triton":
+        from nanoplug.kernels.quant import cublas_fp8
+
+        if cublas_fp8.unavailable(torch.device("cuda"), 256, 512, BLOCK) is None:  # SM90: batches on cuBLAS
+            kernel = "fp8_block_cublas"
     tokens = {}
     for device in ("cuda", "cpu"):
         llm = LLM(str(folder), device=device, dtype="float32", max_model_len=256)

@@ -31,7 +31,7 @@ GEMM_CONFIG, GEMM_CONFIG_LARGE = (64, 128, 4, 4), (128, 128, 8, 3)
 
 if triton is not None:
     @triton.jit
-    def _group_quant(x_ptr, q_ptr, s_ptr, K, sxm, G: tl.constexpr):
+    def _group_quant(x_ptr, q_ptr, s_ptr, K, sxm, ssm, ssg, G: tl.constexpr):
         row, g = tl.program_id(0), tl.program_id(1)
         cols = g * G + tl.arange(0, G)
         ok = cols < K
@@ -39,7 +39,7 @@ if triton is not None:
         scale = tl.maximum(tl.max(tl.abs(x)), 1e-10) / 448.0
         q = tl.clamp(x / scale, -448.0, 448.0)
         tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
-        tl.store(s_ptr + row * tl.cdiv(K, G) + g, scale)
+        tl.store(s_ptr + row * ssm + g * ssg, scale)
 
     @triton.jit
     def _block_gemm(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K, bn, sbn, scm,
@@ -92,12 +92,15 @@ if triton is not None:
         splits.finish(tl.sum(acc, axis=1), out_ptr, part_ptr, count_ptr, row, rn, n_ok, N, som, SPLIT)
 
 
-def group_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 [M, K], float32 scales [M, ceil(K/group)]) with x ~= q * scale per group."""
+def group_quant(x: torch.Tensor, group: int, token_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, ceil(K/group)]) with x ~= q * scale per group; `token_major`:
+    the scales laid out a group's tokens together (strides (1, M)), as cuBLAS's block-scaled GEMM reads them."""
     m, k = x.shape
+    groups = triton.cdiv(k, group)
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(m, triton.cdiv(k, group), dtype=torch.float32, device=x.device)
-    _group_quant[(m, triton.cdiv(k, group))](x, q, s, k, x.stride(0), G=group)
+    s = torch.empty(groups, m, dtype=torch.float32, device=x.device).t() if token_major else torch.empty(
+        m, groups, dtype=torch.float32, device=x.device)
+    _group_quant[(m, groups)](x, q, s, k, x.stride(0), s.stride(0), s.stride(1), G=group)
     return q, s
 
 

@@ -5,7 +5,8 @@ loading; where none serves, the layer is dequantized per call and the reason is 
 | int4      | Triton W4A16 GEMM/GEMV (kernels/quant/triton_w4a16.py)      | C++ (kernels/cpu/int_weights) |
 | int8 W8A8 | torch._int_mm, per-token int8 activations                   | C++ (kernels/cpu/int_weights) |
 | fp8 rows  | torch._scaled_mm, per-token e4m3 activations (sm89+)        | dequantized (no fp8 GEMM)    |
-| fp8 block | Triton block-scaled fp8 GEMM/GEMV (kernels/quant/triton_fp8) | dequantized (no fp8 GEMM)   |
+| fp8 block | Triton block-scaled fp8 GEMV/GEMM (kernels/quant/triton_fp8); on SM90 the GEMM is cuBLAS's
+|           | block-scaled one (kernels/quant/cublas_fp8)                  | dequantized (no fp8 GEMM)   |
 
 Each kernel is `fn(layer, x) -> x @ W.T` (no bias), equal to the dequantized path within float rounding (the
 int8 ones exactly in their integer sums; the fp8 block one within e4m3 rounding of the activations, which the
@@ -88,7 +89,14 @@ def _choose(layer: nn.Module) -> tuple[Kernel | None, str | None]:
         if layer.act not in (None, ("float", layer.block[1])):
             return None, f"its activations are quantized as {layer.act}, not per group of {layer.block[1]}"
         why = triton_fp8.supported(n, k, layer.block)
-        return (None, why) if why else (fp8_block_triton, None)
+        if why:
+            return None, why
+        from nanoplug.kernels.quant import cublas_fp8
+
+        if cublas_fp8.unavailable(dev, n, k, layer.block) is None:  # prefill batches on cuBLAS's fp8 GEMM
+            layer.cublas_scales = cublas_fp8.weight_scales(layer.scales)
+            return fp8_block_cublas, None
+        return fp8_block_triton, None
     return None, f"no kernel serves {kind} weights on {dev.type}"
 
 
@@ -162,3 +170,13 @@ def fp8_block_triton(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     from nanoplug.kernels.quant import triton_fp8
 
     return triton_fp8.fp8_block_matmul(x, layer.qweight, layer.scales, layer.block)
+
+
+def fp8_block_cublas(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Decode rows (and float32) on the Triton GEMV, batches on cuBLAS's block-scaled fp8 GEMM."""
+    from nanoplug.kernels.quant import cublas_fp8, triton_fp8
+
+    x2 = _rows(x)
+    if x2.shape[0] <= triton_fp8.GEMV_ROWS or x2.dtype == torch.float32:
+        return triton_fp8.fp8_block_matmul(x, layer.qweight, layer.scales, layer.block)
+    return cublas_fp8.matmul(x2, layer.qweight, layer.cublas_scales).view(*x.shape[:-1], -1)
