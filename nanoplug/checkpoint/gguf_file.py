@@ -151,6 +151,12 @@ class _Header:
                         size = struct.calcsize(_SCALARS[etype]) * count
                         need(size)
                         pos += size
+                    elif etype == _STRING:  # a vocabulary: tens of thousands of strings, each length and skip
+                        length = struct.Struct("<Q").unpack_from
+                        for _ in range(count):
+                            need(8)
+                            pos += 8 + length(buf, pos)[0]
+                        need(0)
                     else:
                         for _ in range(count):
                             skip(etype)
