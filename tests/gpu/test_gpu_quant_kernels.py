@@ -64,6 +64,14 @@ def assert_within_fp8_bounds(out, x, w_deq, tensor_cores: bool) -> None:
     assert ((out - exact).abs() <= bound).all(), (x.shape[0], ((out - exact).abs() / bound).max())
 
 
+def assert_same_sums(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal but for the order of a split GEMV's float32 additions (its programs add their parts atomically, in
+    whichever order they finish): one bfloat16 step of the larger value at most, where a product computed twice
+    over stale or doubled partial sums would be off by whole parts."""
+    assert ((got.float() - want.float()).abs() <= torch.maximum(got.float().abs(), want.float().abs()) * 2 ** -7
+            + 2 ** -7 * want.float().abs().max() * 1e-2).all()
+
+
 def _weights(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator]:
     g = torch.Generator(device="cuda").manual_seed(0)
     w = (torch.randn(n, k, generator=g, device="cuda") * 64).clamp(-448, 448).to(FP8)
@@ -102,7 +110,7 @@ def test_cublas_block_gemm_equals_dequantize_then_matmul(n, k):
         want = cublas_fp8.matmul(x, w, layer.cublas_scales)
         assert torch.equal(quant_kernels.fp8_block_cublas(layer, x[None]), want[None])
     x = torch.randn(2, k, generator=g, device="cuda").to(torch.bfloat16)  # decode rows: the Triton GEMV
-    assert torch.equal(quant_kernels.fp8_block_cublas(layer, x), triton_fp8.fp8_block_matmul(x, w, scale, BLOCK))
+    assert_same_sums(quant_kernels.fp8_block_cublas(layer, x), triton_fp8.fp8_block_matmul(x, w, scale, BLOCK))
 
 
 @pytest.mark.parametrize("m", [1, 3, 40])
@@ -116,7 +124,7 @@ def test_fp8_block_kernels_replay_in_a_cuda_graph(m):
         out = triton_fp8.fp8_block_matmul(x, w, scale, BLOCK)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, eager)
+    assert_same_sums(out, eager)
 
 
 def test_cublas_block_gemm_replays_in_a_cuda_graph():
