@@ -14,7 +14,7 @@ from _gguf_files import with_random_blocks
 from _triton_interpreter import interpreted
 from nanoplug import LLM, SamplingParams
 from nanoplug.bench.checkpoints import write_gguf, write_random_checkpoint
-from nanoplug.kernels.gguf.cpu_linear import Activations
+from nanoplug.kernels.gguf.cpu_linear import WIDENED, Activations
 
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
              tie_word_embeddings=True)
@@ -40,14 +40,17 @@ def dense(kquant_gguf):
     llm.close()
 
 
-def check_engine(quant: LLM, dense: LLM, fmt_name: str, segments) -> None:
+def check_engine(quant: LLM, dense: LLM, fmt_name: str, segments, widened=None) -> None:
+    """`widened`: the formats the path keeps in another (the C++ path's Q5_0 as Q8_0)."""
     assert quant.choices["weight_format"].name == fmt_name and dense.choices["weight_format"].name == "dense"
     model = quant.engine.worker.model
     assert model.lm_head.weight is model.model.embed_tokens.weight  # the tied head shares the blocks
     assert segments(model.model.layers[0].self_attn.qkv_proj) == ["Q6_K", "Q5_K", "IQ4_NL"]
     assert segments(model.model.layers[0].mlp.gate_up_proj) == ["Q2_K", "IQ4_XS"]
+    kept = {(widened or {}).get(t, t) for t in TYPES.values()}
     for layer in (model.model.layers[0].self_attn.o_proj, model.model.layers[0].mlp.down_proj, model.lm_head):
-        assert len(segments(layer)) == 1 and segments(layer)[0] in TYPES.values()
+        assert len(segments(layer)) == 1 and segments(layer)[0] in kept
+    assert segments(model.model.layers[0].mlp.down_proj) == [(widened or {}).get("Q5_0", "Q5_0")]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     for prompt in PROMPTS:
         got = quant.generate([prompt], params, use_tqdm=False)[0].token_ids
@@ -65,7 +68,7 @@ def test_cpu_kernels_match_the_dequantized_engine(kquant_gguf, dense):
         worker = quant.engine.worker
         graphs, worker.graphs = worker.graphs, None  # recorded decode steps keep the path they recorded
         method.set_activations(Activations("float", 0, "float"))
-        check_engine(quant, dense, "gguf", lambda layer: [s.fmt for s in layer.weight.gguf.segments])
+        check_engine(quant, dense, "gguf", lambda layer: [s.fmt for s in layer.weight.gguf.segments], WIDENED)
         method.set_activations(Activations("int8", 0, "int8"))  # llama.cpp's int8 activations: close, not equal
         ids = dense.tokenizer.encode("Once upon a time, in a small village, there lived")
         ref, got = prompt_logprobs(dense, ids), prompt_logprobs(quant, ids)

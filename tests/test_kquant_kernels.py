@@ -81,6 +81,19 @@ def test_dequantize_llama_cpp_and_gguf_py_quantizations_exactly(kq):
         check_dequantize(kq, fmt, gguf.quants.quantize(w, gguf.GGMLQuantizationType[fmt]))
 
 
+def test_q5_0_widened_to_q8_0_keeps_gguf_py_values_exactly():
+    """The C++ path keeps Q5_0 as Q8_0 panels (kernels/gguf/cpu_linear.py WIDENED): every bit pattern of its blocks,
+    and llama.cpp's own Q5_0 tensors, dequantize through Q8_0 to gguf-py's Q5_0 values bit for bit."""
+    from nanoplug.kernels.gguf.cpu_linear import q5_0_as_q8_0
+
+    raws = [random_blocks("Q5_0", 5, 128), *llama_cpp_tensors()["Q5_0"]]
+    for raw in raws:
+        wide = q5_0_as_q8_0(torch.from_numpy(np.ascontiguousarray(raw)))
+        got = gguf.quants.dequantize(wide.numpy(), gguf.GGMLQuantizationType.Q8_0)
+        want = reference("Q5_0", raw)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def quantize_reference(fmt: str, x: np.ndarray):
     """Independent numpy quantization of activations (float64 -> the same float32 steps)."""
     m, k = x.shape
