@@ -50,3 +50,26 @@ def test_unavailable_names_the_fix(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     reasons = triton_store.TritonStore.unavailable(_target("cpu"))
     assert reasons and "needs CUDA" in reasons[0] and "TRITON_INTERPRET=1" in reasons[0]
+
+
+def test_a_cpu_only_torch_imports_no_triton_unasked():
+    """On a CPU-only torch build a start imports no triton (its import and the plugins' hundred kernel definitions
+    were a fifth of `nanoplug generate`'s first token) unless TRITON_INTERPRET=1 asks for the interpreter; the
+    plugins then say they need CUDA, not that triton is missing."""
+    import subprocess
+    import sys
+
+    if torch.version.cuda is not None or torch.version.hip is not None:
+        pytest.skip("a CUDA or ROCm build of torch imports triton for its GPU")
+    code = ("import sys, torch; from nanoplug.api import ModelFacts, Target; "
+            "import nanoplug.plugins.kv_cache.triton as t; "
+            "facts = ModelFacts('Qwen3ForCausalLM', 2, 4, 2, 16, 64, 100); "
+            "print('triton' in sys.modules, t.triton is None, "
+            "t.TritonStore.unavailable(Target(device=torch.device('cpu'), dtype=torch.float32, model=facts)))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    imported, missing, reasons = out.split(" ", 2)
+    assert (imported, missing) == ("False", "True") and "needs CUDA" in reasons and "pip install" not in reasons
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "TRITON_INTERPRET": "1"}, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.split(" ", 2)[:2] == ["True", "False"] and out.split(" ", 2)[2].strip() == "[]"

@@ -21,7 +21,7 @@ _LAZY = {name: f"nanoplug.api.{module}" for module, names in {
                "SiluAndMul StepContext VocabParallelEmbedding add_rms_norm apply_rope "
                "install_fused_ops residual_stream rms_norm rope_inv_freq silu_and_mul"),
     "linear": "DenseLinearMethod ExpertRows LinearMethod check_shape copy_weight wide_linear",
-    "triton_support": "import_triton interpreting triton_reasons",
+    "triton_support": "import_reason import_triton interpreting triton_reasons",
     "step": ("AttentionMetadata AttentionSpec KVCacheSpec KVLayer LogitsProcessingBatch "
              "LogprobsTensors PromptLogprobsBatch SamplingBatch SlotInit StepBatch StepInputs "
              "StepLimits StepResult to_device DraftBatch"),
@@ -59,7 +59,7 @@ __all__ = [
     "RotaryEmbedding", "apply_rope", "rope_inv_freq", "SiluAndMul", "silu_and_mul", "FusedOps", "install_fused_ops",
     "PagedAttention", "StepContext",
     # where Triton kernels can run
-    "import_triton", "interpreting", "triton_reasons",
+    "import_reason", "import_triton", "interpreting", "triton_reasons",
     # errors a plugin raises
     "NanoplugError", "AdapterError", "ModelLoadError", "PluginLoadError", "PluginUnavailableError",
     "RequestError", "UnknownPluginError", "WeightShapeError", "GraphCaptureError",

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoplug.api import LinearMethod, Target, check_shape
+from nanoplug.api import LinearMethod, Target, check_shape, import_reason
 from nanoplug.kernels.gguf import triton_kernels as kernels
 from nanoplug.kernels.gguf import triton_kquants
 from nanoplug.kernels.gguf.blocks import Packed, repack
@@ -34,9 +34,7 @@ def _module(weight: Packed | RawBlocks):
 
 def triton_reasons(target: Target) -> list[str]:
     """Why the Triton GGUF kernels cannot serve `target` (empty: they can)."""
-    reasons = []
-    if kernels.triton is None:
-        reasons.append(f"triton is not importable ({kernels.TRITON_ERROR}); pip install triton")
+    reasons = [r for r in [import_reason(kernels.TRITON_ERROR)] if r]
     if target.device.type == "cuda":
         if target.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             reasons.append(f"its kernels compute in bfloat16, float16 or float32, not {target.dtype}")
