@@ -24,8 +24,8 @@ PINNED = [
     "copy_weight", "wide_linear", "Layers", "LinearBase", "VocabParallelEmbedding", "ParallelLMHead", "RMSNorm",
     "rms_norm", "add_rms_norm", "residual_stream", "RotaryEmbedding", "apply_rope", "rope_inv_freq", "SiluAndMul",
     "silu_and_mul", "FusedOps", "install_fused_ops",
-    "PagedAttention", "StepContext", "import_reason", "import_triton", "interpreting", "triton_reasons", "NanoplugError",
-    "AdapterError", "ModelLoadError", "PluginLoadError", "PluginUnavailableError", "RequestError",
+    "PagedAttention", "StepContext", "import_reason", "import_triton", "interpreting", "triton_reasons",
+    "NanoplugError", "AdapterError", "ModelLoadError", "PluginLoadError", "PluginUnavailableError", "RequestError",
     "UnknownPluginError", "WeightShapeError", "GraphCaptureError",
 ]
 
