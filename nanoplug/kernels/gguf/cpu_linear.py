@@ -1,11 +1,11 @@
 """The linear method of GGUF blocks on the CPU: a layer's parts (q, k and v; gate and up; one for the
 others) kept as loaded, packed once into the panels the C++ kernels read (kernels/cpu/quant.cpp for Q4_0,
-Q4_1, Q8_0 and Q4_K, kernels/cpu/kquants.cpp for the other types in the file's blocks with int8 activations
-as llama.cpp's, but Q5_0, widened to Q8_0 panels; each AVX-512 VNNI, AVX2 or portable, chosen at run time), multiplied with the activations as
-`Activations` says: by default with float32 compute's quality (float32 activations, or int8 blocks of x and of its residual),
-never llama.cpp's plain int8 blocks, which loop the default model's answers. The embedding and the tied LM
-head share one packed weight: rows are dequantized as they are gathered. Float parts (an F32 or F16
-tensor, or a type the format does not keep) stay dense."""
+Q4_1, Q8_0 and Q4_K, and Q5_0 widened to Q8_0; kernels/cpu/kquants.cpp for the other types in the file's blocks
+with int8 activations as llama.cpp's; each AVX-512 VNNI, AVX2 or portable, chosen at run time), multiplied with
+the activations as `Activations` says: by default with float32 compute's quality (float32 activations, or int8
+blocks of x and of its residual), never llama.cpp's plain int8 blocks, which loop the default model's answers.
+The embedding and the tied LM head share one packed weight: rows are dequantized as they are gathered. Float
+parts (an F32 or F16 tensor, or a type the format does not keep) stay dense."""
 from __future__ import annotations
 
 import itertools
