@@ -54,7 +54,7 @@ def test_unavailable_names_the_fix(monkeypatch):
 
 def test_a_cpu_only_torch_imports_no_triton_unasked():
     """On a CPU-only torch build a start imports no triton (its import and the plugins' hundred kernel definitions
-    were a fifth of `nanoplug generate`'s first token) unless TRITON_INTERPRET=1 asks for the interpreter; the
+    were a quarter second of `nanoplug generate`'s first token) unless TRITON_INTERPRET=1 asks for the interpreter; the
     plugins then say they need CUDA, not that triton is missing."""
     import subprocess
     import sys

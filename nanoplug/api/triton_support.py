@@ -8,7 +8,7 @@ import sys
 from types import ModuleType
 
 # why a CPU-only torch build leaves triton unimported: nothing there runs its kernels but the interpreter, and its
-# import with the plugins' hundred kernel definitions is a fifth of a CPU start (`nanoplug generate`'s first token)
+# import with the plugins' hundred kernel definitions is a quarter second of a CPU start (`nanoplug generate`)
 CPU_BUILD = "not imported: this torch is a CPU-only build"
 
 
