@@ -25,6 +25,9 @@ import torch
 from nanoplug.api import (FusedOps, GraphCaptureError, Platform, ProcessGroup, SamplingBatch, StepBatch, StepLimits,
                           Target, add_rms_norm, apply_rope, rms_norm, silu_and_mul)
 from nanoplug.api.disk_cache import cache_root
+from nanoplug.kernels.cuda import bitmask as bitmask_kernel, fused_ops as fused_kernels, sampling as sampling_kernel, \
+    small_gemm
+from nanoplug.kernels.moe import fused_moe
 from nanoplug.plugins.platforms.cuda.graphs import DecodeGraphs
 from nanoplug.plugins.platforms.cuda.options import CudaOptions
 from nanoplug.plugins.platforms.cuda.prefill_graphs import CudaPrefillGraphs
@@ -113,11 +116,7 @@ class CudaPlatform(Platform):
         """Whether a module of our Triton kernels serves this engine: not eager, fused ops on, triton importable."""
         return not self.enforce_eager and self.compile_fused_ops and kernels.triton is not None
 
-    # (each method imports its kernels: a CPU start imports this module to learn it cannot serve, and triton's
-    # import with a hundred jitted kernels is a fifth of a second of it)
     def linear_method(self):
-        from nanoplug.kernels.cuda import small_gemm
-
         if not self._uses(small_gemm):
             return super().linear_method()
         # a verification's rows through the one-row kernel: greedy drafts give the plain engine's tokens in bf16
@@ -125,14 +124,10 @@ class CudaPlatform(Platform):
 
     def temperature_sampler(self):
         """Temperature-only batches (the usual chat and bench request) drawn in one pass over the logits."""
-        from nanoplug.kernels.cuda import sampling as sampling_kernel
-
         return sampling_kernel.sample if self._uses(sampling_kernel) else None
 
     def grammar_masker(self):
         """A grammar's bitmask applied in one launch, not unpacked by a dozen (structured outputs at batch 64)."""
-        from nanoplug.kernels.cuda import bitmask as bitmask_kernel
-
         return bitmask_kernel.apply_bitmask if self._uses(bitmask_kernel) else None
 
     def prepare_model(self, model: torch.nn.Module) -> None:
@@ -142,9 +137,6 @@ class CudaPlatform(Platform):
         (dynamic shapes, one compile for every batch). CUDA graphs capture either."""
         if self.enforce_eager or not self.compile_fused_ops:
             return
-        from nanoplug.kernels.cuda import fused_ops as fused_kernels
-        from nanoplug.kernels.moe import fused_moe
-
         ops = fused_kernels.fused_ops()
         if ops is None:
             compile_ = functools.partial(torch.compile, dynamic=True, fullgraph=True)
