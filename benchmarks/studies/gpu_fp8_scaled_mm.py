@@ -17,9 +17,9 @@ from nanoplug.kernels.quant import cublas_fp8, fp8, triton_fp8
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _cuda_timing import graph_us  # noqa: E402
+from gpu_quant_kernels import LAYERS  # noqa: E402  (the 8B shape's four linears)
 
-LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
-BLOCK = (128, 128)
+BLOCK = cublas_fp8.BLOCK
 
 
 def main() -> None:

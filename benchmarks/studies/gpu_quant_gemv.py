@@ -23,9 +23,9 @@ triton, tl = triton_w4a16.triton, triton_w4a16.tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _cuda_timing import graph_us  # noqa: E402  (calls captured in one CUDA graph, the median replay)
+from gpu_quant_kernels import LAYERS  # noqa: E402  (the 8B shape's four linears)
 from studies.gpu_row_invariance import L2_DEFEAT_BYTES  # noqa: E402
 
-LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 SWEEP = {"int4": [(bn, split, warps) for bn in (32, 64) for split in (None, 2, 4, 8) for warps in (2, 4, 8)],
          "fp8": [(bn, split, warps) for bn in (16, 32, 64) for split in (None, 2, 4, 8) for warps in (1, 2, 4)]}
 BLOCK = (128, 128)
