@@ -48,7 +48,7 @@ def interpreting() -> bool:
 
 def triton_reasons(import_error: str | None, device_type: str) -> list[str]:
     """Why Triton kernels cannot run here (empty when they can). `import_error`: the plugin module's own failed
-    `import triton` (type and message), or None when it imported."""
+    `import triton` (type and message), CPU_BUILD where it was not attempted, or None when it imported."""
     reasons = [r for r in [import_reason(import_error)] if r]
     if device_type != "cuda" and not interpreting():
         reasons.append(f"needs CUDA (device is {device_type}); on CPU only with TRITON_INTERPRET=1 set before "

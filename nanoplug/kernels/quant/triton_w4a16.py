@@ -22,6 +22,7 @@ triton, tl, TRITON_ERROR = import_triton()  # where it fails, the plugin says wh
 GEMV_ROWS = 4  # up to this many rows take the GEMV
 GEMV_BLOCK_N, GEMV_PROGRAMS, GEMV_SPLIT = 64, 4096, 8  # the GEMV's rows per program; K split until about this
 # many programs run, in at most GEMV_SPLIT parts (benchmarks/studies/gpu_quant_gemv.py)
+GEMV_WARPS = 4  # the GEMV's warps a program
 GEMM_CONFIG = (64, 128, 4, 4)  # the GEMM's BLOCK_M, BLOCK_N, warps and pipeline stages past 16 rows
 DEQUANT_ROWS = 256  # from this many rows on, the weight is dequantized into a scratch and multiplied by cuBLAS
 
@@ -153,7 +154,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         _w4a16_gemv[(m, tiles, split_k)](
             x2, qweight, scales, zero_arg, out, part, count, n, k, group_size, x2.stride(0), qweight.stride(0),
             scales.stride(0), szn, out.stride(0), k // split_k, SPLIT=split_k, HAS_ZERO=zeros is not None,
-            BLOCK_N=block_n, BLOCK_K=bk, num_warps=warps or 4)
+            BLOCK_N=block_n, BLOCK_K=bk, num_warps=warps or GEMV_WARPS)
     elif m >= DEQUANT_ROWS and x.dtype != torch.float32:  # a big batch: cuBLAS at full rate on the weight in bf16
         out = torch.nn.functional.linear(x2, dequantize(qweight, scales, zeros, x.dtype))
     else:
