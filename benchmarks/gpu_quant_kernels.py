@@ -18,6 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _cuda_timing import graph_us  # noqa: E402
 
 GEMM_CONFIGS = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4), (128, 128, 4, 3), (128, 256, 8, 3)]
+# the int4 GEMM's tiles (w4a16_gemm.config's: BLOCK_M, BLOCK_N, BLOCK_K at most, warps, stages)
+INT4_CONFIGS = [(16, 64, 128, 4, 4), (32, 128, 128, 4, 3), (64, 128, 128, 4, 3), (128, 128, 64, 8, 3),
+                (64, 256, 64, 8, 3), (256, 128, 64, 8, 3)]
 LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 
 
@@ -58,8 +61,10 @@ def main() -> int:
             else:  # the Triton GEMMs in each config, and dequantize + cuBLAS for int4
                 for c in [None] + (GEMM_CONFIGS if args.sweep_gemm else []):
                     tag = "" if c is None else " " + "x".join(map(str, c))
-                    runs["int4" + tag] = lambda c=c: forced(1 << 30, c)
                     runs["fp8" + tag] = lambda c=c: triton_fp8.fp8_block_matmul(x, w8, s8, (128, 128), gemm=c)
+                for c in [None] + (INT4_CONFIGS if args.sweep_gemm else []):
+                    tag = "" if c is None else " " + "x".join(map(str, c))
+                    runs["int4" + tag] = lambda c=c: forced(1 << 30, c)
                 runs["int4 dq+cublas"] = lambda: forced(1, None)
 
                 def forced(rows_at: int, c):

@@ -58,6 +58,18 @@ def test_group_quant_equals_the_reference():
     assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
+def test_group_quant_pads_rows_as_zeros_in_the_token_major_layout():
+    """cuBLAS's padded rows (cublas_fp8.matmul) come out of the quantizer, not a copy of x: rows past x's are q 0
+    with the floor scale, the others as unpadded, in the token-major scales cuBLAS reads."""
+    x = representable(3, 256, 128, seed=2)
+    with interpreted(split_k, triton_fp8) as kern:
+        q, s = kern.group_quant(x, 128, token_major=True, rows=4)
+        q3, s3 = kern.group_quant(x, 128)
+    assert q.shape == (4, 256) and s.shape == (4, 2) and s.stride() == (1, 4)
+    assert torch.equal(q[:3].view(torch.uint8), q3.view(torch.uint8)) and torch.equal(s[:3], s3)
+    assert not q[3].float().any() and torch.equal(s[3], torch.full((2,), 1e-10 / 448.0))
+
+
 @pytest.mark.parametrize("m,split", [(1, None), (3, 2), (2, 1), (20, None)])  # GEMV (split-K, whole), GEMM
 def test_kernels_equal_dequantize_then_matmul(m, split):
     n, k, block = 160, 384, (128, 128)  # N not a multiple of a block: the last block row is partial

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoplug.kernels.quant import int4, split_k, triton_w4a16
+from nanoplug.kernels.quant import int4, split_k, triton_w4a16, w4a16_gemm
 from tests._triton_interpreter import interpreted
 
 
@@ -44,8 +44,9 @@ def test_kernels_equal_dequantize_then_matmul(asym, dtype):
     n, k, group = 40, 256, 128  # n not a multiple of a block
     _, packed, scales, zeros = _weights(n, k, group, asym)
     scales = scales.to(dtype)
-    with interpreted(split_k, triton_w4a16) as kern:
-        for m, split in ((1, None), (3, 2), (1, 1), (20, None)):  # GEMV (split-K, whole), then the GEMM
+    with interpreted(split_k, w4a16_gemm, triton_w4a16) as kern:
+        # GEMV (split-K, whole), then the GEMM (its own split, K split in two, two row tiles)
+        for m, split in ((1, None), (3, 2), (1, 1), (20, None), (5, 2), (37, 1)):
             # the GEMV multiplies float32 weights, the GEMM weights rounded to x's dtype
             w = int4.dequantize_int4(packed, scales, zeros, torch.float32 if m <= kern.GEMV_ROWS else dtype)
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
@@ -64,7 +65,7 @@ def test_split_gemv_leaves_its_buffers_at_zero():
     the buffers read zero after every call."""
     n, k, group = 24, 512, 128
     _, packed, scales, zeros = _weights(n, k, group, True, seed=7)
-    with interpreted(split_k, triton_w4a16) as kern:
+    with interpreted(split_k, w4a16_gemm, triton_w4a16) as kern:
         x = torch.randn(4, k, generator=torch.Generator().manual_seed(8))
         alone = torch.cat([kern.w4a16_matmul(x[i:i + 1], packed, scales, zeros, split_k=4) for i in range(4)])
         for m in (1, 2, 3, 4):
@@ -75,6 +76,21 @@ def test_split_gemv_leaves_its_buffers_at_zero():
             assert torch.allclose(first, alone[:m], rtol=1e-6, atol=1e-6)
 
 
+def test_split_gemm_leaves_its_buffers_at_zero():
+    """The GEMM's K split sums transposed tiles into the same shared partials: two calls give the same result,
+    equal to the unsplit one within float32 rounding, and leave the buffers at zero."""
+    n, k, group = 40, 512, 128
+    _, packed, scales, zeros = _weights(n, k, group, True, seed=9)
+    with interpreted(split_k, w4a16_gemm, triton_w4a16) as kern:
+        x = torch.randn(21, k, generator=torch.Generator().manual_seed(10))
+        whole = kern.w4a16_matmul(x, packed, scales, zeros, split_k=1)
+        first = kern.w4a16_matmul(x, packed, scales, zeros, split_k=4)
+        part, count = split_k._BUFFERS[x.device]
+        assert not part.any() and not count.any()
+        assert torch.equal(kern.w4a16_matmul(x, packed, scales, zeros, split_k=4), first)
+        assert torch.allclose(first, whole, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("asym", [False, True])
 def test_dequantize_kernel_and_the_big_batch_path(asym, monkeypatch):
     """The one-pass dequantization equals dequantize_int4 exactly; past DEQUANT_ROWS rows the product is cuBLAS's
@@ -82,7 +98,7 @@ def test_dequantize_kernel_and_the_big_batch_path(asym, monkeypatch):
     n, k, group = 40, 256, 64
     _, packed, scales, zeros = _weights(n, k, group, asym, seed=5)
     scales = scales.to(torch.float16)
-    with interpreted(split_k, triton_w4a16) as kern:
+    with interpreted(split_k, w4a16_gemm, triton_w4a16) as kern:
         w = kern.dequantize(packed, scales, zeros, torch.float16)
         assert torch.equal(w, int4.dequantize_int4(packed, scales, zeros, torch.float16))
         monkeypatch.setattr(kern, "DEQUANT_ROWS", 6)
@@ -113,7 +129,7 @@ def test_linear_method_triton_path_with_activation_order():
     x = torch.randn(2, k)
     layer.kernel = None  # the dequantized path (the CPU's own kernel is tested in test_int_weight_kernels.py)
     dense = method.apply(layer, x, None)
-    with interpreted(split_k, triton_w4a16):
+    with interpreted(split_k, w4a16_gemm, triton_w4a16):
         layer.kernel = quant_kernels.int4_triton
         fast = method.apply(layer, x, None)
     assert torch.allclose(fast, dense, atol=1e-4, rtol=1e-5)

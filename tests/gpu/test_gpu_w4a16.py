@@ -34,10 +34,11 @@ def test_bf16_kernels_equal_dequantize_then_matmul(n, k, asym):
         assert ((out - ref).abs() <= bound).all(), (m, (out - ref).abs().max())
 
 
+@pytest.mark.parametrize("rows", [2, 24])  # the GEMV, the GEMM
 @pytest.mark.parametrize("split", [1, 4, None])
-def test_gemv_in_a_graph_replays_like_eager(split):
-    """The split GEMV's partials and counts are set back to zero by each call: replays of a graph of GEMVs over
-    several layers (sharing those buffers) give the eager results every time."""
+def test_gemv_in_a_graph_replays_like_eager(split, rows):
+    """The split GEMV's and GEMM's partials and counts are set back to zero by each call: replays of a graph of
+    them over several layers (sharing those buffers) give the eager results every time."""
     dev, group = torch.device("cuda"), 128
     g = torch.Generator(device=dev).manual_seed(1)
     layers = []
@@ -45,7 +46,7 @@ def test_gemv_in_a_graph_replays_like_eager(split):
         q = torch.randint(0, 16, (n, k), generator=g, device=dev, dtype=torch.uint8)
         scales = (torch.rand(n, k // group, generator=g, device=dev) * 0.01).to(torch.bfloat16)
         layers.append((int4.pack_int4(q), scales))
-    xs = [torch.randn(2, packed.shape[1] * 8, generator=g, device=dev).to(torch.bfloat16) for packed, _ in layers]
+    xs = [torch.randn(rows, packed.shape[1] * 8, generator=g, device=dev).to(torch.bfloat16) for packed, _ in layers]
 
     def run():
         return [w4a16_matmul(x, packed, scales, None, split_k=split) for x, (packed, scales) in zip(xs, layers)]

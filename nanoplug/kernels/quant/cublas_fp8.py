@@ -5,7 +5,7 @@ GEMM's are (triton_fp8.group_quant, scale = amax / 448), so both compute the sam
 at the fp8 tensor cores' rate (benchmarks/studies/gpu_fp8_scaled_mm.py). Decode rows keep the Triton GEMV.
 
 cuBLAS reads the activations' scales token-major with a leading dimension that is a multiple of 4 (rows are
-padded to one) and the weights' scales with their K blocks padded to a multiple of 4 (made once per layer)."""
+padded to one, quantized as zeros, not copied) and the weights' scales with their K blocks padded to a multiple of 4 (made once per layer)."""
 from __future__ import annotations
 
 import functools
@@ -63,7 +63,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch
     from weight_scales()."""
     m = x.shape[0]
     pad = -m % 4
-    q, s = triton_fp8.group_quant(F.pad(x, (0, 0, 0, pad)) if pad else x, 128, token_major=True)
+    q, s = triton_fp8.group_quant(x, 128, token_major=True, rows=m + pad)
     out = F.scaled_mm(q, weight.t(), s, F.ScalingType.BlockWise1x128, scales, F.ScalingType.BlockWise128x128,
                       output_dtype=x.dtype)
     return out[:m] if pad else out

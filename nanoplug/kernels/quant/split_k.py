@@ -1,4 +1,4 @@
-"""Split-K decode GEMVs in one launch: K split over programs whose float32 sums meet in shared partials, the last
+"""Split-K GEMVs and GEMMs in one launch: K split over programs whose float32 sums meet in shared partials, the last
 program of each output tile (a per-tile count) writing the output and setting the partials and the count back to
 zero: no zeroing launch before and no conversion launch after (a split GEMV was three launches). The buffers are
 zero between calls, so one pair per device serves every layer, both kernels and every CUDA graph: the engines
@@ -32,6 +32,26 @@ if triton is not None:
                 done = tl.where(n_ok, tl.atomic_add(cols, nothing, mask=n_ok), 0.0)  # read at L2, where summed
                 tl.store(out, done.to(out_ptr.dtype.element_ty), mask=n_ok)
                 tl.store(cols, nothing, mask=n_ok)  # (no program of this call adds to them any more)
+                tl.store(count_ptr + tile, 0)
+
+    @triton.jit
+    def finish_tile(acc, out_ptr, part_ptr, count_ptr, rn, rm, n_ok, m_ok, N, som, SPLIT: tl.constexpr):
+        """finish for a GEMM's transposed tile: `acc` [columns rn, rows rm] of the output (grid: column tiles, row
+        tiles, splits)."""
+        out = out_ptr + rm[None, :] * som + rn[:, None]
+        mask = n_ok[:, None] & m_ok[None, :]
+        if SPLIT == 1:
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            cols = part_ptr + rm[None, :] * N + rn[:, None]
+            tl.atomic_add(cols, acc, mask=mask)
+            tl.debug_barrier()
+            tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+            if tl.atomic_add(count_ptr + tile, 1) == SPLIT - 1:
+                nothing = tl.zeros(acc.shape, tl.float32)
+                done = tl.where(mask, tl.atomic_add(cols, nothing, mask=mask), 0.0)
+                tl.store(out, done.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.store(cols, nothing, mask=mask)
                 tl.store(count_ptr + tile, 0)
 
 

@@ -31,11 +31,12 @@ GEMM_CONFIG, GEMM_CONFIG_LARGE = (64, 128, 4, 4), (128, 128, 8, 3)
 
 if triton is not None:
     @triton.jit
-    def _group_quant(x_ptr, q_ptr, s_ptr, K, sxm, ssm, ssg, G: tl.constexpr):
+    def _group_quant(x_ptr, q_ptr, s_ptr, M, K, sxm, ssm, ssg, G: tl.constexpr):
         row, g = tl.program_id(0), tl.program_id(1)
         cols = g * G + tl.arange(0, G)
         ok = cols < K
-        x = tl.load(x_ptr + row * sxm + cols, mask=ok, other=0.0).to(tl.float32)
+        # rows from M on (padding a caller asked for) read as zeros: q 0, scale 1e-10 / 448
+        x = tl.load(x_ptr + row * sxm + cols, mask=cols < tl.where(row < M, K, 0), other=0.0).to(tl.float32)
         scale = tl.maximum(tl.max(tl.abs(x)), 1e-10) / 448.0
         q = tl.clamp(x / scale, -448.0, 448.0)
         tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
@@ -92,15 +93,18 @@ if triton is not None:
         splits.finish(tl.sum(acc, axis=1), out_ptr, part_ptr, count_ptr, row, rn, n_ok, N, som, SPLIT)
 
 
-def group_quant(x: torch.Tensor, group: int, token_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def group_quant(x: torch.Tensor, group: int, token_major: bool = False,
+                rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], float32 scales [M, ceil(K/group)]) with x ~= q * scale per group; `token_major`:
-    the scales laid out a group's tokens together (strides (1, M)), as cuBLAS's block-scaled GEMM reads them."""
+    the scales laid out a group's tokens together (strides (1, M)), as cuBLAS's block-scaled GEMM reads them;
+    `rows` (at least M): that many rows out, the ones past M zeros (padding without a copy of x)."""
     m, k = x.shape
+    rows = rows or m
     groups = triton.cdiv(k, group)
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(groups, m, dtype=torch.float32, device=x.device).t() if token_major else torch.empty(
-        m, groups, dtype=torch.float32, device=x.device)
-    _group_quant[(m, groups)](x, q, s, k, x.stride(0), s.stride(0), s.stride(1), G=group)
+    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(groups, rows, dtype=torch.float32, device=x.device).t() if token_major else torch.empty(
+        rows, groups, dtype=torch.float32, device=x.device)
+    _group_quant[(rows, groups)](x, q, s, m, k, x.stride(0), s.stride(0), s.stride(1), G=group)
     return q, s
 
 

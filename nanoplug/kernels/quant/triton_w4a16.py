@@ -1,8 +1,8 @@
 """Triton W4A16: activations in bfloat16/float16/float32 times int4 weights in `int4.py`'s layout (qweight
 [N, K/8], scales and zeros [N, K/group]), dequantized per group in registers, float32 accumulation.
 
-Two kernels: a GEMM on tensor cores (tl.dot) for prefill batches, with the weights rounded to x's dtype as
-`dequantize_int4(..., x.dtype)` does, and a GEMV for a few rows (decode), which multiplies float32 values
+Two kernels here and a GEMM on tensor cores (w4a16_gemm.py) for the batches in between, with the weights rounded
+to x's dtype as `dequantize_int4(..., x.dtype)` does: a GEMV for a few rows (decode), which multiplies float32 values
 (q - zero) by x and each group's sums by its scale (`dequantize_int4(..., float32)` within float32 rounding; no
 bfloat16 round trip a weight, one multiplication by the scale a group and row instead of a weight) and splits K
 over programs in one launch (split_k.py) so a batch-1 step keeps the GPU's memory busy. From DEQUANT_ROWS rows on (long
@@ -17,13 +17,13 @@ import torch
 
 from nanoplug.api import import_triton
 from nanoplug.kernels.quant import split_k as splits
+from nanoplug.kernels.quant import w4a16_gemm
 
 triton, tl, TRITON_ERROR = import_triton()  # where it fails, the plugin says why (TRITON_ERROR)
 GEMV_ROWS = 4  # up to this many rows take the GEMV
 GEMV_BLOCK_N, GEMV_PROGRAMS, GEMV_SPLIT = 64, 4096, 8  # the GEMV's rows per program; K split until about this
 # many programs run, in at most GEMV_SPLIT parts (benchmarks/studies/gpu_quant_gemv.py)
 GEMV_WARPS = 4  # the GEMV's warps a program
-GEMM_CONFIG = (64, 128, 4, 4)  # the GEMM's BLOCK_M, BLOCK_N, warps and pipeline stages past 16 rows
 DEQUANT_ROWS = 256  # from this many rows on, the weight is dequantized into a scratch and multiplied by cuBLAS
 
 
@@ -43,27 +43,6 @@ if triton is not None:
         else:
             z = tl.full((BLOCK_N,), 8.0, tl.float32)
         return (q - z[:, None, None]) * s[:, None, None]
-
-    @triton.jit
-    def _w4a16_gemm(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, group_size, sxm, sqn, ssn, szn, som,
-                    HAS_ZERO: tl.constexpr, IEEE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        m_ok, n_ok = rm < M, rn < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):  # BLOCK_K divides group_size and K: one group per step
-            x = tl.load(x_ptr + rm[:, None] * sxm + (k0 + rk)[None, :], mask=m_ok[:, None], other=0.0)
-            w = _tile(qw_ptr, s_ptr, z_ptr, rn, n_ok, k0, group_size, sqn, ssn, szn, HAS_ZERO, BLOCK_N, BLOCK_K)
-            w = tl.reshape(w, (BLOCK_N, BLOCK_K)).to(x.dtype)  # as dequantize_int4 rounds it
-            if IEEE:
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w))
-        tl.store(out_ptr + rm[:, None] * som + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
     def _w4a16_gemv(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, N, K, group_size, sxm, sqn, ssn, szn,
@@ -131,9 +110,10 @@ def block_k(k: int, group_size: int) -> int | None:
 
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                  split_k: int | None = None, block_n: int | None = None,
-                 gemm: tuple[int, int, int, int] | None = None, warps: int | None = None) -> torch.Tensor:
+                 gemm: tuple[int, int, int, int, int] | None = None, warps: int | None = None) -> torch.Tensor:
     """x [..., K] @ dequantize_int4(qweight, scales, zeros).T -> [..., N] in x's dtype. `split_k`, `block_n`,
-    `warps`: the GEMV's (default: its own); `gemm`: the GEMM's BLOCK_M, BLOCK_N, warps and stages."""
+    `warps`: the GEMV's, `split_k` the GEMM's too (default: their own); `gemm`: the GEMM's tile
+    (w4a16_gemm.config's)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
     m, k = x2.shape
@@ -158,11 +138,5 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     elif m >= DEQUANT_ROWS and x.dtype != torch.float32:  # a big batch: cuBLAS at full rate on the weight in bf16
         out = torch.nn.functional.linear(x2, dequantize(qweight, scales, zeros, x.dtype))
     else:
-        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-        block_m, block_n, warps, stages = gemm or ((16, 64, 4, 3) if m <= 16 else GEMM_CONFIG)
-        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-        _w4a16_gemm[grid](x2, qweight, scales, zero_arg, out, m, n, k, group_size, x2.stride(0), qweight.stride(0),
-                          scales.stride(0), szn, out.stride(0), HAS_ZERO=zeros is not None,
-                          IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
-                          num_warps=warps, num_stages=stages)
+        out = w4a16_gemm.matmul(x2, qweight, scales, zeros, bk, gemm, split_k)
     return out.view(*shape[:-1], n)

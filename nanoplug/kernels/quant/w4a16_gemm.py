@@ -1,0 +1,96 @@
+"""The W4A16 GEMM on tensor cores for batches between the GEMV's few rows and the dequantize-then-cuBLAS path
+(triton_w4a16.py dispatches). Each program computes a transposed tile, out^T = W @ x^T: the weight's rows fill the
+tensor cores' wide side and the batch's rows their narrow one, so 5 or 16 rows waste no 64-row instruction. Each
+int32 word of the weight is loaded once (pipelined copies) and its eight values opened by shifts and joined along
+new axes in the word's own order, which leaves the tile in registers for the dot; the values are rounded to x's
+dtype as `dequantize_int4(..., x.dtype)` rounds them, so the product equals that dequantization then a matmul within
+float32 rounding. K is split over programs (split_k.finish_tile) when the tiles alone would leave SMs idle."""
+from __future__ import annotations
+
+import torch
+
+from nanoplug.api import import_triton
+from nanoplug.kernels.quant import split_k as splits
+
+triton, tl, TRITON_ERROR = import_triton()
+# (rows up to, (BLOCK_M, BLOCK_N, BLOCK_K at most, warps, stages)): the first whose bound the batch is within
+# (benchmarks/studies/gpu_w4a16_gemm.py, variant b)
+CONFIGS = ((16, (16, 64, 128, 4, 4)), (32, (32, 128, 128, 4, 3)), (64, (64, 128, 128, 4, 3)),
+           (1 << 30, (128, 128, 64, 8, 3)))
+PROGRAMS, MAX_SPLIT = 264, 4  # K split until about this many programs run (two per SM of an H100), in at most 4
+
+
+if triton is not None:
+    @triton.jit
+    def _value(words, j: tl.constexpr, zm, s, dtype: tl.constexpr):
+        # value j of each word: 2^23 + q by OR-ing q into 2^23's bits (no int-to-float convert), less 2^23 + zero,
+        # times the scale in float32 (exact), rounded once to x's dtype
+        qm = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+        return ((qm - zm[:, None]) * s[:, None]).to(dtype)
+
+    @triton.jit
+    def _unpack(words, zm, s, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # [BLOCK_N, BLOCK_K / 8] words -> [BLOCK_N, BLOCK_K] values: the joins pick bit 2, then 1, then 0 of a
+        # value's place in its word, so the flattened axis is 8 * word + place, the columns' own order
+        e = tl.join(tl.join(_value(words, 0, zm, s, dtype), _value(words, 4, zm, s, dtype)),
+                    tl.join(_value(words, 2, zm, s, dtype), _value(words, 6, zm, s, dtype)))
+        o = tl.join(tl.join(_value(words, 1, zm, s, dtype), _value(words, 5, zm, s, dtype)),
+                    tl.join(_value(words, 3, zm, s, dtype), _value(words, 7, zm, s, dtype)))
+        return tl.reshape(tl.join(e, o), (BLOCK_N, BLOCK_K))
+
+    @triton.jit
+    def _gemm(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M, N, group_size, sxm, sqn, ssn, szn, som,
+              K_PER_SPLIT, SPLIT: tl.constexpr, HAS_ZERO: tl.constexpr, IEEE: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rw = tl.arange(0, BLOCK_K // 8)
+        rk = tl.arange(0, BLOCK_K)
+        n_ok, m_ok = rn < N, rm < M
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        k_start = pid_k * K_PER_SPLIT
+        for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):  # BLOCK_K divides the group: one group a step
+            words = tl.load(qw_ptr + rn[:, None] * sqn + (k0 // 8 + rw)[None, :], mask=n_ok[:, None], other=0)
+            g = k0 // group_size
+            s = tl.load(s_ptr + rn * ssn + g, mask=n_ok, other=0.0).to(tl.float32)
+            if HAS_ZERO:
+                z = tl.load(z_ptr + rn * szn + g, mask=n_ok, other=0).to(tl.float32)
+            else:
+                z = tl.full((BLOCK_N,), 8.0, tl.float32)
+            xt = tl.load(x_ptr + rm[None, :] * sxm + (k0 + rk)[:, None], mask=m_ok[None, :], other=0.0)
+            w = _unpack(words, z + 8388608.0, s, xt.dtype, BLOCK_N, BLOCK_K)
+            if IEEE:
+                acc += tl.dot(w, xt, input_precision="ieee")
+            else:
+                acc += tl.dot(w, xt)
+        splits.finish_tile(acc, out_ptr, part_ptr, count_ptr, rn, rm, n_ok, m_ok, N, som, SPLIT)
+
+
+def config(m: int) -> tuple[int, int, int, int, int]:
+    """The tile (BLOCK_M, BLOCK_N, BLOCK_K at most, warps, stages) for a batch of m rows."""
+    return next(c for bound, c in CONFIGS if m <= bound)
+
+
+def matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, block_k: int,
+           tile: tuple[int, int, int, int, int] | None = None, split_k: int | None = None) -> torch.Tensor:
+    """x [M, K] (rows contiguous) @ dequantize_int4(qweight, scales, zeros, x.dtype).T -> [M, N] in x's dtype;
+    `block_k` divides the group and K; `tile`, `split_k`: instead of config(M) and the split that fills the GPU."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    block_m, block_n, bk_max, warps, stages = tile or config(m)
+    bk = min(block_k, bk_max)
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    steps = k // bk
+    if split_k is None:
+        split_k = max(1, min(MAX_SPLIT, steps, PROGRAMS // tiles))
+        while steps % split_k:
+            split_k -= 1
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    part, count = splits.buffers(x.device, m * n, tiles) if split_k > 1 else (out, out)
+    _gemm[(triton.cdiv(n, block_n), triton.cdiv(m, block_m), split_k)](
+        x, qweight, scales, zeros if zeros is not None else scales, out, part, count, m, n, k // scales.shape[1],
+        x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0) if zeros is not None else 0, out.stride(0),
+        k // split_k, SPLIT=split_k, HAS_ZERO=zeros is not None, IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    return out
