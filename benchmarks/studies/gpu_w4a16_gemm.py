@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from nanoplug.kernels.quant import int4, triton_w4a16
+from nanoplug.kernels.quant import int4, triton_w4a16, w4a16_gemm
 
 triton, tl = triton_w4a16.triton, triton_w4a16.tl
 
@@ -366,6 +366,8 @@ def main() -> None:
             runs = {"cublas bf16": graph_us(lambda: torch.mm(x, dense[next(turn)].t(), out=out), calls=dense_copies)}
             turn = itertools.cycle(range(copies))
             runs["tree"] = graph_us(lambda: triton_w4a16.w4a16_matmul(x, *ws[next(turn)], None), calls=copies)
+            turn = itertools.cycle(range(copies))  # the tree's GEMM at any row count (its own tile and split)
+            runs["tree gemm"] = graph_us(lambda: w4a16_gemm.matmul(x, *ws[next(turn)], None, 128), calls=copies)
             turn = itertools.cycle(range(copies))
             runs["dequant+cublas"] = graph_us(
                 lambda: F.linear(x, triton_w4a16.dequantize(*ws[next(turn)], None, torch.bfloat16)), calls=copies)
