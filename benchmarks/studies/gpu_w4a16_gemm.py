@@ -47,6 +47,8 @@ CONFIGS = {
           (128, 64, 128, 4, 3), (128, 128, 64, 8, 3), (256, 128, 64, 8, 3)],
     "f": [(16, 64, 128, 4, 4), (64, 128, 128, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3)],
     "g": [(16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (64, 128, 128, 4, 3), (128, 128, 64, 8, 3), (256, 128, 64, 8, 3)],
+    "h": [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (128, 64, 128, 4, 3), (128, 256, 64, 8, 3), (64, 256, 64, 8, 3),
+          (256, 64, 64, 8, 3), (128, 128, 128, 8, 3), (128, 128, 64, 4, 4), (256, 128, 64, 8, 4), (128, 64, 64, 4, 4)],
 }
 
 
@@ -322,7 +324,7 @@ def gemm_e(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M, N, K, g
         _finish_tile(tl.trans(acc), out_ptr, part_ptr, count_ptr, rn, rm, n_ok, m_ok, N, som, SPLIT)
 
 
-KERNELS = {"a": gemm_a, "b": gemm_b, "c": gemm_c, "d": gemm_d, "e": gemm_e, "f": gemm_e, "g": gemm_e}
+KERNELS = {"a": gemm_a, "b": gemm_b, "c": gemm_c, "d": gemm_d, "e": gemm_e, "f": gemm_e, "g": gemm_e, "h": gemm_e}
 
 
 def launch(kernel_name, x, qweight, scales, out, part, count, config, split) -> None:
@@ -334,7 +336,7 @@ def launch(kernel_name, x, qweight, scales, out, part, count, config, split) -> 
     kernel[grid](x, qweight, scales, scales, out, part, count, m, n, k, k // scales.shape[1], x.stride(0),
                  qweight.stride(0), scales.stride(0), 0, out.stride(0), k // split, SPLIT=split, HAS_ZERO=False,
                  IEEE=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
-                 **({"SWAP": kernel_name != "f", "ASM2": kernel_name == "g"} if kernel_name in "efg" else {}))
+                 **({"SWAP": kernel_name != "f", "ASM2": kernel_name in "gh"} if kernel_name in "efgh" else {}))
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ def test_bf16_kernels_equal_dequantize_then_matmul(n, k, asym, dtype):
     scales = (torch.rand(n, k // group, generator=g, device=dev) * 0.01).to(dtype)
     zeros = torch.randint(0, 16, (n, k // group), generator=g, device=dev, dtype=torch.uint8) if asym else None
     packed = int4.pack_int4(q)
-    for m in (1, 2, 4, 16, 40, 300):  # GEMV, the small GEMM, the GEMM, dequantize + cuBLAS
+    for m in (1, 2, 4, 16, 40, 300, 600):  # GEMV, the GEMM's small, middle and large tiles, dequantize + cuBLAS
         # the GEMV multiplies float32 weights, the GEMMs weights rounded to bfloat16
         w = int4.dequantize_int4(packed, scales, zeros, torch.float32 if m <= 4 else dtype)
         x = torch.randn(m, k, generator=g, device=dev).to(dtype)

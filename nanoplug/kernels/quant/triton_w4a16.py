@@ -24,7 +24,8 @@ GEMV_ROWS = 4  # up to this many rows take the GEMV
 GEMV_BLOCK_N, GEMV_PROGRAMS, GEMV_SPLIT = 64, 4096, 8  # the GEMV's rows per program; K split until about this
 # many programs run, in at most GEMV_SPLIT parts (benchmarks/studies/gpu_quant_gemv.py)
 GEMV_WARPS = 4  # the GEMV's warps a program
-DEQUANT_ROWS = 256  # from this many rows on, the weight is dequantized into a scratch and multiplied by cuBLAS
+DEQUANT_ROWS = 512  # from this many rows on, the weight is dequantized into a scratch and multiplied by cuBLAS
+# (below it the GEMM is the faster: benchmarks/studies/gpu_w4a16_gemm.py)
 
 
 if triton is not None:

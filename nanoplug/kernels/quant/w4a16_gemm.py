@@ -1,10 +1,11 @@
 """The W4A16 GEMM on tensor cores for batches between the GEMV's few rows and the dequantize-then-cuBLAS path
 (triton_w4a16.py dispatches). Each program computes a transposed tile, out^T = W @ x^T: the weight's rows fill the
 tensor cores' wide side and the batch's rows their narrow one, so 5 or 16 rows waste no 64-row instruction. Each
-int32 word of the weight is loaded once (pipelined copies) and its eight values opened by shifts and joined along
-new axes in the word's own order, which leaves the tile in registers for the dot; the values are rounded to x's
-dtype as `dequantize_int4(..., x.dtype)` rounds them, so the product equals that dequantization then a matmul within
-float32 rounding. K is split over programs (split_k.finish_tile) when the tiles alone would leave SMs idle."""
+int32 word of the weight is loaded once (pipelined copies) and its eight values opened (two at a time by PTX in
+bfloat16 and float16, by shifts in float32) and joined along new axes in the word's own order, which leaves the tile
+in registers for the dot; the values are those of `dequantize_int4(..., x.dtype)`, so the product equals that
+dequantization then a matmul within float32 rounding. K is split over programs (split_k.finish_tile) when the tiles
+alone would leave SMs idle."""
 from __future__ import annotations
 
 import os
@@ -15,14 +16,14 @@ from nanoplug.api import import_triton
 from nanoplug.kernels.quant import split_k as splits
 
 triton, tl, TRITON_ERROR = import_triton()
-# (rows up to, (BLOCK_M, BLOCK_N, BLOCK_K at most, warps, stages)): the first whose bound the batch is within
-# (benchmarks/studies/gpu_w4a16_gemm.py, variant b)
-CONFIGS = ((16, (16, 64, 128, 4, 4)), (32, (32, 128, 128, 4, 3)), (64, (64, 128, 128, 4, 3)),
-           (1 << 30, (128, 128, 64, 8, 3)))
+# tiles (BLOCK_M, BLOCK_N, BLOCK_K at most, warps, stages) by rows, for weights below and from BIG values
+# (benchmarks/studies/gpu_w4a16_gemm.py: the kernel is bound by latency more than by its ALU work, so many small
+# programs win up to 64 rows but on the biggest layers)
+SMALL, MID, LARGE, HUGE = (16, 64, 128, 4, 4), (64, 128, 128, 4, 3), (128, 128, 64, 8, 3), (256, 128, 64, 8, 3)
+BIG = 32 << 20
 PAIRS = {torch.bfloat16: 1, torch.float16: 2}  # the 16-bit types whose values are opened two at a time (PTX)
 PAIRS_ON = os.environ.get("TRITON_INTERPRET") != "1"  # the interpreter cannot run PTX: float32 path there
 PROGRAMS, MAX_SPLIT = 264, 4  # K split until about this many programs run (two per SM of an H100), in at most 4
-
 
 
 def _pairs_asm(magic: str, one: str, op: str) -> str:
@@ -113,18 +114,23 @@ if triton is not None:
         splits.finish_tile(acc, out_ptr, part_ptr, count_ptr, rn, rm, n_ok, m_ok, N, som, SPLIT)
 
 
-def config(m: int) -> tuple[int, int, int, int, int]:
-    """The tile (BLOCK_M, BLOCK_N, BLOCK_K at most, warps, stages) for a batch of m rows."""
-    return next(c for bound, c in CONFIGS if m <= bound)
+def config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """The tile (BLOCK_M, BLOCK_N, BLOCK_K at most, warps, stages) for m rows times an [n, k] weight."""
+    big = n * k >= BIG
+    if m <= 16:
+        return SMALL
+    if m <= 64:
+        return MID if big else SMALL
+    return HUGE if big else LARGE
 
 
 def matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, block_k: int,
            tile: tuple[int, int, int, int, int] | None = None, split_k: int | None = None) -> torch.Tensor:
     """x [M, K] (rows contiguous) @ dequantize_int4(qweight, scales, zeros, x.dtype).T -> [M, N] in x's dtype;
-    `block_k` divides the group and K; `tile`, `split_k`: instead of config(M) and the split that fills the GPU."""
+    `block_k` divides the group and K; `tile`, `split_k`: instead of config() and the split that fills the GPU."""
     m, k = x.shape
     n = qweight.shape[0]
-    block_m, block_n, bk_max, warps, stages = tile or config(m)
+    block_m, block_n, bk_max, warps, stages = tile or config(m, n, k)
     bk = min(block_k, bk_max)
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     steps = k // bk
