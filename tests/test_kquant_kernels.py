@@ -82,7 +82,7 @@ def test_dequantize_llama_cpp_and_gguf_py_quantizations_exactly(kq):
 
 
 def test_q5_0_widened_to_q8_0_keeps_gguf_py_values_exactly():
-    """The C++ path keeps Q5_0 as Q8_0 panels (kernels/gguf/cpu_linear.py WIDENED): every bit pattern of its blocks,
+    """The C++ path keeps Q5_0 as Q8_0 panels beside Q8_0 parts (kernels/gguf/cpu_linear.py WIDENED): every bit pattern of its blocks,
     and llama.cpp's own Q5_0 tensors, dequantize through Q8_0 to gguf-py's Q5_0 values bit for bit."""
     from nanoplug.kernels.gguf.cpu_linear import q5_0_as_q8_0
 
