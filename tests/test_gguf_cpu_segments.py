@@ -13,8 +13,8 @@ from torch import nn
 from _gguf_files import random_blocks
 from nanoplug.checkpoint.gguf_file import GGUFTensor
 from nanoplug.kernels.cpu import build
-from nanoplug.kernels.cpu.quant_ops import quant_kernels
-from nanoplug.kernels.gguf.cpu_linear import SIMD_Q5_0, Activations, cpu_method
+from nanoplug.kernels.cpu.quant_ops import SIMD_Q5_0, quant_kernels
+from nanoplug.kernels.gguf.cpu_linear import Activations, cpu_method
 
 K = 64
 

@@ -14,8 +14,8 @@ from _gguf_files import with_random_blocks
 from _triton_interpreter import interpreted
 from nanoplug import LLM, SamplingParams
 from nanoplug.bench.checkpoints import write_gguf, write_random_checkpoint
-from nanoplug.kernels.cpu.quant_ops import quant_kernels
-from nanoplug.kernels.gguf.cpu_linear import SIMD_Q5_0, WIDENED, Activations
+from nanoplug.kernels.cpu.quant_ops import SIMD_Q5_0, quant_kernels
+from nanoplug.kernels.gguf.cpu_linear import WIDENED, Activations
 
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
              tie_word_embeddings=True)

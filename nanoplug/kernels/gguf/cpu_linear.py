@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoplug.api import LinearMethod, check_shape
-from nanoplug.kernels.cpu.quant_ops import ACTS, act_id
+from nanoplug.kernels.cpu.quant_ops import ACTS, SIMD_Q5_0, act_id
 
 PANEL_FORMATS = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K"})  # quant.cpp
 BLOCK_FORMATS = frozenset({"Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_XS", "Q5_1", "IQ4_NL"})  # kquants.cpp
@@ -27,7 +27,6 @@ FORMATS = PANEL_FORMATS | BLOCK_FORMATS
 # (llama.cpp's Q4_K_M: Q5_0 q and k, a Q8_0 v), kept as Q8_0 there so the layer is one segment (one kernel
 # call, no concatenation), and where the panels have no SIMD path for Q5_0 (Arm: its Q8_0 one is faster).
 WIDENED = {"Q5_0": "Q8_0"}
-SIMD_Q5_0 = ("avx2", "avx512")  # quant.cpp's paths with Q5_0 panels of their own
 
 
 def q5_0_as_q8_0(blocks: torch.Tensor) -> torch.Tensor:
