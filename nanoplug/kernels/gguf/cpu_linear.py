@@ -1,9 +1,9 @@
 """The linear method of GGUF blocks on the CPU: a layer's parts (q, k and v; gate and up; one for the
 others) kept as loaded, packed once into the panels the C++ kernels read (kernels/cpu/quant.cpp for Q4_0,
-Q4_1, Q5_0, Q8_0 and Q4_K; kernels/cpu/kquants.cpp for the other types in the file's blocks
-with int8 activations as llama.cpp's; each AVX-512 VNNI, AVX2 or portable, chosen at run time), multiplied with
-the activations as `Activations` says: by default with float32 compute's quality (float32 activations, or int8
-blocks of x and of its residual), never llama.cpp's plain int8 blocks, which loop the default model's answers.
+Q4_1, Q5_0, Q8_0 and Q4_K; kernels/cpu/kquants.cpp for the other types in the file's blocks; each AVX-512 VNNI,
+AVX2 or portable, chosen at run time), multiplied with the activations as `Activations` says, in both libraries
+alike: by default with float32 compute's quality (float32 activations, or int8 blocks of x and of its residual),
+never llama.cpp's plain int8 blocks, which loop the default model's answers.
 The embedding and the tied LM head share one packed weight: rows are dequantized as they are gathered. Float
 parts (an F32 or F16 tensor, or a type the format does not keep) stay dense."""
 from __future__ import annotations
@@ -75,18 +75,12 @@ class _ByFormat:
         return raw if to == fmt else q5_0_as_q8_0(raw)
 
     def matmul(self, fmt: str, packed: torch.Tensor, n: int, k: int) -> Callable:
-        """`mm(x, bias, act)`, `act` an index of ACTS; the blocks library takes int8 (llama.cpp's Q8_K blocks) for
-        either int8 mode and float32 activations for "float"."""
-        mm = self._of(fmt).matmul(fmt, packed, n, k)
-        if fmt in PANEL_FORMATS:
-            return mm
-        return lambda x, bias, act: mm(x, bias, ACTS[act] != "float")
+        """`mm(x, bias, act)`, `act` an index of ACTS (both libraries take every mode)."""
+        return self._of(fmt).matmul(fmt, packed, n, k)
 
     def linear(self, x: torch.Tensor, fmt: str, packed: torch.Tensor, n: int, k: int,
                bias: torch.Tensor | None = None, act: str = "int8x2") -> torch.Tensor:
-        if fmt in PANEL_FORMATS:
-            return self.panels.linear(x, fmt, packed, n, k, bias, act=act)
-        return self.blocks.linear(x, fmt, packed, n, k, bias, int8=act != "float")
+        return self._of(fmt).linear(x, fmt, packed, n, k, bias, act=act)
 
     def dequantize(self, fmt: str, packed: torch.Tensor, n: int, k: int, rows: torch.Tensor | None = None):
         return self._of(fmt).dequantize(fmt, packed, n, k, rows)
