@@ -139,9 +139,11 @@ def test_int8_activations_equal_an_independent_quantization(kq, fmt):
     x[1, :256] = 0.0  # an all-zero block
     rq, rd, rsums = quantize_reference(fmt, x)
     want = (rq, rd, rsums, *quantize_reference(fmt, residual(fmt, x, rq, rd)))
-    for got, ref in zip(kq.quantize_activations(fmt, torch.from_numpy(x), residual=True), want):
-        assert np.array_equal(got.numpy(), ref)
-    assert all(np.array_equal(a.numpy(), b) for a, b in zip(kq.quantize_activations(fmt, torch.from_numpy(x)), want))
+    for isa in kq.isas:
+        for got, ref in zip(kq.quantize_activations(fmt, torch.from_numpy(x), residual=True, isa=isa), want):
+            assert np.array_equal(got.numpy(), ref), isa
+        got = kq.quantize_activations(fmt, torch.from_numpy(x), isa=isa)
+        assert len(got) == 3 and all(np.array_equal(a.numpy(), b) for a, b in zip(got, want)), isa
 
 
 @pytest.mark.parametrize("fmt,n,k", [(f, 37, 512 if FORMATS[f] in K_QUANTS else 96) for f in FORMATS])

@@ -37,7 +37,7 @@ _SIGNATURES = {
     "np_kq_isa_supported": (_C, [_C]),
     "np_kq_row_bytes": (_I, [_C, _I]),
     "np_kq_dequant_rows": (_C, [_C, _P, _I, _I, _P, _I, _P]),
-    "np_kq_quantize_act": (_C, [_C, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P]),
+    "np_kq_quantize_act": (_C, [_C, _C, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P]),
     "np_kq_linear": (_C, [_C, _C, _C, _P, _I, _I, _P, _I, _I, _P, _P]),
 }
 
@@ -89,11 +89,11 @@ class KQuantKernels(IsaKernels):
             raise IndexError(f"row ids out of range for a weight of {n} rows")
         return out
 
-    def quantize_activations(self, fmt: int | str, x: torch.Tensor, residual: bool = False):
+    def quantize_activations(self, fmt: int | str, x: torch.Tensor, residual: bool = False, isa: str | None = None):
         """x [M, K] -> (int8 q [M, K], float32 scales d [M, blocks], int32 sums): the activation blocks the
         int8 path multiplies `fmt` with (K-quants: llama.cpp's Q8_K, blocks of 256 and sums of 16; others:
         blocks of 32 and their sums). `residual`: the int8x2 path's second set too, the blocks of
-        x - d * q, as (q, d, sums, q2, d2, sums2)."""
+        x - d * q, as (q, d, sums, q2, d2, sums2). Every path (`isa`) computes the same values."""
         fid = format_id(fmt)
         x = x if x.stride(-1) == 1 else x.contiguous()
         m, k = x.shape
@@ -105,7 +105,7 @@ class KQuantKernels(IsaKernels):
                     torch.empty(m, k // 16 if fid in K_QUANTS else k // 32, dtype=torch.int32))
 
         sets = blocks() + (blocks() if residual else (None, None, None))
-        self._lib.np_kq_quantize_act(fid, x.data_ptr(), x.stride(0), m, k,
+        self._lib.np_kq_quantize_act(self._isa(isa), fid, x.data_ptr(), x.stride(0), m, k,
                                      *(None if t is None else t.data_ptr() for t in sets))
         return sets if residual else sets[:3]
 

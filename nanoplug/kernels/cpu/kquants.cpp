@@ -242,7 +242,7 @@ struct Act {
 };
 
 // llama.cpp's quantize_row_q8_K_ref: iscale = -127 / (the x of largest |x|), q = round(iscale x), d = 1/iscale
-void quantize_q8k(const float* x, int64_t K, int8_t* q, float* d, int32_t* sums) {
+NP_INLINE void quantize_q8k(const float* x, int64_t K, int8_t* q, float* d, int32_t* sums) {
   for (int64_t i = 0; i < K / QK; ++i) {
     const float* xb = x + i * QK;
     float amax = 0.f, max = 0.f;
@@ -269,7 +269,7 @@ void quantize_q8k(const float* x, int64_t K, int8_t* q, float* d, int32_t* sums)
 }
 
 // blocks of 32: d = amax / 127 (float32), q = round(x / d), the block's sum
-void quantize_q8_32(const float* x, int64_t K, int8_t* q, float* d, int32_t* sums) {
+NP_INLINE void quantize_q8_32(const float* x, int64_t K, int8_t* q, float* d, int32_t* sums) {
   for (int64_t i = 0; i < K / 32; ++i) {
     const float* xb = x + i * 32;
     float amax = 0.f;
@@ -289,7 +289,7 @@ void quantize_q8_32(const float* x, int64_t K, int8_t* q, float* d, int32_t* sum
 int64_t act_blocks(int f, int64_t K) { return K / block_size(f); }
 int64_t act_sums(int f, int64_t K) { return is_k(f) ? K / 16 : K / 32; }
 
-void quantize_act(int f, const float* x, int64_t K, int8_t* q, float* d, int32_t* sums) {
+NP_INLINE void quantize_act(int f, const float* x, int64_t K, int8_t* q, float* d, int32_t* sums) {
   if (is_k(f))
     quantize_q8k(x, K, q, d, sums);
   else
@@ -297,14 +297,23 @@ void quantize_act(int f, const float* x, int64_t K, int8_t* q, float* d, int32_t
 }
 
 // int8x2's second set: the residual x - d * q of each block (quantize_act's output) quantized the same way
-void quantize_residual(int f, const float* x, int64_t K, const int8_t* q, const float* d, int8_t* q2, float* d2,
-                       int32_t* sums2) {
+NP_INLINE void quantize_residual(int f, const float* x, int64_t K, const int8_t* q, const float* d, int8_t* q2,
+                                 float* d2, int32_t* sums2) {
   const int64_t bs = block_size(f), per = is_k(f) ? 16 : 1;  // sums a block
   float r[QK];
   for (int64_t i = 0; i < K / bs; ++i) {
     for (int64_t j = 0; j < bs; ++j) r[j] = x[i * bs + j] - d[i] * static_cast<float>(q[i * bs + j]);
     quantize_act(f, r, bs, q2 + i * bs, d2 + i, sums2 + i * per);
   }
+}
+
+// One activation row's blocks (q2 not nullptr: int8x2's residual set too). Inlined into each SIMD pass as well,
+// where rounding is an instruction rather than a call to nearbyintf (the same values: rounding, the float
+// steps and the integer sums are the same operations in any order).
+NP_INLINE void quantize_row_inline(int f, const float* x, int64_t K, int8_t* q, float* d, int32_t* sums, int8_t* q2,
+                                   float* d2, int32_t* sums2) {
+  quantize_act(f, x, K, q, d, sums);
+  if (q2) quantize_residual(f, x, K, q, d, q2, d2, sums2);
 }
 
 // ---- portable path ----
@@ -384,6 +393,15 @@ bool isa_supported(int isa) {
   return false;
 }
 
+void quantize_row(int isa, int f, const float* x, int64_t K, int8_t* q, float* d, int32_t* sums, int8_t* q2,
+                  float* d2, int32_t* sums2) {
+#ifdef NP_X86
+  if (isa == AVX512) return kq_avx512::quantize_row(f, x, K, q, d, sums, q2, d2, sums2);
+  if (isa == AVX2) return kq_avx2::quantize_row(f, x, K, q, d, sums, q2, d2, sums2);
+#endif
+  quantize_row_inline(f, x, K, q, d, sums, q2, d2, sums2);
+}
+
 // up to 4 activation rows against one weight row
 void dot_rows(int isa, int f, const uint8_t* row, int64_t K, const Act* a, const int64_t* ms, int R, float* out) {
 #ifdef NP_X86
@@ -434,10 +452,9 @@ void linear(int isa, int act, int f, const float* x, int64_t x_stride, int64_t M
   float* d2 = x2 ? d + M * nd : nullptr;
   int32_t* s2 = x2 ? s + M * ns : nullptr;
 #pragma omp parallel for schedule(static) if (M >= 16)
-  for (int64_t m = 0; m < M; ++m) {
-    quantize_act(f, x + m * x_stride, K, q + m * K, d + m * nd, s + m * ns);
-    if (x2) quantize_residual(f, x + m * x_stride, K, q + m * K, d + m * nd, q2 + m * K, d2 + m * nd, s2 + m * ns);
-  }
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row(isa, f, x + m * x_stride, K, q + m * K, d + m * nd, s + m * ns, x2 ? q2 + m * K : nullptr,
+                 x2 ? d2 + m * nd : nullptr, x2 ? s2 + m * ns : nullptr);
   const Act a{q, d, s, K, q2, d2, s2};
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
@@ -482,15 +499,16 @@ int np_kq_dequant_rows(int fmt, const uint8_t* w, int64_t N, int64_t K, const in
 
 // The int8 activation blocks the int8 path multiplies `fmt` with: q [M, K], d [M, K / block], sums
 // [M, K / 16] (K-quants: Q8_K) or [M, K / 32]; q2, d2, sums2 (the same shapes, or all nullptr): int8x2's
-// second set, the residual's. Returns 0, or -1 for an unknown format or shape.
-int np_kq_quantize_act(int fmt, const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* q, float* d,
+// second set, the residual's; computed by path `isa`. Returns 0, -1 for an unknown format or shape, -2 for a
+// path this CPU does not run.
+int np_kq_quantize_act(int isa, int fmt, const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* q, float* d,
                        int32_t* sums, int8_t* q2, float* d2, int32_t* sums2) {
   if (np_kq_row_bytes(fmt, K) < 0) return -1;
+  if (!isa_supported(isa)) return -2;
   const int64_t nd = act_blocks(fmt, K), ns = act_sums(fmt, K);
-  for (int64_t m = 0; m < M; ++m) {
-    quantize_act(fmt, x + m * x_stride, K, q + m * K, d + m * nd, sums + m * ns);
-    if (q2) quantize_residual(fmt, x + m * x_stride, K, q + m * K, d + m * nd, q2 + m * K, d2 + m * nd, sums2 + m * ns);
-  }
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row(isa, fmt, x + m * x_stride, K, q + m * K, d + m * nd, sums + m * ns, q2 ? q2 + m * K : nullptr,
+                 q2 ? d2 + m * nd : nullptr, q2 ? sums2 + m * ns : nullptr);
   return 0;
 }
 
@@ -577,6 +595,21 @@ KQ_T static inline __m256i chunk_dot(__m256i w, const int8_t* x) {
   return dot_us(w, xv);
 }
 
+// acc + s16 * (the chunk's sums of 4 products): its u8 x s8 pairs (maddubs: pair sums stay inside int16 for
+// every format's raw values, IQ4's signed ones included) times each lane's sub-block scale s16 (int16), summed
+// into int32 lanes in one vpdpwssd (VNNI) or vpmaddwd + add, no 32-bit multiply
+template <int F>
+KQ_T static inline __m256i chunk_dot_scaled(__m256i acc, __m256i w, const int8_t* x, __m256i s16) {
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i pairs = F == IQ4_NL || F == IQ4_XS ? _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w))
+                                                   : _mm256_maddubs_epi16(w, xv);
+#if KQ_VNNI
+  return _mm256_dpwssd_epi32(acc, pairs, s16);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, s16));
+#endif
+}
+
 KQ_T static inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -584,20 +617,25 @@ KQ_T static inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// a super-block's float terms for one activation set: the integer sums acc scaled by d * dx into accf, the
-// offset and minimum corrections (from the set's sums of 16) into corr
+// a super-block's float terms for one activation set into accf: the integer sums acc less the offset's
+// (OFF times the sub-block scales . the set's sums of 16, in int32 lanes) scaled by d * dx, the minimums'
+// (mn . sums) by -dmin * dx; sc and mn the header's 16 scales and minimums as two int32 vectors each
 template <int F>
-KQ_T static inline void finish_k(const Header& h, __m256i acc, float dx, const int32_t* bs, __m256& accf, float& corr) {
-  constexpr int OFF = F == Q6_K ? 32 : F == Q3_K ? 4 : 0;
+KQ_T static inline void finish_k(const Header& h, const __m256i* sc, const __m256i* mn, __m256i acc, float dx,
+                                 const int32_t* bs, __m256& accf) {
+  constexpr int OFF_SHIFT = F == Q6_K ? 5 : F == Q3_K ? 2 : -1;  // offset 32 or 4
   constexpr bool MIN = F == Q2_K || F == Q5_K;
-  int32_t off = 0, msum = 0;
-  for (int j = 0; j < 16; ++j) {
-    if (OFF) off += h.sc[j] * bs[j];
-    if (MIN) msum += h.mn[j] * bs[j];
+  const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs));
+  const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + 8));
+  if (OFF_SHIFT >= 0) {
+    const __m256i off = _mm256_add_epi32(_mm256_mullo_epi32(sc[0], b0), _mm256_mullo_epi32(sc[1], b1));
+    acc = _mm256_sub_epi32(acc, _mm256_slli_epi32(off, OFF_SHIFT < 0 ? 0 : OFF_SHIFT));
   }
-  const float dd = h.d * dx;
-  accf = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(dd), accf);
-  corr -= dd * static_cast<float>(OFF * off) + dx * (h.dmin * static_cast<float>(msum));
+  accf = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(h.d * dx), accf);
+  if (MIN) {
+    const __m256i m = _mm256_add_epi32(_mm256_mullo_epi32(mn[0], b0), _mm256_mullo_epi32(mn[1], b1));
+    accf = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(-(h.dmin * dx)), accf);
+  }
 }
 
 // X2: the residual's set too, against each chunk unpacked once
@@ -605,35 +643,39 @@ template <int F, int R, bool X2>
 KQ_T void dot_k(const uint8_t* row, int64_t K, const Act* a, const int64_t* ms, float* out) {
   const int64_t nb = K / QK, ts = type_size(F);
   __m256 accf[R];
-  float corr[R];
-  for (int r = 0; r < R; ++r) accf[r] = _mm256_setzero_ps(), corr[r] = 0.f;
+  for (int r = 0; r < R; ++r) accf[r] = _mm256_setzero_ps();
   Header h;
   for (int64_t i = 0; i < nb; ++i) {
     const uint8_t* b = row + i * ts;
     header(F, b, h);
-    // chunk c's 8 lanes: scale 2c in lanes 0-3, 2c + 1 in lanes 4-7 (a permute of the 8 scales of its half)
-    const __m256i sc_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.sc));
-    const __m256i sc_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.sc + 8));
+    const __m256i sc[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.sc)),
+                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.sc + 8))};
+    const __m256i mn[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.mn)),
+                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.mn + 8))};
+    // chunk c's 16 int16 lanes: scale 2c in lanes 0-7, 2c + 1 in lanes 8-15 (a permute of the 8 scales of its
+    // half, then each int32's low half doubled: every scale fits in int16)
+    const __m256i dup = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                         0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
     __m256i acc[R], acc2[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256(), acc2[r] = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {
       const __m256i w = chunk<F>(b, c);
       const int e = 2 * (c % 4);
       const __m256i idx = _mm256_setr_epi32(e, e, e, e, e + 1, e + 1, e + 1, e + 1);
-      const __m256i s = _mm256_permutevar8x32_epi32(c < 4 ? sc_lo : sc_hi, idx);
+      const __m256i s = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc[c / 4], idx), dup);
       for (int r = 0; r < R; ++r) {
         const int64_t at = ms[r] * K + i * QK + 32 * c;
-        acc[r] = _mm256_add_epi32(acc[r], _mm256_mullo_epi32(chunk_dot<F>(w, a->q + at), s));
-        if (X2) acc2[r] = _mm256_add_epi32(acc2[r], _mm256_mullo_epi32(chunk_dot<F>(w, a->q2 + at), s));
+        acc[r] = chunk_dot_scaled<F>(acc[r], w, a->q + at, s);
+        if (X2) acc2[r] = chunk_dot_scaled<F>(acc2[r], w, a->q2 + at, s);
       }
     }
     for (int r = 0; r < R; ++r) {
       const int64_t at = ms[r] * (K / 16) + i * 16, id = ms[r] * nb + i;
-      finish_k<F>(h, acc[r], a->d[id], a->sum + at, accf[r], corr[r]);
-      if (X2) finish_k<F>(h, acc2[r], a->d2[id], a->sum2 + at, accf[r], corr[r]);
+      finish_k<F>(h, sc, mn, acc[r], a->d[id], a->sum + at, accf[r]);
+      if (X2) finish_k<F>(h, sc, mn, acc2[r], a->d2[id], a->sum2 + at, accf[r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(accf[r]) + corr[r];
+  for (int r = 0; r < R; ++r) out[r] = hsum(accf[r]);
 }
 
 // one block of 32 against one activation set (q, d, sum at block id): into accf, its offset or minimum into corr
@@ -669,6 +711,11 @@ KQ_T void dot_32(const uint8_t* row, int64_t K, const Act* a, const int64_t* ms,
     }
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(accf[r]) + corr[r];
+}
+
+KQ_T void quantize_row(int f, const float* x, int64_t K, int8_t* q, float* d, int32_t* sums, int8_t* q2, float* d2,
+                       int32_t* sums2) {
+  quantize_row_inline(f, x, K, q, d, sums, q2, d2, sums2);
 }
 
 template <int F, bool X2>
