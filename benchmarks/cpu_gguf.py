@@ -281,7 +281,7 @@ def main() -> None:
         r = compare_logprobs(reference.logprobs(text_ids), got, text_ids)
         reference.llm.close()
         print(f"\nquality on {DATA.name} ({len(text_ids)} tokens), activations {acts}: mean KL(float32 compute || "
-              f"nanoplug) {r['kl_mean']:.6f} nats (max {r['kl_max']:.4f}), perplexity {r['ppl_ref']:.4f} vs "
+              f"nanoplug) {r['kl_mean']:.3g} nats (max {r['kl_max']:.3g}), perplexity {r['ppl_ref']:.4f} vs "
               f"{r['ppl_got']:.4f} ({100 * (r['ppl_got'] / r['ppl_ref'] - 1):+.3f}%), top-1 agreement {100 * r['top1']:.1f}%")
     if args.quality and not args.no_llama:
         engines = [e for e in engines if e.label != "llama.cpp"]
