@@ -650,8 +650,19 @@ KQ_T void dot_k(const uint8_t* row, int64_t K, const Act* a, const int64_t* ms, 
     header(F, b, h);
     const __m256i sc[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.sc)),
                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.sc + 8))};
-    const __m256i mn[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.mn)),
-                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.mn + 8))};
+    __m256i mn[2];
+    // Q5_K: built from its 8 minimums in registers; loaded back from h.mn just after header()'s scalar stores, they
+    // made the AVX-512 pass's one-row GEMV slower than the scalar sums they replaced
+    if (F == Q5_K) {
+      int32_t m8[8];
+      for (int j = 0; j < 8; ++j) m8[j] = h.mn[2 * j];
+      const __m128i lo = _mm_setr_epi32(m8[0], m8[0], m8[1], m8[1]), lo2 = _mm_setr_epi32(m8[2], m8[2], m8[3], m8[3]);
+      const __m128i hi = _mm_setr_epi32(m8[4], m8[4], m8[5], m8[5]), hi2 = _mm_setr_epi32(m8[6], m8[6], m8[7], m8[7]);
+      mn[0] = _mm256_set_m128i(lo2, lo), mn[1] = _mm256_set_m128i(hi2, hi);
+    } else {
+      mn[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.mn));
+      mn[1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.mn + 8));
+    }
     // chunk c's 16 int16 lanes: scale 2c in lanes 0-7, 2c + 1 in lanes 8-15 (a permute of the 8 scales of its
     // half, then each int32's low half doubled: every scale fits in int16)
     const __m256i dup = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
