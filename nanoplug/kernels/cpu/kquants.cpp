@@ -22,8 +22,9 @@
 // float32 compute's quality (llama.cpp's one int8 set is not: it is the int8 mode), for twice the integer
 // dot products and no more weight bytes streamed.
 //
-// Dispatch. Built without -march flags (like quant.cpp): the AVX2 and AVX-512 VNNI paths (the same code,
-// the latter with vpdpbusd on 256-bit vectors where the former needs vpmaddubsw + vpmaddwd) are this file
+// Dispatch. Built without -march flags (like quant.cpp): the AVX2 and AVX-512 VNNI paths (the same code on
+// 256-bit vectors; a K-quant chunk's pair sums vpmaddubsw, then its sub-block scales by vpdpwssd on VNNI where
+// AVX2 needs vpmaddwd + vpaddd; a block of 32 vpdpbusd against vpmaddubsw + vpmaddwd) are this file
 // compiled again inside itself, each pass under its target attribute, chosen at run time; the portable
 // C++ path serves everywhere (and in tests). Dequantization is exact: it equals gguf-py's, computed in
 // float32 in gguf-py's order (-ffp-contract=off keeps it so).
