@@ -14,8 +14,9 @@ best of `--repeats`, since the machine may be shared. One prompt of `--prompt-to
 - resident weight memory: the bytes of the model's parameters and buffers (the RoPE tables apart), and
   the process's resident memory after each engine is built;
 - `--quality`: per-token log-probabilities of a fixed text (benchmarks/data/apache-2.0.txt, 2,224 tokens):
-  mean KL(float32 compute || nanoplug) against the float32 engine on the same weights dequantized (the
-  default's target: 0.002 nats), and KL(llama.cpp || nanoplug) on the same file where llama.cpp runs.
+  mean KL(float32 compute || nanoplug) against the float32 engine on the same file dequantized
+  (`quantization=None`; the default's target: 0.002 nats), and KL(llama.cpp || nanoplug) on the same file
+  where llama.cpp runs.
 
     python benchmarks/cpu_gguf.py --threads 2 --kv-cache fp16 --base-tree ../8c5112a --quality   # RESULTS.md
 """
@@ -273,14 +274,14 @@ def main() -> None:
           f"allocated, untouched pages not resident)"
           + (f"; llama.cpp's model grew it {rss_llama:.0f} MiB" if not args.no_llama else ""))
 
-    if args.quality:  # against float32 compute over the same weights (the dequantized folder): the issue's target
+    if args.quality:  # against float32 compute over the same weights (the file dequantized): the issue's target
         text_ids = tokenizer.encode(DATA.read_text())
         got = quant.logprobs(text_ids)
-        reference = NanoplugEngine(folder, "float32", **options)
+        reference = NanoplugEngine(gguf, "float32", quantization=None, **options)
         r = compare_logprobs(reference.logprobs(text_ids), got, text_ids)
         reference.llm.close()
         print(f"\nquality on {DATA.name} ({len(text_ids)} tokens), activations {acts}: mean KL(float32 compute || "
-              f"nanoplug) {r['kl_mean']:.6f} nats (max {r['kl_max']:.4f}), perplexity {r['ppl_ref']:.4f} vs "
+              f"nanoplug) {r['kl_mean']:.3g} nats (max {r['kl_max']:.3g}), perplexity {r['ppl_ref']:.4f} vs "
               f"{r['ppl_got']:.4f} ({100 * (r['ppl_got'] / r['ppl_ref'] - 1):+.3f}%), top-1 agreement {100 * r['top1']:.1f}%")
     if args.quality and not args.no_llama:
         engines = [e for e in engines if e.label != "llama.cpp"]

@@ -5,9 +5,10 @@ Q5_0, Q5_1, IQ4_NL) against references no one here wrote:
   wrote (tests/data/llama_cpp_quants.gguf, written by `benchmarks/quantize_gguf.py --test-data`), on gguf-py's own
   quantization (Q5_0, Q5_1) and on random blocks (every bit pattern of the quants and scales);
 - the int8 activation blocks equal an independent numpy quantization (llama.cpp's Q8_K rule for the
-  K-quants, amax/127 blocks of 32 for the others);
+  K-quants, amax/127 blocks of 32 for the others), and int8x2's second set that quantization of the residual;
 - the int8 GEMM equals the float64 product of gguf-py's weights with those quantized activations within
-  float32 rounding, and the float32 GEMM the product with the exact activations;
+  float32 rounding, the int8x2 GEMM the product with both sets' sum (the two-pass integer dot), and the
+  float32 GEMM the product with the exact activations; int8x2 lands far closer to that than int8;
 
 on every dispatch path this CPU runs (the portable one always), one row, several row tiles, strided
 activations and a bias."""
@@ -82,7 +83,7 @@ def test_dequantize_llama_cpp_and_gguf_py_quantizations_exactly(kq):
 
 
 def test_q5_0_widened_to_q8_0_keeps_gguf_py_values_exactly():
-    """The C++ path keeps Q5_0 as Q8_0 panels (kernels/gguf/cpu_linear.py WIDENED): every bit pattern of its blocks,
+    """The C++ path keeps Q5_0 as Q8_0 panels beside Q8_0 parts (kernels/gguf/cpu_linear.py WIDENED): every bit pattern of its blocks,
     and llama.cpp's own Q5_0 tensors, dequantize through Q8_0 to gguf-py's Q5_0 values bit for bit."""
     from nanoplug.kernels.gguf.cpu_linear import q5_0_as_q8_0
 
@@ -123,14 +124,26 @@ def dequantized_activations(fmt: str, q: np.ndarray, d: np.ndarray) -> np.ndarra
     return (q.reshape(m, k // block, block).astype(np.float64) * d[..., None]).reshape(m, k)
 
 
+def residual(fmt: str, x: np.ndarray, q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """x - d * q in float32, as int8x2 quantizes it again."""
+    block = 256 if FORMATS[fmt] in K_QUANTS else 32
+    m, k = x.shape
+    xb, qb = x.reshape(m, k // block, block), q.reshape(m, k // block, block).astype(np.float32)
+    return (xb - d[..., None] * qb).reshape(m, k)
+
+
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_int8_activations_equal_an_independent_quantization(kq, fmt):
     k = 512
     x = np.random.default_rng(2).standard_normal((3, k)).astype(np.float32)
     x[1, :256] = 0.0  # an all-zero block
-    q, d, sums = kq.quantize_activations(fmt, torch.from_numpy(x))
     rq, rd, rsums = quantize_reference(fmt, x)
-    assert np.array_equal(q.numpy(), rq) and np.array_equal(d.numpy(), rd) and np.array_equal(sums.numpy(), rsums)
+    want = (rq, rd, rsums, *quantize_reference(fmt, residual(fmt, x, rq, rd)))
+    for isa in kq.isas:
+        for got, ref in zip(kq.quantize_activations(fmt, torch.from_numpy(x), residual=True, isa=isa), want):
+            assert np.array_equal(got.numpy(), ref), isa
+        got = kq.quantize_activations(fmt, torch.from_numpy(x), isa=isa)
+        assert len(got) == 3 and all(np.array_equal(a.numpy(), b) for a, b in zip(got, want)), isa
 
 
 @pytest.mark.parametrize("fmt,n,k", [(f, 37, 512 if FORMATS[f] in K_QUANTS else 96) for f in FORMATS])
@@ -142,18 +155,24 @@ def test_gemm_equals_the_float64_product(kq, fmt, n, k, m):
     big = torch.randn(m, k + 7)  # strided rows
     x = big[:, :k]
     bias = torch.randn(n)
-    rq, rd, _ = quantize_reference(fmt, x.contiguous().numpy())
+    xc = x.contiguous().numpy()
+    rq, rd, _ = quantize_reference(fmt, xc)
     xq = dequantized_activations(fmt, rq, rd)
-    want8 = xq @ w.T + bias.double().numpy()
-    want32 = x.double().numpy() @ w.T + bias.double().numpy()
-    # float32 rounding of the per-block sums: K * eps * sum |w x| (+ the bias)
-    tol8 = 2 * k * EPS32 * (np.abs(xq) @ np.abs(w).T + np.abs(bias.numpy()))
-    tol32 = 2 * k * EPS32 * (np.abs(x.double().numpy()) @ np.abs(w).T + np.abs(bias.numpy()))
+    xq2 = dequantized_activations(fmt, *quantize_reference(fmt, residual(fmt, xc, rq, rd))[:2])
+    b = bias.double().numpy()
+    # mode -> (the product it must equal, the activations' two sets of |values| it sums over)
+    wants = {"int8": (xq @ w.T + b, np.abs(xq)), "int8x2": ((xq + xq2) @ w.T + b, np.abs(xq) + np.abs(xq2)),
+             "float": (xc.astype(np.float64) @ w.T + b, np.abs(xc))}
     for isa in kq.isas:
-        got8 = kq.linear(x, fmt, packed, n, k, bias, int8=True, isa=isa).double().numpy()
-        assert np.all(np.abs(got8 - want8) <= tol8), (isa, np.abs(got8 - want8).max())
-        got32 = kq.linear(x, fmt, packed, n, k, bias, int8=False, isa=isa).double().numpy()
-        assert np.all(np.abs(got32 - want32) <= tol32), (isa, np.abs(got32 - want32).max())
+        got = {}
+        for act, (want, ax) in wants.items():
+            got[act] = kq.linear(x, fmt, packed, n, k, bias, act=act, isa=isa).double().numpy()
+            # float32 rounding of the per-block sums: K * eps * sum |w x| (+ the bias)
+            tol = 2 * k * EPS32 * (ax @ np.abs(w).T + np.abs(b))
+            assert np.all(np.abs(got[act] - want) <= tol), (isa, act, np.abs(got[act] - want).max())
+        exact = wants["float"][0]
+        err8, err_x2 = (np.abs(got[act] - exact).mean() for act in ("int8", "int8x2"))
+        assert err_x2 < err8 / 20, (isa, err8, err_x2)
 
 
 def test_bad_inputs_say_what_is_wrong(kq):

@@ -1,7 +1,7 @@
 """The GGUF weight kernels (nanoplug/cpu_kernels/quant.cpp) against references no one here wrote:
 
 - repack + dequantize equals gguf-py's own `gguf.quants.dequantize` bit for bit, for Q4_0, Q4_1,
-  Q8_0 and Q4_K blocks (quantized by gguf-py where it can, random bytes with sane scales for Q4_K),
+  Q5_0, Q8_0 and Q4_K blocks (quantized by gguf-py where it can, random bytes with sane scales for Q4_K),
   whole tensors and gathered rows;
 - the float32-activation GEMM equals dequantize-then-float64-matmul within float32 rounding (the
   a-priori bound K * eps * sum|w x|);
@@ -57,6 +57,7 @@ def reference(fmt: str, raw: np.ndarray, n: int, k: int) -> np.ndarray:
 
 
 SHAPES = {"Q4_0": [(1, 32), (17, 96), (48, 160)], "Q4_1": [(1, 32), (17, 96), (45, 576)],
+          "Q5_0": [(1, 32), (17, 96), (33, 160)],
           "Q8_0": [(1, 32), (17, 96), (33, 160)], "Q4_K": [(1, 256), (17, 512), (40, 256)]}
 CASES = [(fmt, n, k) for fmt, shapes in SHAPES.items() for n, k in shapes]
 
@@ -72,10 +73,28 @@ def test_dequantize_equals_gguf_py_exactly(qk, fmt, n, k):
     assert np.array_equal(qk.dequantize(fmt, packed, n, k, ids).numpy(), ref[ids.numpy()])
 
 
+def test_q5_0_every_bit_pattern(qk):
+    """Random bytes as Q5_0 blocks (every fifth-bit pattern, which gguf-py's quantizer may not write): exact
+    dequantization, and every path's product equal to the float64 one within float32 rounding."""
+    from _gguf_files import random_blocks
+
+    n, k = 17, 96
+    raw = random_blocks("Q5_0", n, k, seed=4, scale=0.3)
+    packed = qk.pack("Q5_0", torch.from_numpy(raw), n, k)
+    ref = reference("Q5_0", raw, n, k)
+    assert np.array_equal(qk.dequantize("Q5_0", packed, n, k).numpy().view(np.uint32), ref.view(np.uint32))
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(5))
+    exact = x.numpy().astype(np.float64) @ ref.astype(np.float64).T
+    bound = k * EPS32 * (np.abs(x.numpy()) @ np.abs(ref).T) + 1e-30
+    for isa in qk.isas:
+        got = qk.linear(x, "Q5_0", packed, n, k, act="float", isa=isa).numpy()
+        assert np.all(np.abs(got - exact) <= bound), isa
+
+
 def test_packed_size_is_the_files(qk):
     """Bytes per weight stay the file's (Q4_K: 148 bytes per 256 weights instead of 144), up to the
     padding of the last panel of 16 rows."""
-    for fmt, per in (("Q4_0", 18 / 32), ("Q4_1", 20 / 32), ("Q8_0", 34 / 32), ("Q4_K", 148 / 256)):
+    for fmt, per in (("Q4_0", 18 / 32), ("Q4_1", 20 / 32), ("Q5_0", 22 / 32), ("Q8_0", 34 / 32), ("Q4_K", 148 / 256)):
         assert qk.packed_size(fmt, 4096, 4096) == 4096 * 4096 * per
     assert qk.packed_size("Q4_1", 17, 32) == 32 * 20
 

@@ -1,7 +1,9 @@
 """The kernels of kquants.cpp (Q2_K, Q3_K, Q5_K, Q6_K, IQ4_XS, Q5_0, Q5_1, IQ4_NL) as torch functions, with
 the interface of quant_ops.QuantKernels: `pack` (the file's blocks kept as they are, one contiguous copy),
-`dequantize` rows exactly as gguf-py does, `linear`/`matmul` with int8 activations (llama.cpp's Q8_K
-blocks for the K-quants, blocks of 32 for the others) or float32 ones.
+`dequantize` rows exactly as gguf-py does, `linear`/`matmul` with the activations of any mode of
+quant_ops.ACTS: int8 blocks of x and of its residual (int8x2, float32 compute's quality), int8 blocks as
+llama.cpp's (its Q8_K blocks for the K-quants, blocks of 32 for the others), or float32 ones (the slow path:
+each weight row dequantized).
 
 kquants.cpp is built as its own library without `-march` flags, its AVX-512 VNNI and AVX2 paths chosen
 at run time from what this CPU reports (the portable path serves elsewhere, and in tests).
@@ -16,8 +18,9 @@ from typing import Callable
 import torch
 
 from nanoplug.kernels.cpu.build import BuiltLibrary, IsaKernels
+from nanoplug.kernels.cpu.quant_ops import act_id
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 SOURCE = pathlib.Path(__file__).with_name("kquants.cpp")
 LIBRARY_NAME = "libnanoplug_kquants.so"
 VARIANTS = (["-ffp-contract=off", "-fopenmp"], ["-ffp-contract=off"])
@@ -34,7 +37,7 @@ _SIGNATURES = {
     "np_kq_isa_supported": (_C, [_C]),
     "np_kq_row_bytes": (_I, [_C, _I]),
     "np_kq_dequant_rows": (_C, [_C, _P, _I, _I, _P, _I, _P]),
-    "np_kq_quantize_act": (_C, [_C, _P, _I, _I, _I, _P, _P, _P]),
+    "np_kq_quantize_act": (_C, [_C, _C, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P]),
     "np_kq_linear": (_C, [_C, _C, _C, _P, _I, _I, _P, _I, _I, _P, _P]),
 }
 
@@ -86,41 +89,48 @@ class KQuantKernels(IsaKernels):
             raise IndexError(f"row ids out of range for a weight of {n} rows")
         return out
 
-    def quantize_activations(self, fmt: int | str, x: torch.Tensor):
+    def quantize_activations(self, fmt: int | str, x: torch.Tensor, residual: bool = False, isa: str | None = None):
         """x [M, K] -> (int8 q [M, K], float32 scales d [M, blocks], int32 sums): the activation blocks the
         int8 path multiplies `fmt` with (K-quants: llama.cpp's Q8_K, blocks of 256 and sums of 16; others:
-        blocks of 32 and their sums)."""
+        blocks of 32 and their sums). `residual`: the int8x2 path's second set too, the blocks of
+        x - d * q, as (q, d, sums, q2, d2, sums2). Every path (`isa`) computes the same values."""
         fid = format_id(fmt)
         x = x if x.stride(-1) == 1 else x.contiguous()
         m, k = x.shape
         row_bytes(fid, k)
         block = 256 if fid in K_QUANTS else 32
-        q = torch.empty(m, k, dtype=torch.int8)
-        d = torch.empty(m, k // block)
-        sums = torch.empty(m, k // 16 if fid in K_QUANTS else k // 32, dtype=torch.int32)
-        self._lib.np_kq_quantize_act(fid, x.data_ptr(), x.stride(0), m, k, q.data_ptr(), d.data_ptr(), sums.data_ptr())
-        return q, d, sums
+
+        def blocks():
+            return (torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // block),
+                    torch.empty(m, k // 16 if fid in K_QUANTS else k // 32, dtype=torch.int32))
+
+        sets = blocks() + (blocks() if residual else (None, None, None))
+        self._lib.np_kq_quantize_act(self._isa(isa), fid, x.data_ptr(), x.stride(0), m, k,
+                                     *(None if t is None else t.data_ptr() for t in sets))
+        return sets if residual else sets[:3]
 
     def linear(self, x: torch.Tensor, fmt: int | str, packed: torch.Tensor, n: int, k: int,
-               bias: torch.Tensor | None = None, int8: bool = True, isa: str | None = None) -> torch.Tensor:
-        """`F.linear(x, W, bias)` for float32 x [M, k] and W [n, k] in its blocks."""
-        return self.matmul(fmt, packed, n, k, isa)(x, bias, int8)
+               bias: torch.Tensor | None = None, act: str = "int8x2", isa: str | None = None) -> torch.Tensor:
+        """`F.linear(x, W, bias)` for float32 x [M, k] and W [n, k] in its blocks, the activations met as
+        `act` (one of quant_ops.ACTS) says."""
+        return self.matmul(fmt, packed, n, k, isa)(x, bias, act_id(act))
 
     def matmul(self, fmt: int | str, packed: torch.Tensor, n: int, k: int,
-               isa: str | None = None) -> Callable[[torch.Tensor, torch.Tensor | None, bool], torch.Tensor]:
-        """`mm(x, bias, int8)` for this one weight, its format, shape and path checked once here."""
+               isa: str | None = None) -> Callable[[torch.Tensor, torch.Tensor | None, int], torch.Tensor]:
+        """`mm(x, bias, act)` for this one weight, its format, shape and path checked once here; `act` is an
+        index of quant_ops.ACTS (quant_ops.QuantKernels.matmul's interface)."""
         fn, isa_id, fid, ptr = self._lib.np_kq_linear, self._isa(isa), format_id(fmt), packed.data_ptr()
         if packed.dtype != torch.uint8 or packed.numel() < n * row_bytes(fid, k):
             raise ValueError(f"not a {fmt} weight of [{n}, {k}] in its blocks")
         f32, empty = torch.float32, torch.empty
 
-        def mm(x: torch.Tensor, bias: torch.Tensor | None, int8: bool = True) -> torch.Tensor:
+        def mm(x: torch.Tensor, bias: torch.Tensor | None, act: int) -> torch.Tensor:
             if x.dim() != 2 or x.stride(-1) != 1:
                 x = x.reshape(-1, x.shape[-1]).contiguous()
             if x.shape[1] != k or x.dtype != f32:
                 raise ValueError(f"the quantized linear takes float32 [rows, {k}], not {x.dtype} {list(x.shape)}")
             y = empty(x.shape[0], n, dtype=f32)
-            fn(isa_id, int(int8), fid, x.data_ptr(), x.stride(0), x.shape[0], ptr, n, k,
+            fn(isa_id, act, fid, x.data_ptr(), x.stride(0), x.shape[0], ptr, n, k,
                None if bias is None else bias.data_ptr(), y.data_ptr())
             return y
 

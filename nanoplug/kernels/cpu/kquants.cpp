@@ -16,8 +16,15 @@
 // are multiplied with the sign moved onto the activations. So the result is exactly sum_k w_k * x'_k
 // (x' the dequantized int8 activations), up to float32 rounding of the per-block sums.
 //
-// Dispatch. Built without -march flags (like quant.cpp): the AVX2 and AVX-512 VNNI paths (the same code,
-// the latter with vpdpbusd on 256-bit vectors where the former needs vpmaddubsw + vpmaddwd) are this file
+// "int8x2" (the default, as quant.cpp's): x is quantized so, then its residual x - d * q is quantized again into
+// a second set of the same blocks, and each block is two integer dot products against the weights unpacked
+// once, added with each set's scale: d q + d2 q2 holds x to about 1/64,000 of its block's largest value,
+// float32 compute's quality (llama.cpp's one int8 set is not: it is the int8 mode), for twice the integer
+// dot products and no more weight bytes streamed.
+//
+// Dispatch. Built without -march flags (like quant.cpp): the AVX2 and AVX-512 VNNI paths (the same code on
+// 256-bit vectors; a K-quant chunk's pair sums vpmaddubsw, then its sub-block scales by vpdpwssd on VNNI where
+// AVX2 needs vpmaddwd + vpaddd; a block of 32 vpdpbusd against vpmaddubsw + vpmaddwd) are this file
 // compiled again inside itself, each pass under its target attribute, chosen at run time; the portable
 // C++ path serves everywhere (and in tests). Dequantization is exact: it equals gguf-py's, computed in
 // float32 in gguf-py's order (-ffp-contract=off keeps it so).
@@ -229,10 +236,14 @@ struct Act {
   const float* d;      // [M][K / block] scale
   const int32_t* sum;  // [M][K / 16] (K-quants: the Q8_K sums of 16) or [M][K / 32] (blocks of 32)
   int64_t K;
+  // int8x2 only (else nullptr): the residual x - d * q quantized into the same blocks
+  const int8_t* q2 = nullptr;
+  const float* d2 = nullptr;
+  const int32_t* sum2 = nullptr;
 };
 
 // llama.cpp's quantize_row_q8_K_ref: iscale = -127 / (the x of largest |x|), q = round(iscale x), d = 1/iscale
-void quantize_q8k(const float* x, int64_t K, int8_t* q, float* d, int32_t* sums) {
+NP_INLINE void quantize_q8k(const float* x, int64_t K, int8_t* q, float* d, int32_t* sums) {
   for (int64_t i = 0; i < K / QK; ++i) {
     const float* xb = x + i * QK;
     float amax = 0.f, max = 0.f;
@@ -259,7 +270,7 @@ void quantize_q8k(const float* x, int64_t K, int8_t* q, float* d, int32_t* sums)
 }
 
 // blocks of 32: d = amax / 127 (float32), q = round(x / d), the block's sum
-void quantize_q8_32(const float* x, int64_t K, int8_t* q, float* d, int32_t* sums) {
+NP_INLINE void quantize_q8_32(const float* x, int64_t K, int8_t* q, float* d, int32_t* sums) {
   for (int64_t i = 0; i < K / 32; ++i) {
     const float* xb = x + i * 32;
     float amax = 0.f;
@@ -279,16 +290,57 @@ void quantize_q8_32(const float* x, int64_t K, int8_t* q, float* d, int32_t* sum
 int64_t act_blocks(int f, int64_t K) { return K / block_size(f); }
 int64_t act_sums(int f, int64_t K) { return is_k(f) ? K / 16 : K / 32; }
 
-void quantize_act(int f, const float* x, int64_t K, int8_t* q, float* d, int32_t* sums) {
+NP_INLINE void quantize_act(int f, const float* x, int64_t K, int8_t* q, float* d, int32_t* sums) {
   if (is_k(f))
     quantize_q8k(x, K, q, d, sums);
   else
     quantize_q8_32(x, K, q, d, sums);
 }
 
+// int8x2's second set: the residual x - d * q of each block (quantize_act's output) quantized the same way
+NP_INLINE void quantize_residual(int f, const float* x, int64_t K, const int8_t* q, const float* d, int8_t* q2,
+                                 float* d2, int32_t* sums2) {
+  const int64_t bs = block_size(f), per = is_k(f) ? 16 : 1;  // sums a block
+  float r[QK];
+  for (int64_t i = 0; i < K / bs; ++i) {
+    for (int64_t j = 0; j < bs; ++j) r[j] = x[i * bs + j] - d[i] * static_cast<float>(q[i * bs + j]);
+    quantize_act(f, r, bs, q2 + i * bs, d2 + i, sums2 + i * per);
+  }
+}
+
+// One activation row's blocks (q2 not nullptr: int8x2's residual set too). Inlined into each SIMD pass as well,
+// where rounding is an instruction rather than a call to nearbyintf (the same values: rounding, the float
+// steps and the integer sums are the same operations in any order).
+NP_INLINE void quantize_row_inline(int f, const float* x, int64_t K, int8_t* q, float* d, int32_t* sums, int8_t* q2,
+                                   float* d2, int32_t* sums2) {
+  quantize_act(f, x, K, q, d, sums);
+  if (q2) quantize_residual(f, x, K, q, d, q2, d2, sums2);
+}
+
 // ---- portable path ----
 
-// out[r] = row . activation row r (r < R), int8 activations
+// block i of weight values v (header h) . block i of activation row m of one set (q, d, sum)
+float block_dot_portable(int f, const Header& h, const int8_t* v, int64_t i, int64_t m, int64_t K, const int8_t* q,
+                         const float* d, const int32_t* sum) {
+  const int64_t bs = block_size(f), nb = K / bs;
+  const int8_t* x = q + m * K + i * bs;
+  const float dx = d[m * nb + i];
+  if (is_k(f)) {
+    int32_t isum = 0, msum = 0;
+    for (int j = 0; j < 16; ++j) {
+      int32_t s = 0;
+      for (int l = 0; l < 16; ++l) s += v[16 * j + l] * x[16 * j + l];
+      isum += h.sc[j] * s;
+      msum += h.mn[j] * sum[m * (K / 16) + i * 16 + j];
+    }
+    return dx * (h.d * static_cast<float>(isum)) - dx * (h.dmin * static_cast<float>(msum));
+  }
+  int32_t s = 0;
+  for (int l = 0; l < 32; ++l) s += v[l] * x[l];
+  return (h.d * dx) * static_cast<float>(s) - h.dmin * (dx * static_cast<float>(sum[m * nb + i]));
+}
+
+// out[r] = row . activation row r (r < R), int8 activations (int8x2: both sets, each block unpacked once)
 void dot_rows_portable(int f, const uint8_t* row, int64_t K, const Act* a, const int64_t* ms, int R, float* out) {
   const int64_t bs = block_size(f), ts = type_size(f), nb = K / bs;
   int8_t v[QK];
@@ -299,23 +351,8 @@ void dot_rows_portable(int f, const uint8_t* row, int64_t K, const Act* a, const
     header(f, b, h);
     for (int k = 0; k < bs; ++k) v[k] = static_cast<int8_t>(value_of(f, raw_at(f, b, k)));
     for (int r = 0; r < R; ++r) {
-      const int64_t m = ms[r];
-      const int8_t* x = a->q + m * K + i * bs;
-      const float dx = a->d[m * nb + i];
-      if (is_k(f)) {
-        int32_t isum = 0, msum = 0;
-        for (int j = 0; j < 16; ++j) {
-          int32_t s = 0;
-          for (int l = 0; l < 16; ++l) s += v[16 * j + l] * x[16 * j + l];
-          isum += h.sc[j] * s;
-          msum += h.mn[j] * a->sum[m * (K / 16) + i * 16 + j];
-        }
-        out[r] += dx * (h.d * static_cast<float>(isum)) - dx * (h.dmin * static_cast<float>(msum));
-      } else {
-        int32_t s = 0;
-        for (int l = 0; l < 32; ++l) s += v[l] * x[l];
-        out[r] += (h.d * dx) * static_cast<float>(s) - h.dmin * (dx * static_cast<float>(a->sum[m * nb + i]));
-      }
+      out[r] += block_dot_portable(f, h, v, i, ms[r], K, a->q, a->d, a->sum);
+      if (a->q2) out[r] += block_dot_portable(f, h, v, i, ms[r], K, a->q2, a->d2, a->sum2);
     }
   }
 }
@@ -357,6 +394,15 @@ bool isa_supported(int isa) {
   return false;
 }
 
+void quantize_row(int isa, int f, const float* x, int64_t K, int8_t* q, float* d, int32_t* sums, int8_t* q2,
+                  float* d2, int32_t* sums2) {
+#ifdef NP_X86
+  if (isa == AVX512) return kq_avx512::quantize_row(f, x, K, q, d, sums, q2, d2, sums2);
+  if (isa == AVX2) return kq_avx2::quantize_row(f, x, K, q, d, sums, q2, d2, sums2);
+#endif
+  quantize_row_inline(f, x, K, q, d, sums, q2, d2, sums2);
+}
+
 // up to 4 activation rows against one weight row
 void dot_rows(int isa, int f, const uint8_t* row, int64_t K, const Act* a, const int64_t* ms, int R, float* out) {
 #ifdef NP_X86
@@ -368,10 +414,12 @@ void dot_rows(int isa, int f, const uint8_t* row, int64_t K, const Act* a, const
 
 constexpr int64_t ROW_TILE = 4;
 
-void linear(int isa, int int8_act, int f, const float* x, int64_t x_stride, int64_t M, const uint8_t* w, int64_t N,
+enum ActMode : int { ACT_FLOAT = 0, ACT_INT8 = 1, ACT_INT8X2 = 2 };  // quant.cpp's ids (quant_ops.ACTS)
+
+void linear(int isa, int act, int f, const float* x, int64_t x_stride, int64_t M, const uint8_t* w, int64_t N,
             int64_t K, const float* bias, float* y) {
   const int64_t rb = K / block_size(f) * type_size(f);
-  if (!int8_act) {  // float32 activations: each weight row dequantized, then float32 dot products
+  if (act == ACT_FLOAT) {  // float32 activations: each weight row dequantized, then float32 dot products
 #pragma omp parallel
     {
       std::vector<float> wr(K);
@@ -393,15 +441,22 @@ void linear(int isa, int int8_act, int f, const float* x, int64_t x_stride, int6
   static thread_local std::vector<float> d_buf;
   static thread_local std::vector<int32_t> s_buf;
   const int64_t nd = act_blocks(f, K), ns = act_sums(f, K);
-  if (static_cast<int64_t>(q_buf.size()) < M * K) q_buf.resize(M * K);
-  if (static_cast<int64_t>(d_buf.size()) < M * nd) d_buf.resize(M * nd);
-  if (static_cast<int64_t>(s_buf.size()) < M * ns) s_buf.resize(M * ns);
+  const bool x2 = act == ACT_INT8X2;
+  const int64_t copies = x2 ? 2 : 1;  // int8x2: the residual's set after x's
+  if (static_cast<int64_t>(q_buf.size()) < copies * M * K) q_buf.resize(copies * M * K);
+  if (static_cast<int64_t>(d_buf.size()) < copies * M * nd) d_buf.resize(copies * M * nd);
+  if (static_cast<int64_t>(s_buf.size()) < copies * M * ns) s_buf.resize(copies * M * ns);
   int8_t* q = q_buf.data();
   float* d = d_buf.data();
   int32_t* s = s_buf.data();
+  int8_t* q2 = x2 ? q + M * K : nullptr;
+  float* d2 = x2 ? d + M * nd : nullptr;
+  int32_t* s2 = x2 ? s + M * ns : nullptr;
 #pragma omp parallel for schedule(static) if (M >= 16)
-  for (int64_t m = 0; m < M; ++m) quantize_act(f, x + m * x_stride, K, q + m * K, d + m * nd, s + m * ns);
-  const Act a{q, d, s, K};
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row(isa, f, x + m * x_stride, K, q + m * K, d + m * nd, s + m * ns, x2 ? q2 + m * K : nullptr,
+                 x2 ? d2 + m * nd : nullptr, x2 ? s2 + m * ns : nullptr);
+  const Act a{q, d, s, K, q2, d2, s2};
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
@@ -419,7 +474,7 @@ void linear(int isa, int int8_act, int f, const float* x, int64_t x_stride, int6
 
 extern "C" {
 
-int np_kq_abi_version() { return 1; }
+int np_kq_abi_version() { return 2; }
 
 // 1 when this CPU can run path `isa` (0 portable, 1 AVX2, 2 AVX-512 VNNI)
 int np_kq_isa_supported(int isa) { return isa_supported(isa) ? 1 : 0; }
@@ -444,24 +499,30 @@ int np_kq_dequant_rows(int fmt, const uint8_t* w, int64_t N, int64_t K, const in
 }
 
 // The int8 activation blocks the int8 path multiplies `fmt` with: q [M, K], d [M, K / block], sums
-// [M, K / 16] (K-quants: Q8_K) or [M, K / 32]. Returns 0, or -1 for an unknown format or shape.
-int np_kq_quantize_act(int fmt, const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* q, float* d,
-                       int32_t* sums) {
+// [M, K / 16] (K-quants: Q8_K) or [M, K / 32]; q2, d2, sums2 (the same shapes, or all nullptr): int8x2's
+// second set, the residual's; computed by path `isa`. Returns 0, -1 for an unknown format or shape, -2 for a
+// path this CPU does not run.
+int np_kq_quantize_act(int isa, int fmt, const float* x, int64_t x_stride, int64_t M, int64_t K, int8_t* q, float* d,
+                       int32_t* sums, int8_t* q2, float* d2, int32_t* sums2) {
   if (np_kq_row_bytes(fmt, K) < 0) return -1;
+  if (!isa_supported(isa)) return -2;
+  const int64_t nd = act_blocks(fmt, K), ns = act_sums(fmt, K);
   for (int64_t m = 0; m < M; ++m)
-    quantize_act(fmt, x + m * x_stride, K, q + m * K, d + m * act_blocks(fmt, K), sums + m * act_sums(fmt, K));
+    quantize_row(isa, fmt, x + m * x_stride, K, q + m * K, d + m * nd, sums + m * ns, q2 ? q2 + m * K : nullptr,
+                 q2 ? d2 + m * nd : nullptr, q2 ? sums2 + m * ns : nullptr);
   return 0;
 }
 
 // y [M, N] = x [M, K] (rows at x_stride floats) @ W^T (+ bias), W the file's blocks [N, row bytes].
-// int8_act: activations quantized to int8 blocks (Q8_K / blocks of 32), else float32.
-// Returns 0; -1 unknown format or shape; -2 path not supported by this CPU.
-int np_kq_linear(int isa, int int8_act, int fmt, const float* x, int64_t x_stride, int64_t M, const uint8_t* w,
+// act: 0 float32 activations; 1 int8 blocks (Q8_K / blocks of 32, as llama.cpp); 2 int8x2, x and its
+// residual quantized (float32's quality). Returns 0; -1 unknown format, shape or act; -2 path not
+// supported by this CPU.
+int np_kq_linear(int isa, int act, int fmt, const float* x, int64_t x_stride, int64_t M, const uint8_t* w,
                  int64_t N, int64_t K, const float* bias, float* y) {
-  if (np_kq_row_bytes(fmt, K) < 0 || M < 0 || N <= 0) return -1;
+  if (np_kq_row_bytes(fmt, K) < 0 || M < 0 || N <= 0 || act < ACT_FLOAT || act > ACT_INT8X2) return -1;
   if (!isa_supported(isa)) return -2;
   if (M == 0) return 0;
-  linear(isa, int8_act, fmt, x, x_stride, M, w, N, K, bias, y);
+  linear(isa, act, fmt, x, x_stride, M, w, N, K, bias, y);
   return 0;
 }
 
@@ -535,6 +596,21 @@ KQ_T static inline __m256i chunk_dot(__m256i w, const int8_t* x) {
   return dot_us(w, xv);
 }
 
+// acc + s16 * (the chunk's sums of 4 products): its u8 x s8 pairs (maddubs: pair sums stay inside int16 for
+// every format's raw values, IQ4's signed ones included) times each lane's sub-block scale s16 (int16), summed
+// into int32 lanes in one vpdpwssd (VNNI) or vpmaddwd + add, no 32-bit multiply
+template <int F>
+KQ_T static inline __m256i chunk_dot_scaled(__m256i acc, __m256i w, const int8_t* x, __m256i s16) {
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i pairs = F == IQ4_NL || F == IQ4_XS ? _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w))
+                                                   : _mm256_maddubs_epi16(w, xv);
+#if KQ_VNNI
+  return _mm256_dpwssd_epi32(acc, pairs, s16);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, s16));
+#endif
+}
+
 KQ_T static inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -542,47 +618,93 @@ KQ_T static inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-template <int F, int R>
-KQ_T void dot_k(const uint8_t* row, int64_t K, const Act* a, const int64_t* ms, float* out) {
-  constexpr int OFF = F == Q6_K ? 32 : F == Q3_K ? 4 : 0;
+// a super-block's float terms for one activation set into accf: the integer sums acc less the offset's
+// (OFF times the sub-block scales . the set's sums of 16, in int32 lanes) scaled by d * dx, the minimums'
+// (mn . sums) by -dmin * dx; sc and mn the header's 16 scales and minimums as two int32 vectors each
+template <int F>
+KQ_T static inline void finish_k(const Header& h, const __m256i* sc, const __m256i* mn, __m256i acc, float dx,
+                                 const int32_t* bs, __m256& accf) {
+  constexpr int OFF_SHIFT = F == Q6_K ? 5 : F == Q3_K ? 2 : -1;  // offset 32 or 4
   constexpr bool MIN = F == Q2_K || F == Q5_K;
+  const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs));
+  const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + 8));
+  if (OFF_SHIFT >= 0) {
+    const __m256i off = _mm256_add_epi32(_mm256_mullo_epi32(sc[0], b0), _mm256_mullo_epi32(sc[1], b1));
+    acc = _mm256_sub_epi32(acc, _mm256_slli_epi32(off, OFF_SHIFT < 0 ? 0 : OFF_SHIFT));
+  }
+  accf = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(h.d * dx), accf);
+  if (MIN) {
+    const __m256i m = _mm256_add_epi32(_mm256_mullo_epi32(mn[0], b0), _mm256_mullo_epi32(mn[1], b1));
+    accf = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(-(h.dmin * dx)), accf);
+  }
+}
+
+// X2: the residual's set too, against each chunk unpacked once
+template <int F, int R, bool X2>
+KQ_T void dot_k(const uint8_t* row, int64_t K, const Act* a, const int64_t* ms, float* out) {
   const int64_t nb = K / QK, ts = type_size(F);
   __m256 accf[R];
-  float corr[R];
-  for (int r = 0; r < R; ++r) accf[r] = _mm256_setzero_ps(), corr[r] = 0.f;
+  for (int r = 0; r < R; ++r) accf[r] = _mm256_setzero_ps();
   Header h;
   for (int64_t i = 0; i < nb; ++i) {
     const uint8_t* b = row + i * ts;
     header(F, b, h);
-    // chunk c's 8 lanes: scale 2c in lanes 0-3, 2c + 1 in lanes 4-7 (a permute of the 8 scales of its half)
-    const __m256i sc_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.sc));
-    const __m256i sc_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.sc + 8));
-    __m256i acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+    const __m256i sc[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.sc)),
+                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.sc + 8))};
+    __m256i mn[2];
+    // Q5_K: built from its 8 minimums in registers; loaded back from h.mn just after header()'s scalar stores, they
+    // made the AVX-512 pass's one-row GEMV slower than the scalar sums they replaced
+    if (F == Q5_K) {
+      int32_t m8[8];
+      for (int j = 0; j < 8; ++j) m8[j] = h.mn[2 * j];
+      const __m128i lo = _mm_setr_epi32(m8[0], m8[0], m8[1], m8[1]), lo2 = _mm_setr_epi32(m8[2], m8[2], m8[3], m8[3]);
+      const __m128i hi = _mm_setr_epi32(m8[4], m8[4], m8[5], m8[5]), hi2 = _mm_setr_epi32(m8[6], m8[6], m8[7], m8[7]);
+      mn[0] = _mm256_set_m128i(lo2, lo), mn[1] = _mm256_set_m128i(hi2, hi);
+    } else {
+      mn[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.mn));
+      mn[1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.mn + 8));
+    }
+    // chunk c's 16 int16 lanes: scale 2c in lanes 0-7, 2c + 1 in lanes 8-15 (a permute of the 8 scales of its
+    // half, then each int32's low half doubled: every scale fits in int16)
+    const __m256i dup = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                         0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+    __m256i acc[R], acc2[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256(), acc2[r] = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {
       const __m256i w = chunk<F>(b, c);
       const int e = 2 * (c % 4);
       const __m256i idx = _mm256_setr_epi32(e, e, e, e, e + 1, e + 1, e + 1, e + 1);
-      const __m256i s = _mm256_permutevar8x32_epi32(c < 4 ? sc_lo : sc_hi, idx);
-      for (int r = 0; r < R; ++r)
-        acc[r] = _mm256_add_epi32(acc[r], _mm256_mullo_epi32(chunk_dot<F>(w, a->q + ms[r] * K + i * QK + 32 * c), s));
+      const __m256i s = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc[c / 4], idx), dup);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = ms[r] * K + i * QK + 32 * c;
+        acc[r] = chunk_dot_scaled<F>(acc[r], w, a->q + at, s);
+        if (X2) acc2[r] = chunk_dot_scaled<F>(acc2[r], w, a->q2 + at, s);
+      }
     }
     for (int r = 0; r < R; ++r) {
-      const int32_t* bs = a->sum + ms[r] * (K / 16) + i * 16;
-      int32_t off = 0, msum = 0;
-      for (int j = 0; j < 16; ++j) {
-        if (OFF) off += h.sc[j] * bs[j];
-        if (MIN) msum += h.mn[j] * bs[j];
-      }
-      const float dx = a->d[ms[r] * nb + i], dd = h.d * dx;
-      accf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_set1_ps(dd), accf[r]);
-      corr[r] -= dd * static_cast<float>(OFF * off) + dx * (h.dmin * static_cast<float>(msum));
+      const int64_t at = ms[r] * (K / 16) + i * 16, id = ms[r] * nb + i;
+      finish_k<F>(h, sc, mn, acc[r], a->d[id], a->sum + at, accf[r]);
+      if (X2) finish_k<F>(h, sc, mn, acc2[r], a->d2[id], a->sum2 + at, accf[r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(accf[r]) + corr[r];
+  for (int r = 0; r < R; ++r) out[r] = hsum(accf[r]);
 }
 
-template <int F, int R>
+// one block of 32 against one activation set (q, d, sum at block id): into accf, its offset or minimum into corr
+template <int F>
+KQ_T static inline void block_32(__m256i w, float d, const uint8_t* b, const int8_t* q, float dx, int32_t sum,
+                                 __m256& accf, float& corr) {
+  accf = _mm256_fmadd_ps(_mm256_cvtepi32_ps(chunk_dot<F>(w, q)), _mm256_set1_ps(d * dx), accf);
+  const float xs = dx * static_cast<float>(sum);
+  if (F == Q5_0) corr -= (16.f * d) * xs;
+  if (F == Q5_1) {
+    uint16_t mh;
+    std::memcpy(&mh, b + 2, 2);
+    corr += _cvtsh_ss(mh) * xs;
+  }
+}
+
+template <int F, int R, bool X2>
 KQ_T void dot_32(const uint8_t* row, int64_t K, const Act* a, const int64_t* ms, float* out) {
   const int64_t nb = K / 32, ts = type_size(F);
   __m256 accf[R];
@@ -595,31 +717,33 @@ KQ_T void dot_32(const uint8_t* row, int64_t K, const Act* a, const int64_t* ms,
     std::memcpy(&dh, b, 2);
     const float d = _cvtsh_ss(dh);
     for (int r = 0; r < R; ++r) {
-      const int64_t m = ms[r];
-      const __m256i p = chunk_dot<F>(w, a->q + m * K + i * 32);
-      const float dx = a->d[m * nb + i];
-      accf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * dx), accf[r]);
-      const float xs = dx * static_cast<float>(a->sum[m * nb + i]);
-      if (F == Q5_0) corr[r] -= (16.f * d) * xs;
-      if (F == Q5_1) {
-        uint16_t mh;
-        std::memcpy(&mh, b + 2, 2);
-        corr[r] += _cvtsh_ss(mh) * xs;
-      }
+      const int64_t at = ms[r] * K + i * 32, id = ms[r] * nb + i;
+      block_32<F>(w, d, b, a->q + at, a->d[id], a->sum[id], accf[r], corr[r]);
+      if (X2) block_32<F>(w, d, b, a->q2 + at, a->d2[id], a->sum2[id], accf[r], corr[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(accf[r]) + corr[r];
 }
 
-template <int F>
-KQ_T void dot_fmt(const uint8_t* row, int64_t K, const Act* a, const int64_t* ms, int R, float* out) {
+KQ_T void quantize_row(int f, const float* x, int64_t K, int8_t* q, float* d, int32_t* sums, int8_t* q2, float* d2,
+                       int32_t* sums2) {
+  quantize_row_inline(f, x, K, q, d, sums, q2, d2, sums2);
+}
+
+template <int F, bool X2>
+KQ_T void dot_tile(const uint8_t* row, int64_t K, const Act* a, const int64_t* ms, int R, float* out) {
   constexpr bool KQ = F == Q2_K || F == Q3_K || F == Q5_K || F == Q6_K || F == IQ4_XS;
   switch (R) {
-    case 4: return KQ ? dot_k<F, 4>(row, K, a, ms, out) : dot_32<F, 4>(row, K, a, ms, out);
-    case 3: return KQ ? dot_k<F, 3>(row, K, a, ms, out) : dot_32<F, 3>(row, K, a, ms, out);
-    case 2: return KQ ? dot_k<F, 2>(row, K, a, ms, out) : dot_32<F, 2>(row, K, a, ms, out);
-    default: return KQ ? dot_k<F, 1>(row, K, a, ms, out) : dot_32<F, 1>(row, K, a, ms, out);
+    case 4: return KQ ? dot_k<F, 4, X2>(row, K, a, ms, out) : dot_32<F, 4, X2>(row, K, a, ms, out);
+    case 3: return KQ ? dot_k<F, 3, X2>(row, K, a, ms, out) : dot_32<F, 3, X2>(row, K, a, ms, out);
+    case 2: return KQ ? dot_k<F, 2, X2>(row, K, a, ms, out) : dot_32<F, 2, X2>(row, K, a, ms, out);
+    default: return KQ ? dot_k<F, 1, X2>(row, K, a, ms, out) : dot_32<F, 1, X2>(row, K, a, ms, out);
   }
+}
+
+template <int F>
+KQ_T void dot_fmt(const uint8_t* row, int64_t K, const Act* a, const int64_t* ms, int R, float* out) {
+  return a->q2 ? dot_tile<F, true>(row, K, a, ms, R, out) : dot_tile<F, false>(row, K, a, ms, R, out);
 }
 
 KQ_T void dot_rows(int f, const uint8_t* row, int64_t K, const Act* a, const int64_t* ms, int R, float* out) {

@@ -1,11 +1,13 @@
-// nanoplug's CPU kernels for GGUF-quantized weights (Q4_0, Q4_1, Q8_0, Q4_K), kept quantized in memory.
+// nanoplug's CPU kernels for GGUF-quantized weights (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K), kept quantized in memory.
 //
 // Layout. A weight [N, K] is repacked once at load into panels of 16 output rows. Inside a panel each
 // 32-weight sub-block holds the 16 rows' scales (the file's float16 bits, or Q4_K's 6-bit scales and
 // their float16 super-block factors) and their quants transposed in 4-byte groups:
 // qs[g][row][4 bytes], g = 0..3 for the 4-bit formats (a byte's low nibble is weight k = 4g+j, its
 // high nibble k = 16+4g+j, as in the file's own byte), g = 0..7 for Q8_0 (stored as w ^ 0x80, an
-// unsigned byte). One 64-byte load then holds 4 consecutive weights of each of 16 rows: a VNNI
+// unsigned byte). Q5_0 is Q4_0's layout plus its fifth bits: after the nibbles, 8 64-bit masks per
+// sub-block, mask i's bit 4*row+j the fifth bit of weight 4i+j of that row (the bytes of quant group i
+// once its nibbles are unpacked), so an AVX-512 mask register adds them back in one instruction. One 64-byte load then holds 4 consecutive weights of each of 16 rows: a VNNI
 // vpdpbusd against 4 activation bytes broadcast gives the 16 rows' partial dot products in its 16
 // lanes, with no horizontal sum. The bytes per weight stay the file's (Q4_K: 148 bytes per 256 instead
 // of 144), so a decode step streams the quantized weights, not float32 copies.
@@ -43,29 +45,30 @@
 
 namespace {
 
-enum Format : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12 };
+enum Format : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12 };
 enum Isa : int { PORTABLE = 0, AVX2 = 1, AVX512 = 2, NEON_DOT = 3 };
 constexpr int64_t PR = 16;  // rows per panel
 constexpr int64_t SB = 32;  // weights per sub-block
 
-bool known(int fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0 || fmt == Q4_K; }
+bool known(int fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt == Q5_0 || fmt == Q8_0 || fmt == Q4_K; }
 int64_t file_block(int fmt) { return fmt == Q4_K ? 256 : 32; }
 int64_t file_type_size(int fmt) {
   switch (fmt) {
     case Q4_0: return 18;
     case Q4_1: return 20;
+    case Q5_0: return 22;
     case Q8_0: return 34;
     default: return 144;
   }
 }
-int64_t qs_bytes(int fmt) { return fmt == Q8_0 ? 512 : 256; }  // per sub-block per panel
+int64_t qs_bytes(int fmt) { return fmt == Q8_0 ? 512 : fmt == Q5_0 ? 320 : 256; }  // per sub-block per panel
 // A panel is a run of units, each its sub-blocks' scales (a 64-byte header; Q4_K: its super-block's
 // 320) followed by their quants, so one panel is read front to back as a single stream.
 int64_t unit_subs(int fmt) { return fmt == Q4_1 ? 1 : fmt == Q4_K ? 8 : 2; }
 int64_t unit_header(int fmt) { return fmt == Q4_K ? 320 : 64; }
 int64_t unit_bytes(int fmt) { return unit_header(fmt) + unit_subs(fmt) * qs_bytes(fmt); }
 int64_t panel_bytes(int fmt, int64_t K) { return (K / SB + unit_subs(fmt) - 1) / unit_subs(fmt) * unit_bytes(fmt); }
-// sub-block b's header (Q4_0/Q8_0: d[16] of its pair at +32 * (b % 2); Q4_1: d[16], m[16]; Q4_K: d[16],
+// sub-block b's header (Q4_0/Q5_0/Q8_0: d[16] of its pair at +32 * (b % 2); Q4_1: d[16], m[16]; Q4_K: d[16],
 // dmin[16], sc[8][16], m[8][16] of its super-block) and its quants
 inline const uint8_t* sub_header(int fmt, const uint8_t* panel, int64_t b) {
   return panel + b / unit_subs(fmt) * unit_bytes(fmt);
@@ -115,11 +118,18 @@ void pack_row(int fmt, const uint8_t* src, int64_t K, uint8_t* panel, int lane) 
   for (int64_t b = 0; b < K / SB; ++b) {
     uint8_t* hdr = const_cast<uint8_t*>(sub_header(fmt, panel, b));
     uint8_t bytes[32];  // this row's 16 (4-bit) or 32 (Q8_0) quant bytes of sub-block b, file order
-    if (fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0) {
+    if (fmt == Q4_0 || fmt == Q4_1 || fmt == Q5_0 || fmt == Q8_0) {
       const uint8_t* blk = src + b * file_type_size(fmt);
       std::memcpy(hdr + (fmt == Q4_1 ? 0 : b % 2 * 32) + lane * 2, blk, 2);
       if (fmt == Q4_1) std::memcpy(hdr + 32 + lane * 2, blk + 2, 2);
-      const uint8_t* q = blk + (fmt == Q4_1 ? 4 : 2);
+      const uint8_t* q = blk + (fmt == Q5_0 ? 6 : fmt == Q4_1 ? 4 : 2);
+      if (fmt == Q5_0) {  // the fifth bits: weight k's (file bit k) into mask k % 16 / 4 + 4 * (k >= 16)
+        uint32_t qh;
+        std::memcpy(&qh, blk + 2, 4);
+        uint64_t* masks = reinterpret_cast<uint64_t*>(const_cast<uint8_t*>(sub_qs(fmt, panel, b)) + 256);
+        for (int k = 0; k < 32; ++k)
+          if (qh >> k & 1u) masks[k % 16 / 4 + 4 * (k >= 16)] |= uint64_t{1} << (lane * 4 + k % 4);
+      }
       if (fmt == Q8_0)
         for (int i = 0; i < 32; ++i) bytes[i] = q[i] ^ 0x80;
       else
@@ -143,7 +153,7 @@ void pack_row(int fmt, const uint8_t* src, int64_t K, uint8_t* panel, int lane) 
   }
 }
 
-// The 32 quants of sub-block b of lane `lane` (4-bit: 0..15; Q8_0: the signed value) as ints.
+// The 32 quants of sub-block b of lane `lane` (4-bit: 0..15; Q5_0: 0..31; Q8_0: the signed value) as ints.
 inline void lane_quants(int fmt, const uint8_t* qs_b, int lane, int32_t* q) {
   if (fmt == Q8_0) {
     for (int k = 0; k < 32; ++k) q[k] = static_cast<int8_t>(qs_b[((k / 4) * PR + lane) * 4 + k % 4] ^ 0x80);
@@ -153,15 +163,23 @@ inline void lane_quants(int fmt, const uint8_t* qs_b, int lane, int32_t* q) {
       q[j] = v & 0xF;
       q[j + 16] = v >> 4;
     }
+    if (fmt == Q5_0) {
+      const uint8_t* masks = qs_b + 256;
+      for (int k = 0; k < 32; ++k) {
+        const int i = k % 16 / 4 + 4 * (k >= 16), bit = lane * 4 + k % 4;
+        q[k] |= (masks[i * 8 + bit / 8] >> (bit % 8) & 1) << 4;
+      }
+    }
   }
 }
 
 // Sub-block b of lane `lane`: its float factors, as gguf-py computes them: w = a * q + c
-// (Q4_0: q - 8 folded into c = -8a would not be exact, so Q4_0 reports a and subtracts 8 from q).
+// (Q4_0: q - 8 folded into c = -8a would not be exact, so Q4_0 reports a and subtracts 8 from q; Q5_0 16).
 inline void lane_factors(int fmt, const uint8_t* panel, int64_t b, int lane, float* a, float* c) {
   const uint8_t* hdr = sub_header(fmt, panel, b);
   switch (fmt) {
     case Q4_0:
+    case Q5_0:
     case Q8_0:
       *a = half_to_float(rd16(hdr + b % 2 * 32 + lane * 2));
       *c = 0.f;
@@ -187,6 +205,7 @@ void dequant_row(int fmt, const uint8_t* panel, int64_t K, int lane, float* out)
     float* o = out + b * SB;
     switch (fmt) {
       case Q4_0: for (int k = 0; k < 32; ++k) o[k] = a * static_cast<float>(q[k] - 8); break;
+      case Q5_0: for (int k = 0; k < 32; ++k) o[k] = a * static_cast<float>(q[k] - 16); break;
       case Q8_0: for (int k = 0; k < 32; ++k) o[k] = static_cast<float>(q[k]) * a; break;
       case Q4_1: for (int k = 0; k < 32; ++k) o[k] = a * static_cast<float>(q[k]) + c; break;
       default: for (int k = 0; k < 32; ++k) o[k] = a * static_cast<float>(q[k]) + c;  // d*sc*q - dmin*m
@@ -271,14 +290,14 @@ void panel_q8_portable(int fmt, const uint8_t* panel, const QAct& a, int64_t m0,
         const int8_t* xq = a.q + m * a.K + b * SB;
         int32_t sum = 0;
         for (int k = 0; k < 32; ++k) sum += q[k] * xq[k];
-        if (fmt == Q4_0) sum -= 8 * a.isum[m * a.nsub + b];
+        if (fmt == Q4_0 || fmt == Q5_0) sum -= (fmt == Q4_0 ? 8 : 16) * a.isum[m * a.nsub + b];
         const float dx = a.d[m * a.nsub + b];
         acc[r * PR + lane] += static_cast<float>(sum) * (wa * dx);
         if (a.q2) {
           const int8_t* xq2 = a.q2 + m * a.K + b * SB;
           int32_t sum2 = 0;
           for (int k = 0; k < 32; ++k) sum2 += q[k] * xq2[k];
-          if (fmt == Q4_0) sum2 -= 8 * a.isum2[m * a.nsub + b];
+          if (fmt == Q4_0 || fmt == Q5_0) sum2 -= (fmt == Q4_0 ? 8 : 16) * a.isum2[m * a.nsub + b];
           acc[r * PR + lane] += static_cast<float>(sum2) * (wa * a.d2[m * a.nsub + b]);
         }
         if (fmt == Q4_1 || fmt == Q4_K) acc[r * PR + lane] += wc * a.s[m * a.nsub + b];
@@ -305,12 +324,12 @@ void panel_f32_portable(int fmt, const uint8_t* panel, int64_t K, const float* x
 #ifdef NP_X86
 // ---- AVX-512 with VNNI ----
 
-// The 16 rows' float factors of sub-block b: w = a*q + c (Q4_0/Q8_0: c unused, their offsets are
+// The 16 rows' float factors of sub-block b: w = a*q + c (Q4_0/Q5_0/Q8_0: c unused, their offsets are
 // subtracted from the integer sums)
 template <int F>
 T_AVX512 inline void factors512(const uint8_t* panel, int64_t b, __m512& a, __m512& c) {
   const uint8_t* hdr = sub_header(F, panel, b);
-  if (F == Q4_0 || F == Q8_0) {
+  if (F == Q4_0 || F == Q5_0 || F == Q8_0) {
     a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hdr + b % 2 * 32)));
     c = _mm512_setzero_ps();
   } else if (F == Q4_1) {
@@ -328,6 +347,16 @@ T_AVX512 inline void factors512(const uint8_t* panel, int64_t b, __m512& a, __m5
 }
 
 inline int32_t bcast4(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
+
+// Q5_0: the fifth bits (the 8 masks after a sub-block's nibbles) added to its unpacked quant groups w[8]
+T_AVX512 inline void fifth_bits512(const uint8_t* qb, __m512i* w) {
+  const __m512i sixteen = _mm512_set1_epi8(16);
+  for (int i = 0; i < 8; ++i) {
+    uint64_t m;
+    std::memcpy(&m, qb + 256 + i * 8, 8);
+    w[i] = _mm512_mask_add_epi8(w[i], _cvtu64_mask64(m), w[i], sixteen);  // + 16 where the bit is set
+  }
+}
 
 // R activation rows x one panel (16 output rows), int8 activations
 // Prefetch, spread over a panel's sub-blocks, the next panel (`next`, or nullptr) while this one is
@@ -353,6 +382,7 @@ T_AVX512 inline __m512i dot_512(const __m512i* w, const int8_t* xb, int32_t isum
   __m512i s = ch[0];
   for (int c = 1; c < C; ++c) s = _mm512_add_epi32(s, ch[c]);
   if (F == Q4_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * isum));
+  if (F == Q5_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(16 * isum));
   if (F == Q8_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * isum));
   return s;
 }
@@ -378,6 +408,7 @@ T_AVX512 void tile_q8_512(const uint8_t* panel, const QAct& a, int64_t m0, float
         w[g] = _mm512_and_si512(v, low);
         w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       }
+      if (F == Q5_0) fifth_bits512(qb, w);
     }
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
@@ -408,6 +439,22 @@ T_AVX512 void tile_f32_512(const uint8_t* panel, int64_t K, const float* x, int6
     factors512<F>(panel, b, fa, fc);
     const uint8_t* qb = sub_qs(F, panel, b);
     const float* xb = x + b * SB;
+    if (F == Q5_0) {  // whole 5-bit quants, group by group, as Q8_0's bytes
+      __m512i w[8];
+      for (int g = 0; g < 4; ++g) {
+        const __m512i v = _mm512_loadu_si512(qb + g * 64);
+        w[g] = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+        w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+      }
+      fifth_bits512(qb, w);
+      for (int i = 0; i < 8; ++i)
+        for (int j = 0; j < 4; ++j) {
+          const __m512i u = _mm512_and_si512(_mm512_srli_epi32(w[i], 8 * j), byte);
+          const __m512 wk = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(u, _mm512_set1_epi32(16))), fa);
+          for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(wk, _mm512_set1_ps(xb[r * x_stride + 4 * i + j]), acc[r]);
+        }
+      continue;
+    }
     constexpr int G = F == Q8_0 ? 8 : 4;
     for (int g = 0; g < G; ++g) {
       const __m512i v = _mm512_loadu_si512(qb + g * 64);
@@ -491,7 +538,7 @@ T_AVX512 void residual_rows_512(const float* x, int64_t x_stride, int64_t M, int
 template <int F>
 T_AVX2 inline void factors256(const uint8_t* panel, int64_t b, int h, __m256& a, __m256& c) {
   const uint8_t* hdr = sub_header(F, panel, b);
-  if (F == Q4_0 || F == Q8_0) {
+  if (F == Q4_0 || F == Q5_0 || F == Q8_0) {
     a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hdr + b % 2 * 32 + h * 16)));
     c = _mm256_setzero_ps();
   } else if (F == Q4_1) {
@@ -505,6 +552,20 @@ T_AVX2 inline void factors256(const uint8_t* panel, int64_t b, int h, __m256& a,
     const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(hdr + 192 + j * 16 + h * 8))));
     a = _mm256_mul_ps(d, sc);
     c = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, mn));
+  }
+}
+
+// Q5_0, half h of a panel: the fifth bits (bits 32h.. of the 8 masks after the sub-block's nibbles) added to
+// its unpacked quant groups w[8] (each mask bit spread to its byte, as 0 or 16)
+T_AVX2 inline void fifth_bits256(const uint8_t* qb, int h, __m256i* w) {
+  const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                        2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ull));
+  for (int i = 0; i < 8; ++i) {
+    int32_t m;
+    std::memcpy(&m, qb + 256 + i * 8 + h * 4, 4);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(m), pick), bit), bit);
+    w[i] = _mm256_or_si256(w[i], _mm256_and_si256(set, _mm256_set1_epi8(16)));
   }
 }
 
@@ -524,15 +585,20 @@ T_AVX2 inline __m256i dot_256(const __m256i* w, const int8_t* xb, int32_t isum) 
       s = _mm256_add_epi32(s, dot4(_mm256_sign_epi8(w[g], w[g]), _mm256_sign_epi8(xv, w[g])));
     }
   } else {  // the 8 products of 4-bit quants (0..15) and int8 (|x| <= 127) sum in int16 without overflow
-    // (8 x 2 x 15 x 127 = 30,480), so one widening a sub-block, as llama.cpp's AVX2 dot products do
-    __m256i p = _mm256_setzero_si256();
-    for (int g = 0; g < 4; ++g) {
-      p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(bcast4(xb + 4 * g))));
-      p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[g + 4], _mm256_set1_epi32(bcast4(xb + 16 + 4 * g))));
+    // (8 x 2 x 15 x 127 = 30,480), so one widening a sub-block, as llama.cpp's AVX2 dot products do;
+    // Q5_0's quants (0..31) widen every 4 products (4 x 2 x 31 x 127 = 31,496)
+    constexpr int per = F == Q5_0 ? 2 : 4;
+    for (int g0 = 0; g0 < 4; g0 += per) {
+      __m256i p = _mm256_setzero_si256();
+      for (int g = g0; g < g0 + per; ++g) {
+        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(bcast4(xb + 4 * g))));
+        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[g + 4], _mm256_set1_epi32(bcast4(xb + 16 + 4 * g))));
+      }
+      s = _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
     }
-    s = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
   }
   if (F == Q4_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * isum));
+  if (F == Q5_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(16 * isum));
   return s;
 }
 
@@ -556,6 +622,7 @@ T_AVX2 void half_q8_256(const uint8_t* panel, const QAct& a, int64_t m0, int h, 
         w[g] = _mm256_and_si256(v, low);
         w[g + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
       }
+      if (F == Q5_0) fifth_bits256(sub_qs(F, panel, b), h, w);
     }
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
@@ -588,6 +655,22 @@ T_AVX2 void half_f32_256(const uint8_t* panel, int64_t K, const float* x, int64_
     factors256<F>(panel, b, h, fa, fc);
     const uint8_t* qb = sub_qs(F, panel, b) + h * 32;
     const float* xb = x + b * SB;
+    if (F == Q5_0) {  // whole 5-bit quants, group by group, as Q8_0's bytes
+      __m256i w[8];
+      for (int g = 0; g < 4; ++g) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + g * 64));
+        w[g] = _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+        w[g + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+      }
+      fifth_bits256(sub_qs(F, panel, b), h, w);
+      for (int i = 0; i < 8; ++i)
+        for (int j = 0; j < 4; ++j) {
+          const __m256i u = _mm256_and_si256(_mm256_srli_epi32(w[i], 8 * j), byte);
+          const __m256 wk = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(u, _mm256_set1_epi32(16))), fa);
+          for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(wk, _mm256_set1_ps(xb[r * x_stride + 4 * i + j]), acc[r]);
+        }
+      continue;
+    }
     constexpr int G = F == Q8_0 ? 8 : 4;
     for (int g = 0; g < G; ++g) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + g * 64));
@@ -777,7 +860,7 @@ void panel_q8(int isa, const uint8_t* panel, const QAct& a, int64_t m0, int64_t 
   }
 #endif
 #ifdef NP_ARM
-  if (isa == NEON_DOT) return panel_q8_neon<F>(panel, a, m0, rows, y, ldy, valid, bias);
+  if (isa == NEON_DOT && F != Q5_0) return panel_q8_neon<F>(panel, a, m0, rows, y, ldy, valid, bias);
 #endif
   for (int64_t r = 0; r < rows; r += 64)
     panel_q8_portable(F, panel, a, m0 + r, std::min<int64_t>(64, rows - r), y + r * ldy, ldy, valid, bias);
@@ -919,7 +1002,7 @@ bool isa_supported(int isa) {
 
 extern "C" {
 
-int np_q_abi_version() { return 2; }
+int np_q_abi_version() { return 3; }
 
 // 1 when this CPU can run path `isa` (0 portable, 1 AVX2, 2 AVX-512 VNNI)
 int np_q_isa_supported(int isa) { return isa_supported(isa) ? 1 : 0; }
@@ -982,6 +1065,7 @@ int np_q_linear(int isa, int act, int fmt, const float* x, int64_t x_stride, int
   switch (fmt) {
     case Q4_0: linear_fmt<Q4_0>(isa, act, x, x_stride, M, packed, N, K, bias, y); break;
     case Q4_1: linear_fmt<Q4_1>(isa, act, x, x_stride, M, packed, N, K, bias, y); break;
+    case Q5_0: linear_fmt<Q5_0>(isa, act, x, x_stride, M, packed, N, K, bias, y); break;
     case Q8_0: linear_fmt<Q8_0>(isa, act, x, x_stride, M, packed, N, K, bias, y); break;
     default: linear_fmt<Q4_K>(isa, act, x, x_stride, M, packed, N, K, bias, y);
   }

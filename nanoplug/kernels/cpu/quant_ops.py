@@ -17,7 +17,7 @@ import torch
 
 from nanoplug.kernels.cpu.build import BuiltLibrary, IsaKernels, KernelsUnavailable
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 SOURCE = pathlib.Path(__file__).with_name("quant.cpp")
 LIBRARY_NAME = "libnanoplug_quant.so"
 # no -march: the SIMD paths carry their own target attributes; -ffp-contract=off keeps the portable
@@ -25,9 +25,10 @@ LIBRARY_NAME = "libnanoplug_quant.so"
 VARIANTS = (["-ffp-contract=off", "-fopenmp"], ["-ffp-contract=off"])
 
 # GGML type ids of the formats served, and (weights per block, bytes per block) in the file
-FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}
-BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144)}
+FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12}
+BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 8: (32, 34), 12: (256, 144)}
 ISAS = ("portable", "avx2", "avx512", "neon_dot")  # index = the id quant.cpp takes
+SIMD_Q5_0 = ("avx2", "avx512")  # the paths with Q5_0 code of their own (Arm's NEON takes the portable one)
 ISA_ENV = "NANOPLUG_CPU_ISA"  # one of ISAS: the path used instead of the best this CPU runs
 # how the activations meet the weights (index = quant.cpp's id): in float32; quantized to int8 blocks (as
 # llama.cpp); int8 blocks of x and of its residual (float32 compute's quality at int8 dot products)

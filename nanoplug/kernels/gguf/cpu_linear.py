@@ -1,9 +1,9 @@
 """The linear method of GGUF blocks on the CPU: a layer's parts (q, k and v; gate and up; one for the
 others) kept as loaded, packed once into the panels the C++ kernels read (kernels/cpu/quant.cpp for Q4_0,
-Q4_1, Q8_0 and Q4_K, and Q5_0 widened to Q8_0; kernels/cpu/kquants.cpp for the other types in the file's blocks
-with int8 activations as llama.cpp's; each AVX-512 VNNI, AVX2 or portable, chosen at run time), multiplied with
-the activations as `Activations` says: by default with float32 compute's quality (float32 activations, or int8
-blocks of x and of its residual), never llama.cpp's plain int8 blocks, which loop the default model's answers.
+Q4_1, Q5_0, Q8_0 and Q4_K; kernels/cpu/kquants.cpp for the other types in the file's blocks; each AVX-512 VNNI,
+AVX2 or portable, chosen at run time), multiplied with the activations as `Activations` says, in both libraries
+alike: by default with float32 compute's quality (float32 activations, or int8 blocks of x and of its residual),
+never llama.cpp's plain int8 blocks, which loop the default model's answers.
 The embedding and the tied LM head share one packed weight: rows are dequantized as they are gathered. Float
 parts (an F32 or F16 tensor, or a type the format does not keep) stay dense."""
 from __future__ import annotations
@@ -16,16 +16,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoplug.api import LinearMethod, check_shape
-from nanoplug.kernels.cpu.quant_ops import ACTS, act_id
+from nanoplug.kernels.cpu.quant_ops import ACTS, SIMD_Q5_0, act_id
 
-PANEL_FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K"})  # quant.cpp
-BLOCK_FORMATS = frozenset({"Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_XS", "Q5_0", "Q5_1", "IQ4_NL"})  # kquants.cpp
+PANEL_FORMATS = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K"})  # quant.cpp
+BLOCK_FORMATS = frozenset({"Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_XS", "Q5_1", "IQ4_NL"})  # kquants.cpp
 FORMATS = PANEL_FORMATS | BLOCK_FORMATS
 """The GGUF block types these kernels multiply."""
-# Q5_0 holds d * (q - 16), q < 32, in 5.5 bits a weight: exactly the values of Q8_0 blocks (8.5 bits), which the
-# panel kernels multiply 2.5-3x faster than the block kernels take Q5_0, and with the default activations'
-# float-grade quality (the block kernels' are int8). llama.cpp's Q4_K_M and Q5_K_M keep most of a model whose rows
-# are not whole 256-weight super-blocks (SmolLM2's 576) in Q5_0. Its 55% more memory is the price.
+# Q5_0 holds d * (q - 16), q < 32: exactly the values of Q8_0 blocks. It stays in its 5.5 bits a weight (a
+# decode step streams the weights: fewer bytes, a faster step) except beside Q8_0 parts of the same layer
+# (llama.cpp's Q4_K_M: Q5_0 q and k, a Q8_0 v), kept as Q8_0 there so the layer is one segment (one kernel
+# call, no concatenation), and where the panels have no SIMD path for Q5_0 (Arm: its Q8_0 one is faster).
 WIDENED = {"Q5_0": "Q8_0"}
 
 
@@ -63,23 +63,24 @@ class _ByFormat:
     def pack(self, fmt: str, raw: torch.Tensor, n: int, k: int) -> torch.Tensor:
         return self._of(fmt).pack(fmt, raw, n, k)
 
-    def stored(self, fmt: str, raw: torch.Tensor) -> tuple[str, torch.Tensor]:
-        """The format a part is kept in and its blocks in it: the file's, or the wider one of WIDENED."""
-        return (WIDENED[fmt], q5_0_as_q8_0(raw)) if fmt in WIDENED else (fmt, raw)
+    def storage(self, formats: set[str]) -> dict[str, str]:
+        """The format each of a layer's block formats is kept in: the file's, or the wider one of WIDENED
+        beside parts already in it (or where the panels have no SIMD path for the narrow one)."""
+        native = self.panels.best in SIMD_Q5_0
+        return {fmt: WIDENED[fmt] if fmt in WIDENED and (WIDENED[fmt] in formats or not native) else fmt
+                for fmt in formats}
+
+    def convert(self, fmt: str, to: str, raw: torch.Tensor) -> torch.Tensor:
+        """Blocks of `fmt` as the blocks of `to` (the same values), from `storage`."""
+        return raw if to == fmt else q5_0_as_q8_0(raw)
 
     def matmul(self, fmt: str, packed: torch.Tensor, n: int, k: int) -> Callable:
-        """`mm(x, bias, act)`, `act` an index of ACTS; the blocks library takes int8 (llama.cpp's Q8_K blocks) for
-        either int8 mode and float32 activations for "float"."""
-        mm = self._of(fmt).matmul(fmt, packed, n, k)
-        if fmt in PANEL_FORMATS:
-            return mm
-        return lambda x, bias, act: mm(x, bias, ACTS[act] != "float")
+        """`mm(x, bias, act)`, `act` an index of ACTS (both libraries take every mode)."""
+        return self._of(fmt).matmul(fmt, packed, n, k)
 
     def linear(self, x: torch.Tensor, fmt: str, packed: torch.Tensor, n: int, k: int,
                bias: torch.Tensor | None = None, act: str = "int8x2") -> torch.Tensor:
-        if fmt in PANEL_FORMATS:
-            return self.panels.linear(x, fmt, packed, n, k, bias, act=act)
-        return self.blocks.linear(x, fmt, packed, n, k, bias, int8=act != "float")
+        return self._of(fmt).linear(x, fmt, packed, n, k, bias, act=act)
 
     def dequantize(self, fmt: str, packed: torch.Tensor, n: int, k: int, rows: torch.Tensor | None = None):
         return self._of(fmt).dequantize(fmt, packed, n, k, rows)
@@ -145,8 +146,8 @@ class GGUFLinearMethod(LinearMethod):
         param.gguf.parts.append((out_offset, tensor))
 
     def process_after_loading(self, layer: nn.Module) -> None:
-        """Pack the parts: consecutive parts of one block format become one segment (q, k and v of one
-        format: one kernel call), float parts a dense one."""
+        """Pack the parts: consecutive parts kept in one block format become one segment (q, k and v: one
+        kernel call), float parts a dense one."""
         param = layer.weight
         w: _Weight = param.gguf
         if w.segments is not None:  # a tied LM head: packed with the embedding
@@ -157,13 +158,15 @@ class GGUFLinearMethod(LinearMethod):
             raise ValueError(f"{type(layer).__name__} got rows {[(o, t.shape[0]) for o, t in parts]} of its "
                              f"{w.rows}; each must be loaded once")
         w.segments = []
-        for fmt, group in itertools.groupby(parts, key=lambda p: _format(p[1])):
+        kept = self.kernels.storage({_format(t) for _, t in parts} - {None})
+        kept[None] = None
+        for fmt, group in itertools.groupby(parts, key=lambda p: kept[_format(p[1])]):
             group = list(group)
             rows = sum(t.shape[0] for _, t in group)
             if fmt is None:
                 data = torch.cat([t.float() for _, t in group]).contiguous()
-            else:
-                fmt, blocks = self.kernels.stored(fmt, torch.cat([t.blocks() for _, t in group]))
+            else:  # parts of one kept format (Q5_0 q and k, Q8_0 v: one Q8_0 segment, one kernel call)
+                blocks = torch.cat([self.kernels.convert(_format(t), fmt, t.blocks()) for _, t in group])
                 data = self.kernels.pack(fmt, blocks, rows, w.cols)
             w.segments.append(Segment(group[0][0], rows, fmt, data))
         w.parts = []

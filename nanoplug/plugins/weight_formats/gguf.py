@@ -1,6 +1,6 @@
 """Weight format `gguf`: a GGUF checkpoint's quantized weights kept in their blocks, on the CPU: Q4_0, Q4_1,
-Q8_0, Q4_K (repacked into panels), Q5_0 (as the Q8_0 panels of the same values: faster, 3 bits a weight more) and
-Q2_K, Q3_K, Q5_K, Q6_K, IQ4_XS, Q5_1, IQ4_NL (as in the file).
+Q5_0, Q8_0, Q4_K (repacked into panels; Q5_0 as the Q8_0 panels of the same values beside a Q8_0 part of its layer
+and where the panels have no SIMD Q5_0 path) and Q2_K, Q3_K, Q5_K, Q6_K, IQ4_XS, Q5_1, IQ4_NL (as in the file).
 
 Chosen for a checkpoint whose config names it (`quantization_config.quant_method == "gguf"`, as the folders
 `LLM("file.gguf")` and the default model load from have): the loader hands each tensor of these types to
