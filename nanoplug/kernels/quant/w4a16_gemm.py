@@ -145,6 +145,5 @@ def matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
         x, qweight, scales, zeros if zeros is not None else scales, out, part, count, m, n, k // scales.shape[1],
         x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0) if zeros is not None else 0, out.stride(0),
         k // split_k, SPLIT=split_k, HAS_ZERO=zeros is not None, IEEE=x.dtype == torch.float32, PAIRS=pairs,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return out
