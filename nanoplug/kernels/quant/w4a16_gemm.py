@@ -21,7 +21,7 @@ triton, tl, TRITON_ERROR = import_triton()
 # programs win up to 64 rows but on the biggest layers)
 SMALL, MID, LARGE, HUGE = (16, 64, 128, 4, 4), (64, 128, 128, 4, 3), (128, 128, 64, 8, 3), (256, 128, 64, 8, 3)
 BIG = 32 << 20
-PAIRS = {torch.bfloat16: 1, torch.float16: 2}  # the 16-bit types whose values are opened two at a time (PTX)
+PAIR_TYPES = {torch.bfloat16: 1, torch.float16: 2}  # the 16-bit types whose values are opened two at a time (PTX)
 PAIRS_ON = os.environ.get("TRITON_INTERPRET") != "1"  # the interpreter cannot run PTX: float32 path there
 PROGRAMS, MAX_SPLIT = 264, 4  # K split until about this many programs run (two per SM of an H100), in at most 4
 
@@ -140,7 +140,7 @@ def matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
             split_k -= 1
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     part, count = splits.buffers(x.device, m * n, tiles) if split_k > 1 else (out, out)
-    pairs = PAIRS.get(x.dtype, 0) if PAIRS_ON and scales.dtype == x.dtype else 0
+    pairs = PAIR_TYPES.get(x.dtype, 0) if PAIRS_ON and scales.dtype == x.dtype else 0
     _gemm[(triton.cdiv(n, block_n), triton.cdiv(m, block_m), split_k)](
         x, qweight, scales, zeros if zeros is not None else scales, out, part, count, m, n, k // scales.shape[1],
         x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0) if zeros is not None else 0, out.stride(0),
