@@ -13,7 +13,7 @@ from torch import nn
 from _gguf_files import random_blocks
 from nanoplug.checkpoint.gguf_file import GGUFTensor
 from nanoplug.kernels.cpu import build
-from nanoplug.kernels.cpu.quant_ops import SIMD_Q5_0, quant_kernels
+from nanoplug.kernels.cpu.quant_ops import ACTS, SIMD_Q5_0, quant_kernels
 from nanoplug.kernels.gguf.cpu_linear import Activations, cpu_method
 
 K = 64
@@ -62,3 +62,26 @@ def test_parts_kept_in_one_format_are_one_segment(method, formats, kept):
     got = method.apply(layer, x, None)
     ref = (x.double() @ want.double().T).float()
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("measured", [True, False])
+def test_a_measured_float_choice_takes_int8x2_on_block_formats(measured, monkeypatch):
+    """The per-CPU choice times float against int8x2 on the panels; a block format's float path dequantizes each row
+    (far slower), so where a measured choice says float, block formats take int8x2 (the same quality class) and
+    panels float; an explicit float (measured False) is taken as it is everywhere."""
+    m = cpu_method()
+    m.set_activations(Activations("float", 1 << 30, "float", measured=measured))
+    seen = []
+    alone = layer_of(m, [part("Q5_1", 32, 0)])  # one segment: its prepared matmul
+    mm = alone.weight.gguf.mm
+    alone.weight.gguf.mm = lambda x, bias, act: seen.append(("Q5_1", act)) or mm(x, bias, act)
+    mixed = layer_of(m, [part("Q5_1", 32, 1), part("Q8_0", 32, 2)])  # two segments: a call each
+    linear = m.kernels.linear
+    monkeypatch.setattr(m.kernels, "linear", lambda x, fmt, *a, act, **k: seen.append((fmt, act)) or linear(
+        x, fmt, *a, act=act, **k))
+    x = torch.randn(2, K)
+    for layer in (alone, mixed):
+        want = (x.double() @ m.dequantized(layer).double().T).float()
+        torch.testing.assert_close(m.apply(layer, x, None), want, rtol=2e-2, atol=2e-2)
+    block = "int8x2" if measured else "float"
+    assert seen == [("Q5_1", ACTS.index(block)), ("Q5_1", block), ("Q8_0", "float")]

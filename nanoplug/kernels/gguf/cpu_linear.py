@@ -88,11 +88,22 @@ class _ByFormat:
 
 class Activations(NamedTuple):
     """How the activations meet the weights (modes of kernels/cpu/quant_ops.ACTS): `small` for inputs of
-    up to `switch_rows` rows (decode, memory-bound), `large` above (prefill, large batches: compute-bound)."""
+    up to `switch_rows` rows (decode, memory-bound), `large` above (prefill, large batches: compute-bound).
+    `measured`: chosen by timing the panels (kernels/cpu/choices.py), so a block format (BLOCK_FORMATS), whose
+    float path dequantizes each row and is far slower, takes int8x2 (float32 compute's quality too) where that
+    choice says float; an explicit choice is taken as it is."""
 
     small: str = "int8x2"
     switch_rows: int = 0
     large: str = "int8x2"
+    measured: bool = False
+
+    def for_blocks(self) -> "Activations":
+        """The modes a block format takes."""
+        if not self.measured:
+            return self
+        swap = {"float": "int8x2"}
+        return self._replace(small=swap.get(self.small, self.small), large=swap.get(self.large, self.large))
 
     def mode(self, rows: int) -> str:
         return self.small if rows <= self.switch_rows else self.large
@@ -134,7 +145,11 @@ class GGUFLinearMethod(LinearMethod):
     def set_activations(self, activations: Activations) -> None:
         """Use `activations` from the next call on (a recorded decode step keeps the mode it recorded)."""
         self.activations = activations
-        self._small, self._switch, self._large = act_id(activations.small), activations.switch_rows, act_id(activations.large)
+        blocks = activations.for_blocks()
+        self._switch = activations.switch_rows
+        # (small, large) mode ids by whether a segment's format is a block format
+        self._ids = {False: (act_id(activations.small), act_id(activations.large)),
+                     True: (act_id(blocks.small), act_id(blocks.large))}
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
         weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
@@ -188,17 +203,17 @@ class GGUFLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         w: _Weight = layer.weight.gguf
         rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
-        act = self._small if rows <= self._switch else self._large
+        big = rows > self._switch
         if w.mm is not None:
-            return w.mm(x, bias, act)
+            return w.mm(x, bias, self._ids[w.segments[0].fmt in BLOCK_FORMATS][big])
         outs = []
         for offset, rows, fmt, data in w.segments:
             part_bias = None if bias is None else bias[offset:offset + rows]
             if fmt is None:
                 outs.append(F.linear(x, data, part_bias))
             else:
-                outs.append(self.kernels.linear(x.reshape(-1, w.cols), fmt, data, rows, w.cols, part_bias,
-                                                act=ACTS[act]))
+                act = ACTS[self._ids[fmt in BLOCK_FORMATS][big]]
+                outs.append(self.kernels.linear(x.reshape(-1, w.cols), fmt, data, rows, w.cols, part_bias, act=act))
         return torch.cat(outs, dim=-1)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -86,7 +86,7 @@ class CpuPlatform(Platform):
         else:
             quant = next(iter(methods.values())).kernels
             answer, source = choices.choice("gguf_activations", lambda: choices.measure_gguf_activations(quant))
-            acts = Activations(answer["small"], answer["switch_rows"], answer["large"])
+            acts = Activations(answer["small"], answer["switch_rows"], answer["large"], measured=True)
             self.choices.append(choices.describe("gguf_activations", answer, source))
         for method in methods.values():
             method.set_activations(acts)
