@@ -16,44 +16,34 @@ _OUTGROWN: list[torch.Tensor] = []  # buffers replaced by bigger ones: graphs ca
 
 if triton is not None:
     @triton.jit
-    def finish(total, out_ptr, part_ptr, count_ptr, row, rn, n_ok, N, som, SPLIT: tl.constexpr):
-        """Write `total` (columns rn of output row `row`), or, split, add it to the partials and let the last of
-        the tile's SPLIT programs write their sum (grid: rows, tiles, splits)."""
-        out = out_ptr + row * som + rn
+    def _settle(total, out, cols, mask, count_ptr, tile, SPLIT: tl.constexpr):
+        """Write `total` at `out`, or, split, add it to the partials at `cols` and let the last of the output
+        tile's SPLIT programs (counted at count_ptr + tile) write their sum and set partials and count to zero."""
         if SPLIT == 1:
-            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+            tl.store(out, total.to(out.dtype.element_ty), mask=mask)
         else:
-            cols = part_ptr + row * N + rn
-            tl.atomic_add(cols, total, mask=n_ok)
+            tl.atomic_add(cols, total, mask=mask)
             tl.debug_barrier()  # every thread's sums are in before the count (the atomic's fence orders them)
-            tile = row * tl.num_programs(1) + tl.program_id(1)
             if tl.atomic_add(count_ptr + tile, 1) == SPLIT - 1:
                 nothing = tl.zeros(total.shape, tl.float32)
-                done = tl.where(n_ok, tl.atomic_add(cols, nothing, mask=n_ok), 0.0)  # read at L2, where summed
-                tl.store(out, done.to(out_ptr.dtype.element_ty), mask=n_ok)
-                tl.store(cols, nothing, mask=n_ok)  # (no program of this call adds to them any more)
+                done = tl.where(mask, tl.atomic_add(cols, nothing, mask=mask), 0.0)  # read at L2, where summed
+                tl.store(out, done.to(out.dtype.element_ty), mask=mask)
+                tl.store(cols, nothing, mask=mask)  # (no program of this call adds to them any more)
                 tl.store(count_ptr + tile, 0)
 
     @triton.jit
-    def finish_tile(acc, out_ptr, part_ptr, count_ptr, rn, rm, n_ok, m_ok, N, som, SPLIT: tl.constexpr):
-        """finish for a GEMM's transposed tile: `acc` [columns rn, rows rm] of the output (grid: column tiles, row
-        tiles, splits)."""
-        out = out_ptr + rm[None, :] * som + rn[:, None]
-        mask = n_ok[:, None] & m_ok[None, :]
-        if SPLIT == 1:
-            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            cols = part_ptr + rm[None, :] * N + rn[:, None]
-            tl.atomic_add(cols, acc, mask=mask)
-            tl.debug_barrier()
-            tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-            if tl.atomic_add(count_ptr + tile, 1) == SPLIT - 1:
-                nothing = tl.zeros(acc.shape, tl.float32)
-                done = tl.where(mask, tl.atomic_add(cols, nothing, mask=mask), 0.0)
-                tl.store(out, done.to(out_ptr.dtype.element_ty), mask=mask)
-                tl.store(cols, nothing, mask=mask)
-                tl.store(count_ptr + tile, 0)
+    def finish(total, out_ptr, part_ptr, count_ptr, row, rn, n_ok, N, som, SPLIT: tl.constexpr):
+        """_settle for a GEMV: `total`, columns rn of output row `row` (grid: rows, tiles, splits)."""
+        _settle(total, out_ptr + row * som + rn, part_ptr + row * N + rn, n_ok, count_ptr,
+                row * tl.num_programs(1) + tl.program_id(1), SPLIT)
 
+    @triton.jit
+    def finish_tile(acc, out_ptr, part_ptr, count_ptr, rn, rm, n_ok, m_ok, N, som, SPLIT: tl.constexpr):
+        """_settle for a GEMM's transposed tile: `acc` [columns rn, rows rm] of the output (grid: column tiles,
+        row tiles, splits)."""
+        _settle(acc, out_ptr + rm[None, :] * som + rn[:, None], part_ptr + rm[None, :] * N + rn[:, None],
+                n_ok[:, None] & m_ok[None, :], count_ptr, tl.program_id(1) * tl.num_programs(0) + tl.program_id(0),
+                SPLIT)
 
 def buffers(device: torch.device, values: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The float32 partials (at least `values`) and int32 counts (at least `tiles`) on `device`, zeros. Grown at a
