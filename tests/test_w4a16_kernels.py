@@ -134,3 +134,52 @@ def test_linear_method_triton_path_with_activation_order():
         fast = method.apply(layer, x, None)
     assert torch.allclose(fast, dense, atol=1e-4, rtol=1e-5)
     assert torch.allclose(dense, x @ w_ref.t(), atol=1e-4, rtol=1e-5)
+
+
+def test_tinygemm_says_why_it_cannot_serve():
+    """The decode kernel of kernels/quant/tinygemm.py names what stops it (here: the device; the rest on a GPU,
+    tests/gpu/test_gpu_w4a16.py); quant_kernels then keeps the Triton GEMV for decode rows."""
+    from nanoplug.kernels.quant import tinygemm
+
+    scales = torch.ones(8, 1, dtype=torch.bfloat16)
+    assert "CUDA" in tinygemm.unavailable(torch.device("cpu"), 8, 128, 128, True, torch.bfloat16, scales)
+
+
+def test_int4_layers_route_decode_rows_to_tinygemm(monkeypatch):
+    """Where tinygemm serves (a CUDA property, so its calls are stood in for here by the reference product),
+    quant_kernels packs the layer once and sends it up to tinygemm.ROWS bfloat16 rows, in the checkpoint's column
+    order, and more rows to the Triton kernels. The kernel itself: tests/gpu/test_gpu_w4a16.py."""
+    from torch import nn
+
+    from nanoplug.kernels.quant import tinygemm
+    from nanoplug.plugins.weight_formats import quant_kernels
+
+    n, k, group = 32, 128, 32
+    _, packed, scales, _ = _weights(n, k, group, False, seed=5)
+    scales = scales.to(torch.bfloat16)
+    w = int4.dequantize_int4(packed, scales, None, torch.float32)
+    calls = []
+
+    def product(tag):
+        def fn(x2, *args):
+            calls.append((tag, x2.shape[0] if tag == "tinygemm" else x2.reshape(-1, k).shape[0]))
+            return (x2.float() @ w.t()).to(x2.dtype)
+        return fn
+
+    monkeypatch.setattr(tinygemm, "unavailable", lambda *args: None)
+    monkeypatch.setattr(tinygemm, "pack", lambda qw, s: (qw, s))
+    monkeypatch.setattr(tinygemm, "matmul", product("tinygemm"))
+    monkeypatch.setattr(quant_kernels, "int4_triton", lambda layer, x: product("triton")(
+        x if layer.perm is None else x.index_select(-1, layer.perm)))
+    layer = nn.Module()
+    layer.kind, layer.output_size, layer.input_size, layer.compute_dtype = "int4", n, k, torch.bfloat16
+    layer.qweight, layer.scales, layer.zeros = packed, scales, None
+    layer.perm = torch.randperm(k, generator=torch.Generator().manual_seed(6))
+    kernel = quant_kernels._tinygemm(layer, group)
+    assert kernel is quant_kernels.int4_tinygemm and layer.group_size == group
+    for shape in ((3, k), (2, 2, k), (5, k)):
+        x = torch.randn(*shape).to(torch.bfloat16)
+        out = kernel(layer, x)
+        assert out.shape == (*shape[:-1], n)
+        assert torch.allclose(out.float(), (x.float()[..., layer.perm] @ w.t()).to(torch.bfloat16).float())
+    assert calls == [("tinygemm", 3), ("tinygemm", 4), ("triton", 5)]

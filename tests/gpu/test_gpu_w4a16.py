@@ -80,3 +80,58 @@ def test_gemv_in_a_graph_replays_like_eager(split, rows):
         torch.cuda.synchronize()
         for o, e in zip(outs, eager):
             assert torch.allclose(o.float(), e.float(), rtol=2 ** -7, atol=1e-3)
+
+
+def test_tinygemm_equals_dequantize_then_matmul():
+    """torch's int4 kernel (kernels/quant/tinygemm.py) on int4.py's symmetric layout, repacked: one-hot rows give
+    dequantize_int4's bfloat16 values bit for bit, and random rows its matmul within float32 summation and the
+    bfloat16 output's rounding, at every row count it takes."""
+    from nanoplug.kernels.quant import tinygemm
+
+    dev, group = torch.device("cuda"), 128
+    g = torch.Generator(device=dev).manual_seed(3)
+    for n, k in ((6144, 4096), (4096, 12288), (256, 128)):
+        q = torch.randint(0, 16, (n, k), generator=g, device=dev, dtype=torch.uint8)
+        scales = (torch.rand(n, k // group, generator=g, device=dev) * 0.01).to(torch.bfloat16)
+        packed = int4.pack_int4(q)
+        assert tinygemm.unavailable(dev, n, k, group, True, torch.bfloat16, scales) is None
+        w = int4.dequantize_int4(packed, scales, None, torch.bfloat16)
+        ops = tinygemm.pack(packed, scales)
+        cols = torch.randperm(k, generator=g, device=dev)[:tinygemm.ROWS]
+        onehot = torch.zeros(tinygemm.ROWS, k, device=dev, dtype=torch.bfloat16)
+        onehot[torch.arange(tinygemm.ROWS, device=dev), cols] = 1.0
+        assert torch.equal(tinygemm.matmul(onehot, *ops, group), w[:, cols].t())
+        for m in range(1, tinygemm.ROWS + 1):
+            x = torch.randn(m, k, generator=g, device=dev).to(torch.bfloat16)
+            ref = x.double() @ w.double().t()
+            out = tinygemm.matmul(x, *ops, group).double()
+            bound = k * 2 ** -24 * (x.double().abs() @ w.double().abs().t()) + ref.abs() * 2 ** -8 + 1e-6
+            assert ((out - ref).abs() <= bound).all(), (n, k, m, (out - ref).abs().max())
+
+
+def test_a_symmetric_bf16_layer_decodes_on_tinygemm_and_batches_on_triton():
+    """quant_kernels picks tinygemm for a symmetric bfloat16 layer (decode rows; more rows on the Triton GEMM), and
+    the Triton path alone where it cannot serve (an asymmetric layer, float16)."""
+    from torch import nn
+
+    from nanoplug.plugins.weight_formats import quant_kernels
+
+    dev, n, k, group = torch.device("cuda"), 512, 1024, 128
+    g = torch.Generator(device=dev).manual_seed(4)
+    for dtype, asym, expect in ((torch.bfloat16, False, "int4_tinygemm"), (torch.bfloat16, True, "int4_triton"),
+                                (torch.float16, False, "int4_triton")):
+        layer = nn.Module()
+        layer.kind, layer.output_size, layer.input_size, layer.compute_dtype, layer.perm = "int4", n, k, dtype, None
+        layer.qweight = int4.pack_int4(torch.randint(0, 16, (n, k), generator=g, device=dev, dtype=torch.uint8))
+        layer.scales = (torch.rand(n, k // group, generator=g, device=dev) * 0.01).to(dtype)
+        layer.zeros = torch.randint(0, 16, (n, k // group), generator=g, device=dev,
+                                    dtype=torch.uint8) if asym else None
+        kernel = quant_kernels.choose(layer)
+        assert kernel.__name__ == expect
+        w = int4.dequantize_int4(layer.qweight, layer.scales, layer.zeros, torch.float32)
+        for m in (1, 3, 4, 5, 40):
+            x = torch.randn(2, m, k, generator=g, device=dev).to(dtype)[0]
+            ref = x.double() @ w.double().t()
+            out = kernel(layer, x).double()
+            assert out.shape == (m, n)
+            assert ((out - ref).abs() <= ref.abs() * 2 ** -7 + 1e-2 * ref.abs().max()).all(), (dtype, asym, m)

@@ -2,7 +2,8 @@
 loading; where none serves, the layer is dequantized per call and the reason is logged once:
 
 | kind      | CUDA                                                        | CPU                          |
-| int4      | Triton W4A16 GEMM/GEMV (kernels/quant/triton_w4a16.py)      | C++ (kernels/cpu/int_weights) |
+| int4      | Triton W4A16 GEMM/GEMV (kernels/quant/triton_w4a16.py); decode | C++ (kernels/cpu/int_weights) |
+|           | rows on torch's tinygemm (kernels/quant/tinygemm.py) where it serves |                   |
 | int8 W8A8 | torch._int_mm, per-token int8 activations                   | C++ (kernels/cpu/int_weights) |
 | fp8 rows  | torch._scaled_mm, per-token e4m3 activations (sm89+)        | dequantized (no fp8 GEMM)    |
 | fp8 block | Triton block-scaled fp8 GEMV/GEMM (kernels/quant/triton_fp8); on SM90 the GEMM is cuBLAS's
@@ -55,9 +56,10 @@ def _choose(layer: nn.Module) -> tuple[Kernel | None, str | None]:
 
             if triton_w4a16.triton is None:
                 return None, f"triton does not import ({triton_w4a16.TRITON_ERROR})"
-            if triton_w4a16.block_k(k, k // layer.scales.shape[1]) is None:
+            group_size = k // layer.scales.shape[1]
+            if triton_w4a16.block_k(k, group_size) is None:
                 return None, f"no K step of 16-128 divides its {k} columns and groups"
-            return int4_triton, None
+            return _tinygemm(layer, group_size) or int4_triton, None
         if dev.type == "cpu":
             return _cpu(layer, int4_cpu)
     elif kind == "int8":
@@ -100,6 +102,27 @@ def _choose(layer: nn.Module) -> tuple[Kernel | None, str | None]:
     return None, f"no kernel serves {kind} weights on {dev.type}"
 
 
+def _tinygemm(layer: nn.Module, group_size: int) -> Kernel | None:
+    """int4_tinygemm where torch's int4 kernel serves this layer (its packed copy made now), else None (the reason
+    logged once: the Triton GEMV then takes the decode rows)."""
+    from nanoplug.kernels.quant import tinygemm
+
+    why = tinygemm.unavailable(layer.qweight.device, layer.output_size, layer.input_size, group_size,
+                               layer.zeros is None, layer.compute_dtype, layer.scales)
+    if why:
+        if why not in _said:
+            _said.add(why)
+            log.info("int4 decode rows on the Triton GEMV, not torch's tinygemm: %s", why)
+        return None
+    layer.tinygemm = tinygemm.pack(layer.qweight, layer.scales)
+    layer.group_size = group_size
+    said = "int4 decode rows (up to %d) on torch's tinygemm kernel, batches on the Triton GEMM: each layer keeps both"
+    if said not in _said:
+        _said.add(said)
+        log.info(said + " layouts (half a byte a weight more)", tinygemm.ROWS)
+    return int4_tinygemm
+
+
 def _cpu(layer: nn.Module, kernel: Kernel) -> tuple[Kernel | None, str | None]:
     from nanoplug.kernels.cpu import int_weights
 
@@ -123,6 +146,17 @@ def int4_triton(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
     xs = x if layer.perm is None else x.index_select(-1, layer.perm)
     return triton_w4a16.w4a16_matmul(xs, layer.qweight, layer.scales, layer.zeros)
+
+
+def int4_tinygemm(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Decode rows (up to tinygemm.ROWS) on torch's tinygemm, batches on the Triton GEMM."""
+    from nanoplug.kernels.quant import tinygemm
+
+    xs = x if layer.perm is None else x.index_select(-1, layer.perm)
+    x2 = _rows(xs)
+    if x2.shape[0] > tinygemm.ROWS or x2.dtype != torch.bfloat16:
+        return int4_triton(layer, x)
+    return tinygemm.matmul(x2, *layer.tinygemm, layer.group_size).view(*x.shape[:-1], -1)
 
 
 def int4_cpu(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
