@@ -183,3 +183,5 @@ def test_int4_layers_route_decode_rows_to_tinygemm(monkeypatch):
         assert out.shape == (*shape[:-1], n)
         assert torch.allclose(out.float(), (x.float()[..., layer.perm] @ w.t()).to(torch.bfloat16).float())
     assert calls == [("tinygemm", 3), ("tinygemm", 4), ("triton", 5)]
+    layer.expert = True  # an MoE expert's layer (ExpertLayers) keeps one copy: the Triton kernels only
+    assert quant_kernels._tinygemm(layer, group) is None

@@ -220,6 +220,8 @@ class ExpertLayers(nn.Module):
     def __init__(self, num_experts: int, make: Callable[[], nn.Module]):
         super().__init__()
         self.layers = nn.ModuleList(make() for _ in range(num_experts))
+        for layer in self.layers:
+            layer.expert = True  # one of many: a format keeps a single copy of its weights (no second packing)
         for param in self.layers.parameters():
             param.loaded_through = "weight"  # the loader expects these through this module's `weight`
         self.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)

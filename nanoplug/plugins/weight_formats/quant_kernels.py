@@ -107,8 +107,11 @@ def _tinygemm(layer: nn.Module, group_size: int) -> Kernel | None:
     logged once: the Triton GEMV then takes the decode rows)."""
     from nanoplug.kernels.quant import tinygemm
 
-    why = tinygemm.unavailable(layer.qweight.device, layer.output_size, layer.input_size, group_size,
-                               layer.zeros is None, layer.compute_dtype, layer.scales)
+    if getattr(layer, "expert", False):  # (ExpertLayers)
+        why = "an expert's weights are kept once (a second packing would double the experts' memory)"
+    else:
+        why = tinygemm.unavailable(layer.qweight.device, layer.output_size, layer.input_size, group_size,
+                                   layer.zeros is None, layer.compute_dtype, layer.scales)
     if why:
         if why not in _said:
             _said.add(why)
