@@ -177,11 +177,11 @@ def test_int4_layers_route_decode_rows_to_tinygemm(monkeypatch):
     layer.perm = torch.randperm(k, generator=torch.Generator().manual_seed(6))
     kernel = quant_kernels._tinygemm(layer, group)
     assert kernel is quant_kernels.int4_tinygemm and layer.group_size == group
-    for shape in ((3, k), (2, 2, k), (5, k)):
+    for shape in ((3, k), (2, 2, k), (5, k), (0, k)):
         x = torch.randn(*shape).to(torch.bfloat16)
         out = kernel(layer, x)
         assert out.shape == (*shape[:-1], n)
         assert torch.allclose(out.float(), (x.float()[..., layer.perm] @ w.t()).to(torch.bfloat16).float())
-    assert calls == [("tinygemm", 3), ("tinygemm", 4), ("triton", 5)]
+    assert calls == [("tinygemm", 3), ("tinygemm", 4), ("triton", 5), ("triton", 0)]
     layer.expert = True  # an MoE expert's layer (ExpertLayers) keeps one copy: the Triton kernels only
     assert quant_kernels._tinygemm(layer, group) is None

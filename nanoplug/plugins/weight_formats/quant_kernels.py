@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from nanoplug.kernels.quant import tinygemm
 from nanoplug.kernels.quant.activations import quantize
 
 log = logging.getLogger("nanoplug")
@@ -105,8 +106,6 @@ def _choose(layer: nn.Module) -> tuple[Kernel | None, str | None]:
 def _tinygemm(layer: nn.Module, group_size: int) -> Kernel | None:
     """int4_tinygemm where torch's int4 kernel serves this layer (its packed copy made now), else None (the reason
     logged once: the Triton GEMV then takes the decode rows)."""
-    from nanoplug.kernels.quant import tinygemm
-
     if getattr(layer, "expert", False):  # (ExpertLayers)
         why = "an expert's weights are kept once (a second packing would double the experts' memory)"
     else:
@@ -153,13 +152,10 @@ def int4_triton(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def int4_tinygemm(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Decode rows (up to tinygemm.ROWS) on torch's tinygemm, batches on the Triton GEMM."""
-    from nanoplug.kernels.quant import tinygemm
-
-    xs = x if layer.perm is None else x.index_select(-1, layer.perm)
-    x2 = _rows(xs)
-    if x2.shape[0] > tinygemm.ROWS or x2.dtype != torch.bfloat16:
+    if not 0 < x.numel() <= tinygemm.ROWS * x.shape[-1] or x.dtype != torch.bfloat16:
         return int4_triton(layer, x)
-    return tinygemm.matmul(x2, *layer.tinygemm, layer.group_size).view(*x.shape[:-1], -1)
+    xs = x if layer.perm is None else x.index_select(-1, layer.perm)
+    return tinygemm.matmul(_rows(xs), *layer.tinygemm, layer.group_size).view(*x.shape[:-1], -1)
 
 
 def int4_cpu(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
