@@ -1,6 +1,6 @@
 """The MoE layer's fast paths against the plain one: the batched-matmul CPU path and the Triton grouped GEMM
 (`nanoplug.kernels.moe.fused_moe`, under TRITON_INTERPRET=1), with experts dense and in fp8 with per-row scales,
-and the router against transformers' routers."""
+the router against transformers' routers, and the router's one-launch kernel (`routing.py`) against it."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,7 @@ import torch
 
 from _triton_interpreter import interpreted
 from nanoplug.api.layers import experts_batched, experts_plain, route
-from nanoplug.kernels.moe import fused_moe
+from nanoplug.kernels.moe import fused_moe, routing
 
 CASES = [  # tokens, experts, k, hidden, intermediate
     (1, 8, 2, 64, 32),
@@ -61,6 +61,57 @@ def test_route_equals_transformers_routers(renormalize):
         weights, ids = route(x @ router.weight.T, 3, renorm)
         assert torch.equal(ids, want_ids)
         assert torch.allclose(weights, want_w.float(), atol=1e-7)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_triton_router_equals_route(renormalize):
+    """The same experts in the same order and the same weights, in float32 and bfloat16 scores, for expert counts
+    below and past a power of two; equal scores go to the lower id (where torch.topk promises no order, the
+    kernel's own rule)."""
+    g = torch.Generator().manual_seed(3)
+    with interpreted(routing) as r:
+        for t, e, k in ((1, 8, 2), (6, 60, 4), (3, 128, 8)):
+            for dtype in (torch.float32, torch.bfloat16):
+                logits = torch.randn(t, e, generator=g).to(dtype)
+                assert r.takes(logits, k)
+                want_w, want_ids = route(logits, k, renormalize)
+                weights, ids = r.route(logits, k, renormalize)
+                assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+                assert torch.equal(ids, want_ids), (t, e, k, dtype)
+                assert torch.allclose(weights, want_w, atol=1e-7, rtol=1e-6)
+        tied = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0]])
+        weights, ids = r.route(tied, 2, renormalize)
+        assert ids.tolist() == [[1, 3]]
+        want = torch.softmax(tied, -1)[0, [1, 3]]
+        assert torch.allclose(weights[0], want / want.sum() if renormalize else want)
+        assert r.route(tied[:0], 2, renormalize)[1].shape == (0, 2)
+        wide = torch.randn(2, routing.MAX_EXPERTS + 1, generator=g)
+        assert not r.takes(wide, 2)  # one program holds a token's scores: past MAX_EXPERTS, the plain route
+        assert torch.equal(r.route(wide, 2, renormalize)[1], route(wide, 2, renormalize)[1])
+
+
+def test_install_fused_ops_gives_the_moe_block_the_router():
+    """A platform's `FusedOps.route` reaches the MoE block (as the CUDA platform installs the kernel), which then
+    computes what it computed with the plain router."""
+    from nanoplug.api import FusedOps, install_fused_ops, rms_norm, silu_and_mul
+    from nanoplug.api.layers import Layers, SparseMoeBlock
+    from nanoplug.plugins.parallel.single import LocalGroup
+
+    torch.manual_seed(4)
+    block = SparseMoeBlock(Layers(LocalGroup()), 32, 16, 4, 24, renormalize=True)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(5, 32)
+    want = block(x)
+    calls = []
+    with interpreted(routing) as r:
+        def counted(*args):
+            calls.append(args[1:])
+            return r.route(*args)
+
+        assert install_fused_ops(block, FusedOps(rms_norm, None, silu_and_mul, None, route=counted)) == 1
+        got = block(x)
+    assert calls == [(4, True)] and torch.allclose(got, want, atol=1e-6, rtol=1e-5)
 
 
 def test_align_block_size_groups_pairs_by_expert():

@@ -1,5 +1,6 @@
 """The fused MoE kernel on CUDA against the plain path (bf16 and float32, the H200 table's block sizes and the
-defaults), captured in a CUDA graph, and a Qwen3-MoE engine under CUDA graphs against transformers.
+defaults), captured in a CUDA graph, the one-launch router against `route` (in a graph too), and a Qwen3-MoE engine
+under CUDA graphs against transformers.
 
 Run on the GPU machine: `pytest -m gpu tests/gpu/test_gpu_moe.py`."""
 from __future__ import annotations
@@ -15,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the shared he
 from _checkpoints import checkpoint, hf_greedy, prompt_ids  # noqa: E402
 from nanoplug import LLM, SamplingParams  # noqa: E402
 from nanoplug.api.layers import FusedMoE, experts_plain, route  # noqa: E402
-from nanoplug.kernels.moe import fused_moe  # noqa: E402
+from nanoplug.kernels.moe import fused_moe, routing  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -64,6 +65,30 @@ def test_kernel_in_a_cuda_graph(m):
     graph.replay()
     assert torch.allclose(captured.float(), fused_moe.fused_experts(x, w13, w2, weights, ids).float(), atol=1e-3)
     assert not torch.equal(captured, out)
+
+
+def _same_experts(logits, got, want):
+    """The same weights, and experts of the same probabilities in the same order: experts whose probabilities
+    tie (frequent in bfloat16 scores) may come in either order, which torch.topk leaves open."""
+    (weights, ids), (want_w, want_ids) = got, want
+    probs = torch.softmax(logits.float(), dim=-1)
+    assert torch.allclose(weights, want_w, atol=1e-6, rtol=1e-5)
+    assert torch.equal(probs.gather(1, ids), probs.gather(1, want_ids))
+    assert (ids.sort(1).values.diff(dim=1) > 0).all()  # each expert once
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_router_kernel_equals_route_in_a_cuda_graph(renormalize):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for t, e, k in ((1, 128, 8), (64, 128, 8), (257, 60, 4), (5, 8, 2)):
+        logits = torch.randn(t, e, generator=g, device="cuda").to(torch.bfloat16)
+        _same_experts(logits, routing.route(logits, k, renormalize), route(logits, k, renormalize))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = routing.route(logits, k, renormalize)
+        logits.copy_(torch.randn(t, e, generator=g, device="cuda").to(torch.bfloat16))
+        graph.replay()
+        _same_experts(logits, captured, route(logits, k, renormalize))
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral"])

@@ -1,5 +1,5 @@
 """Other implementations of the layer library's small ops (a platform's C++ or Triton kernels, torch.compile'd
-versions), put into a model's RMSNorm, SiluAndMul and RotaryEmbedding layers in one walk."""
+versions), put into a model's RMSNorm, SiluAndMul, RotaryEmbedding and MoE layers in one walk."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,7 +8,7 @@ from typing import Callable
 from torch import nn
 
 from nanoplug.api.layers.activation import SiluAndMul
-from nanoplug.api.layers.moe import FusedMoE
+from nanoplug.api.layers.moe import FusedMoE, SparseMoeBlock
 from nanoplug.api.layers.norm import RMSNorm
 from nanoplug.api.layers.rotary import RotaryEmbedding
 
@@ -25,10 +25,12 @@ class FusedOps:
     rope: Callable
     norm_rope: Callable | None = None
     moe: Callable | None = None  # `experts_plain`'s signature: the experts of an MoE layer, one launch per projection
+    route: Callable | None = None  # `route`'s signature: an MoE router's softmax, top-k and renormalisation in one
 
 
 def install_fused_ops(model: nn.Module, ops: FusedOps) -> int:
-    """Route every RMSNorm, SiLU-and-mul and RoPE of `model` through `ops`; returns how many layers took them."""
+    """Route every RMSNorm, SiLU-and-mul, RoPE, MoE experts and router of `model` through `ops`; returns how many
+    layers took them."""
     count = 0
     for m in model.modules():
         if isinstance(m, RMSNorm):
@@ -39,6 +41,8 @@ def install_fused_ops(model: nn.Module, ops: FusedOps) -> int:
             m.fused, m.fused_norm = ops.rope, ops.norm_rope
         elif isinstance(m, FusedMoE) and ops.moe is not None:
             m.fused = ops.moe
+        elif isinstance(m, SparseMoeBlock) and ops.route is not None:
+            m.fused_route = ops.route
         else:
             continue
         count += 1

@@ -307,6 +307,8 @@ class SparseMoeBlock(nn.Module):
     `gate` ([E, H], replicated) scores the experts, `route` picks `top_k`; Qwen2-MoE's `shared_expert` (a dense
     MLP every token takes) is scaled by sigmoid(`shared_expert_gate`(x)) and added."""
 
+    fused_route = None  # set by install_fused_ops: `route` in one launch (FusedOps.route)
+
     def __init__(self, layers: Any, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                  renormalize: bool, shared_expert: nn.Module | None = None):
         super().__init__()
@@ -321,7 +323,7 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = layers.replicated(hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = (self.fused_route or route)(self.gate(x), self.top_k, self.renormalize)
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

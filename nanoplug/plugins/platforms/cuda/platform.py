@@ -27,7 +27,7 @@ from nanoplug.api import (FusedOps, GraphCaptureError, Platform, ProcessGroup, S
 from nanoplug.api.disk_cache import cache_root
 from nanoplug.kernels.cuda import bitmask as bitmask_kernel, fused_ops as fused_kernels, sampling as sampling_kernel, \
     small_gemm
-from nanoplug.kernels.moe import fused_moe
+from nanoplug.kernels.moe import fused_moe, routing as moe_routing
 from nanoplug.plugins.platforms.cuda.graphs import DecodeGraphs
 from nanoplug.plugins.platforms.cuda.options import CudaOptions
 from nanoplug.plugins.platforms.cuda.prefill_graphs import CudaPrefillGraphs
@@ -141,8 +141,9 @@ class CudaPlatform(Platform):
         if ops is None:
             compile_ = functools.partial(torch.compile, dynamic=True, fullgraph=True)
             ops = FusedOps(compile_(rms_norm), compile_(add_rms_norm), compile_(silu_and_mul), compile_(apply_rope))
-        if fused_moe.triton is not None:  # MoE experts: one grouped GEMM launch per projection
-            ops = dataclasses.replace(ops, moe=functools.partial(fused_moe.fused_experts, silu_and_mul=ops.silu_and_mul))
+        if fused_moe.triton is not None:  # MoE experts: a launch per projection; the router: one launch
+            moe = functools.partial(fused_moe.fused_experts, silu_and_mul=ops.silu_and_mul)
+            ops = dataclasses.replace(ops, moe=moe, route=moe_routing.route)
         model.install_fused_ops(ops)
 
     def warm_up(self, run, limits: StepLimits, num_blocks: int) -> None:
