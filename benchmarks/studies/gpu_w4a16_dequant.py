@@ -2,12 +2,16 @@
 cuBLAS) against variants: values opened two at a time by w4a16_gemm's PTX instead of float32 shifts, several groups
 a program, other tile heights and warps. On the 8B shape's four linears; each variant's output checked equal to
 `dequantize_int4(..., bfloat16)`, each call in a CUDA graph over enough copies that none is read from L2. TB/s
-counts the words and scales read and the bf16 written.
+counts the words and scales read and the bf16 written. ("tree": `triton_w4a16.dequantize` as it is now.)
 
-    python3 benchmarks/studies/gpu_w4a16_dequant.py
+`--crossover 128,192,256`: at each row count, the tensor-core GEMM (w4a16_gemm.matmul) against the tree's
+dequantization + cuBLAS, ms a step of the 36 layers' linears (where DEQUANT_ROWS belongs).
+
+    python3 benchmarks/studies/gpu_w4a16_dequant.py [--crossover 128,192,256,384]
 """
 from __future__ import annotations
 
+import argparse
 import itertools
 import sys
 from pathlib import Path
@@ -48,7 +52,39 @@ def dequant_pairs(qweight, scales, out, steps, block_n, warps):
     return out
 
 
+def crossover(rows: list[int]) -> None:
+    dev = torch.device("cuda")
+    totals: dict[tuple[int, str], float] = {}
+    for name, (n, k) in LAYERS.items():
+        nbytes = n * k // 2 + n * k // 128 * 2
+        copies = max(2, -(-L2_DEFEAT_BYTES // nbytes))
+        ws = [(int4.pack_int4(torch.randint(0, 16, (n, k), device=dev, dtype=torch.uint8)),
+               (torch.rand(n, k // 128, device=dev) * 0.01).to(torch.bfloat16)) for _ in range(copies)]
+        for m in rows:
+            x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+            paths = {"GEMM": lambda i: w4a16_gemm.matmul(x, *ws[i], None, 128),
+                     "dequantize + cuBLAS": lambda i: torch.nn.functional.linear(
+                         x, triton_w4a16.dequantize(*ws[i], None, torch.bfloat16))}
+            for tag, fn in paths.items():
+                turn = itertools.cycle(range(copies))
+                us = graph_us(lambda: fn(next(turn)), calls=copies)
+                totals[m, tag] = totals.get((m, tag), 0.0) + us * 36 / 1e3
+                print(f"{name:8} [{n}x{k}] rows {m} {tag}: {us:.1f} us", flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    print("\n| rows | GEMM | dequantize + cuBLAS |\n| ---: | ---: | ---: |")
+    for m in rows:
+        print(f"| {m} | {totals[m, 'GEMM']:.3f} | {totals[m, 'dequantize + cuBLAS']:.3f} |")
+
+
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--crossover", default=None, help="row counts: the GEMM against dequantize + cuBLAS")
+    args = p.parse_args()
+    if args.crossover:
+        print(torch.cuda.get_device_name())
+        crossover([int(r) for r in args.crossover.split(",")])
+        return
     dev = torch.device("cuda")
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)

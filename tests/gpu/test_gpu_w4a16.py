@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoplug.kernels.quant import int4
+from nanoplug.kernels.quant import int4, triton_w4a16
 from nanoplug.kernels.quant.triton_w4a16 import w4a16_matmul
 
 pytestmark = pytest.mark.gpu
@@ -27,7 +27,7 @@ def test_bf16_kernels_equal_dequantize_then_matmul(n, k, asym, dtype):
     packed = int4.pack_int4(q)
     for m in (1, 2, 4, 16, 40, 300, 600):  # GEMV, the GEMM's small, middle and large tiles, dequantize + cuBLAS
         # the GEMV multiplies float32 weights, the GEMMs weights rounded to bfloat16
-        w = int4.dequantize_int4(packed, scales, zeros, torch.float32 if m <= 4 else dtype)
+        w = int4.dequantize_int4(packed, scales, zeros, torch.float32 if m <= triton_w4a16.GEMV_ROWS else dtype)
         x = torch.randn(m, k, generator=g, device=dev).to(dtype)
         ref = x.double() @ w.double().t()
         out = w4a16_matmul(x, packed, scales, zeros).double()
@@ -53,7 +53,23 @@ def test_gemm_opens_the_weights_exactly(asym, dtype):
     assert torch.equal(w4a16_matmul(x, packed, scales, zeros), w[:, cols].t())
 
 
-@pytest.mark.parametrize("rows", [2, 24])  # the GEMV, the GEMM
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("asym", [False, True])
+@pytest.mark.parametrize("n,k,group", [(4096, 12288, 128), (40, 256, 128), (72, 512, 64)])
+def test_dequantize_kernel_equals_dequantize_int4(n, k, group, asym, dtype):
+    """The big batch's one-pass dequantization, bit for bit (16-bit types: the words opened by the GEMM's PTX;
+    float32: by shifts), over row counts that are not a multiple of its block."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(3)
+    q = torch.randint(0, 16, (n, k), generator=g, device=dev, dtype=torch.uint8)
+    scales = (torch.rand(n, k // group, generator=g, device=dev) * 0.01).to(dtype)
+    zeros = torch.randint(0, 16, (n, k // group), generator=g, device=dev, dtype=torch.uint8) if asym else None
+    packed = int4.pack_int4(q)
+    got = triton_w4a16.dequantize(packed, scales, zeros, dtype)
+    assert torch.equal(got, int4.dequantize_int4(packed, scales, zeros, dtype))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 24])  # the GEMV, the GEMM's small and large tiles
 @pytest.mark.parametrize("split", [1, 4, None])
 def test_gemv_in_a_graph_replays_like_eager(split, rows):
     """The split GEMV's and GEMM's partials and counts are set back to zero by each call: replays of a graph of

@@ -2,7 +2,7 @@
 [N, K/8], scales and zeros [N, K/group]), dequantized per group in registers, float32 accumulation.
 
 Two kernels here and a GEMM on tensor cores (w4a16_gemm.py) for the batches in between, with the weights rounded
-to x's dtype as `dequantize_int4(..., x.dtype)` does: a GEMV for a few rows (decode), which multiplies float32 values
+to x's dtype as `dequantize_int4(..., x.dtype)` does: a GEMV for one row (decode), which multiplies float32 values
 (q - zero) by x and each group's sums by its scale (`dequantize_int4(..., float32)` within float32 rounding; no
 bfloat16 round trip a weight, one multiplication by the scale a group and row instead of a weight) and splits K
 over programs in one launch (split_k.py) so a batch-1 step keeps the GPU's memory busy. From DEQUANT_ROWS rows on (long
@@ -20,12 +20,14 @@ from nanoplug.kernels.quant import split_k as splits
 from nanoplug.kernels.quant import w4a16_gemm
 
 triton, tl, TRITON_ERROR = import_triton()  # where it fails, the plugin says why (TRITON_ERROR)
-GEMV_ROWS = 4  # up to this many rows take the GEMV
+GEMV_ROWS = 1  # up to this many rows take the GEMV (from 2 rows the GEMM is the faster, as one read of the weight
+# serves every row: benchmarks/studies/gpu_int4_tinygemm.py)
 GEMV_BLOCK_N, GEMV_PROGRAMS, GEMV_SPLIT = 64, 4096, 8  # the GEMV's rows per program; K split until about this
 # many programs run, in at most GEMV_SPLIT parts (benchmarks/studies/gpu_quant_gemv.py)
 GEMV_WARPS = 4  # the GEMV's warps a program
 DEQUANT_ROWS = 512  # from this many rows on, the weight is dequantized into a scratch and multiplied by cuBLAS
 # (below it the GEMM is the faster: benchmarks/studies/gpu_w4a16_gemm.py)
+DEQUANT_BLOCK_N, DEQUANT_WARPS = 32, 2  # the 16-bit dequantization's rows a program and warps (gpu_w4a16_dequant.py)
 
 
 if triton is not None:
@@ -86,18 +88,48 @@ if triton is not None:
         tl.store(out_ptr + rn[:, None, None] * son + cols[None, :, :], w.to(out_ptr.dtype.element_ty),
                  mask=n_ok[:, None, None])
 
+    @triton.jit
+    def _w4a16_dequant_pairs(qw_ptr, s_ptr, z_ptr, out_ptr, N, group_size, sqn, ssn, szn, son,
+                             HAS_ZERO: tl.constexpr, FP16: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
+        # a [BLOCK_N, BLOCK_K] tile opened two values an instruction by the GEMM's PTX (w4a16_gemm._unpack_pairs):
+        # (q - zero) * scale in the scales' 16-bit type with one rounding, as dequantize_int4 rounds its float32
+        pid_n, k0 = tl.program_id(0), tl.program_id(1) * BLOCK_K
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        words = tl.load(qw_ptr + rn[:, None] * sqn + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :],
+                        mask=n_ok[:, None], other=0)
+        g = k0 // group_size
+        s = tl.load(s_ptr + rn * ssn + g, mask=n_ok, other=0.0)
+        if HAS_ZERO:
+            z = tl.load(z_ptr + rn * szn + g, mask=n_ok, other=0).to(tl.float32)
+        else:
+            z = tl.full((BLOCK_N,), 8.0, tl.float32)
+        w = w4a16_gemm._unpack_pairs(words, (z + (1024.0 if FP16 else 128.0)).to(s.dtype), s, FP16, BLOCK_N,
+                                     BLOCK_K)
+        tl.store(out_ptr + rn[:, None] * son + (k0 + tl.arange(0, BLOCK_K))[None, :], w, mask=n_ok[:, None])
+
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                dtype: torch.dtype) -> torch.Tensor:
-    """dequantize_int4 on the GPU in one pass: the same values ((q - zero) * scale in float32, then `dtype`)."""
+    """dequantize_int4 on the GPU in one pass: the same values ((q - zero) * scale in float32, then `dtype`). In
+    bfloat16 and float16 with scales of that type, the words are opened by the GEMM's PTX (2.5 TB/s on an H100
+    against 1 TB/s by shifts in float32: benchmarks/studies/gpu_w4a16_dequant.py)."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
     group_size = k // scales.shape[1]
     bk = block_k(k, group_size)
     out = torch.empty(n, k, device=qweight.device, dtype=dtype)
+    zero_arg, szn = (zeros, zeros.stride(0)) if zeros is not None else (scales, 0)
+    pairs = w4a16_gemm.PAIR_TYPES.get(dtype, 0) if w4a16_gemm.PAIRS_ON and scales.dtype == dtype else 0
+    if pairs:
+        _w4a16_dequant_pairs[(triton.cdiv(n, DEQUANT_BLOCK_N), k // bk)](
+            qweight, scales, zero_arg, out, n, group_size, qweight.stride(0), scales.stride(0), szn, out.stride(0),
+            HAS_ZERO=zeros is not None, FP16=pairs == 2, BLOCK_N=DEQUANT_BLOCK_N, BLOCK_K=bk,
+            num_warps=DEQUANT_WARPS)
+        return out
     _w4a16_dequant[(triton.cdiv(n, 64), k // bk)](
-        qweight, scales, zeros if zeros is not None else scales, out, n, k, group_size, qweight.stride(0),
-        scales.stride(0), zeros.stride(0) if zeros is not None else 0, out.stride(0), HAS_ZERO=zeros is not None,
-        BLOCK_N=64, BLOCK_K=bk)
+        qweight, scales, zero_arg, out, n, k, group_size, qweight.stride(0), scales.stride(0), szn, out.stride(0),
+        HAS_ZERO=zeros is not None, BLOCK_N=64, BLOCK_K=bk)
     return out
 
 
