@@ -64,7 +64,8 @@ def decode_ab(folder: Path, layers: int, rounds: int) -> None:
             torch.cuda.empty_cache()
     routing.route = kernel
     for name, ms in results.items():
-        print(f"| {layers} layers, batch-1 decode, {name} | {min(ms):.3f} ms (runs {' / '.join(f'{m:.3f}' for m in ms)}) |")
+        runs = " / ".join(f"{m:.3f}" for m in ms)
+        print(f"| {layers} layers, batch-1 decode, {name} | {min(ms):.3f} ms (runs {runs}) |")
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ class FusedOps:
     rope: Callable
     norm_rope: Callable | None = None
     moe: Callable | None = None  # `experts_plain`'s signature: the experts of an MoE layer, one launch per projection
-    route: Callable | None = None  # `route`'s signature: an MoE router's softmax, top-k and renormalisation in one
+    route: Callable | None = None  # `route`'s signature: an MoE router's softmax, top-k, renormalising, one launch
 
 
 def install_fused_ops(model: nn.Module, ops: FusedOps) -> int:
