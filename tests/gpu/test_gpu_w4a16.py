@@ -15,16 +15,22 @@ from nanoplug.kernels.quant.triton_w4a16 import w4a16_matmul
 pytestmark = pytest.mark.gpu
 
 
+def _weights(g: torch.Generator, n: int, k: int, group: int, asym: bool, dtype: torch.dtype):
+    """Random int4 weights in int4.py's layout: (packed words, scales in `dtype`, zeros or None)."""
+    dev = g.device
+    q = torch.randint(0, 16, (n, k), generator=g, device=dev, dtype=torch.uint8)
+    scales = (torch.rand(n, k // group, generator=g, device=dev) * 0.01).to(dtype)
+    zeros = torch.randint(0, 16, (n, k // group), generator=g, device=dev, dtype=torch.uint8) if asym else None
+    return int4.pack_int4(q), scales, zeros
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("asym", [False, True])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (40, 256)])
 def test_bf16_kernels_equal_dequantize_then_matmul(n, k, asym, dtype):
     dev, group = torch.device("cuda"), 128
     g = torch.Generator(device=dev).manual_seed(0)
-    q = torch.randint(0, 16, (n, k), generator=g, device=dev, dtype=torch.uint8)
-    scales = (torch.rand(n, k // group, generator=g, device=dev) * 0.01).to(dtype)
-    zeros = torch.randint(0, 16, (n, k // group), generator=g, device=dev, dtype=torch.uint8) if asym else None
-    packed = int4.pack_int4(q)
+    packed, scales, zeros = _weights(g, n, k, group, asym, dtype)
     for m in (1, 2, 4, 16, 40, 300, 600):  # GEMV, the GEMM's small, middle and large tiles, dequantize + cuBLAS
         # the GEMV multiplies float32 weights, the GEMMs weights rounded to bfloat16
         w = int4.dequantize_int4(packed, scales, zeros, torch.float32 if m <= triton_w4a16.GEMV_ROWS else dtype)
@@ -42,10 +48,7 @@ def test_gemm_opens_the_weights_exactly(asym, dtype):
     dequantize_int4 rounded to x's dtype (the 16-bit paths open the words by PTX, the float32 path by shifts)."""
     dev, group, n, k = torch.device("cuda"), 128, 4096, 4096
     g = torch.Generator(device=dev).manual_seed(2)
-    q = torch.randint(0, 16, (n, k), generator=g, device=dev, dtype=torch.uint8)
-    scales = (torch.rand(n, k // group, generator=g, device=dev) * 0.01).to(dtype)
-    zeros = torch.randint(0, 16, (n, k // group), generator=g, device=dev, dtype=torch.uint8) if asym else None
-    packed = int4.pack_int4(q)
+    packed, scales, zeros = _weights(g, n, k, group, asym, dtype)
     w = int4.dequantize_int4(packed, scales, zeros, dtype)
     cols = torch.randperm(k, generator=g, device=dev)[:24]
     x = torch.zeros(24, k, device=dev, dtype=dtype)
@@ -61,10 +64,7 @@ def test_dequantize_kernel_equals_dequantize_int4(n, k, group, asym, dtype):
     float32: by shifts), over row counts that are not a multiple of its block."""
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(3)
-    q = torch.randint(0, 16, (n, k), generator=g, device=dev, dtype=torch.uint8)
-    scales = (torch.rand(n, k // group, generator=g, device=dev) * 0.01).to(dtype)
-    zeros = torch.randint(0, 16, (n, k // group), generator=g, device=dev, dtype=torch.uint8) if asym else None
-    packed = int4.pack_int4(q)
+    packed, scales, zeros = _weights(g, n, k, group, asym, dtype)
     got = triton_w4a16.dequantize(packed, scales, zeros, dtype)
     assert torch.equal(got, int4.dequantize_int4(packed, scales, zeros, dtype))
 
@@ -78,9 +78,7 @@ def test_gemv_in_a_graph_replays_like_eager(split, rows):
     g = torch.Generator(device=dev).manual_seed(1)
     layers = []
     for n, k in ((6144, 4096), (4096, 12288), (1000, 4096)):
-        q = torch.randint(0, 16, (n, k), generator=g, device=dev, dtype=torch.uint8)
-        scales = (torch.rand(n, k // group, generator=g, device=dev) * 0.01).to(torch.bfloat16)
-        layers.append((int4.pack_int4(q), scales))
+        layers.append(_weights(g, n, k, group, False, torch.bfloat16)[:2])
     xs = [torch.randn(rows, packed.shape[1] * 8, generator=g, device=dev).to(torch.bfloat16) for packed, _ in layers]
 
     def run():
@@ -107,9 +105,7 @@ def test_tinygemm_equals_dequantize_then_matmul():
     dev, group = torch.device("cuda"), 128
     g = torch.Generator(device=dev).manual_seed(3)
     for n, k in ((6144, 4096), (4096, 12288), (256, 128)):
-        q = torch.randint(0, 16, (n, k), generator=g, device=dev, dtype=torch.uint8)
-        scales = (torch.rand(n, k // group, generator=g, device=dev) * 0.01).to(torch.bfloat16)
-        packed = int4.pack_int4(q)
+        packed, scales, _ = _weights(g, n, k, group, False, torch.bfloat16)
         assert tinygemm.unavailable(dev, n, k, group, True, torch.bfloat16, scales) is None
         w = int4.dequantize_int4(packed, scales, None, torch.bfloat16)
         ops = tinygemm.pack(packed, scales)
@@ -138,10 +134,7 @@ def test_a_symmetric_bf16_layer_decodes_on_tinygemm_and_batches_on_triton():
                                 (torch.float16, False, "int4_triton")):
         layer = nn.Module()
         layer.kind, layer.output_size, layer.input_size, layer.compute_dtype, layer.perm = "int4", n, k, dtype, None
-        layer.qweight = int4.pack_int4(torch.randint(0, 16, (n, k), generator=g, device=dev, dtype=torch.uint8))
-        layer.scales = (torch.rand(n, k // group, generator=g, device=dev) * 0.01).to(dtype)
-        layer.zeros = torch.randint(0, 16, (n, k // group), generator=g, device=dev,
-                                    dtype=torch.uint8) if asym else None
+        layer.qweight, layer.scales, layer.zeros = _weights(g, n, k, group, asym, dtype)
         kernel = quant_kernels.choose(layer)
         assert kernel.__name__ == expect
         w = int4.dequantize_int4(layer.qweight, layer.scales, layer.zeros, torch.float32)

@@ -97,14 +97,8 @@ if triton is not None:
         pid_n, k0 = tl.program_id(0), tl.program_id(1) * BLOCK_K
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
-        words = tl.load(qw_ptr + rn[:, None] * sqn + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :],
-                        mask=n_ok[:, None], other=0)
-        g = k0 // group_size
-        s = tl.load(s_ptr + rn * ssn + g, mask=n_ok, other=0.0)
-        if HAS_ZERO:
-            z = tl.load(z_ptr + rn * szn + g, mask=n_ok, other=0).to(tl.float32)
-        else:
-            z = tl.full((BLOCK_N,), 8.0, tl.float32)
+        words, s, z = w4a16_gemm._group(qw_ptr, s_ptr, z_ptr, rn, n_ok, k0, group_size, sqn, ssn, szn, HAS_ZERO,
+                                        BLOCK_N, BLOCK_K)
         w = w4a16_gemm._unpack_pairs(words, (z + (1024.0 if FP16 else 128.0)).to(s.dtype), s, FP16, BLOCK_N,
                                      BLOCK_K)
         tl.store(out_ptr + rn[:, None] * son + (k0 + tl.arange(0, BLOCK_K))[None, :], w, mask=n_ok[:, None])

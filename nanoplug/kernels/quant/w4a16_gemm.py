@@ -82,25 +82,34 @@ if triton is not None:
         return tl.reshape(tl.join(e, o), (BLOCK_N, BLOCK_K))
 
     @triton.jit
+    def _group(qw_ptr, s_ptr, z_ptr, rn, n_ok, k0, group_size, sqn, ssn, szn, HAS_ZERO: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # rows rn's words of columns k0 .. k0 + BLOCK_K (within one group), their group's scales (the checkpoint's
+        # type) and zeros (float32; 8 without a zero point)
+        words = tl.load(qw_ptr + rn[:, None] * sqn + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :],
+                        mask=n_ok[:, None], other=0)
+        g = k0 // group_size
+        s = tl.load(s_ptr + rn * ssn + g, mask=n_ok, other=0.0)
+        if HAS_ZERO:
+            z = tl.load(z_ptr + rn * szn + g, mask=n_ok, other=0).to(tl.float32)
+        else:
+            z = tl.full((BLOCK_N,), 8.0, tl.float32)
+        return words, s, z
+
+    @triton.jit
     def _gemm(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M, N, group_size, sxm, sqn, ssn, szn, som,
               K_PER_SPLIT, SPLIT: tl.constexpr, HAS_ZERO: tl.constexpr, IEEE: tl.constexpr, PAIRS: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rw = tl.arange(0, BLOCK_K // 8)
         rk = tl.arange(0, BLOCK_K)
         n_ok, m_ok = rn < N, rm < M
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         k_start = pid_k * K_PER_SPLIT
         for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):  # BLOCK_K divides the group: one group a step
-            words = tl.load(qw_ptr + rn[:, None] * sqn + (k0 // 8 + rw)[None, :], mask=n_ok[:, None], other=0)
-            g = k0 // group_size
-            s = tl.load(s_ptr + rn * ssn + g, mask=n_ok, other=0.0)
-            if HAS_ZERO:
-                z = tl.load(z_ptr + rn * szn + g, mask=n_ok, other=0).to(tl.float32)
-            else:
-                z = tl.full((BLOCK_N,), 8.0, tl.float32)
+            words, s, z = _group(qw_ptr, s_ptr, z_ptr, rn, n_ok, k0, group_size, sqn, ssn, szn, HAS_ZERO, BLOCK_N,
+                                 BLOCK_K)
             xt = tl.load(x_ptr + rm[None, :] * sxm + (k0 + rk)[:, None], mask=m_ok[None, :], other=0.0)
             if PAIRS:  # x and the scales in the same 16-bit type
                 w = _unpack_pairs(words, (z + (1024.0 if PAIRS == 2 else 128.0)).to(xt.dtype), s, PAIRS == 2,
