@@ -31,7 +31,7 @@ def test_bf16_kernels_equal_dequantize_then_matmul(n, k, asym, dtype):
     dev, group = torch.device("cuda"), 128
     g = torch.Generator(device=dev).manual_seed(0)
     packed, scales, zeros = _weights(g, n, k, group, asym, dtype)
-    for m in (1, 2, 4, 16, 40, 300, 600):  # GEMV, the GEMM's small, middle and large tiles, dequantize + cuBLAS
+    for m in (1, 2, 4, 16, 40, 80, 300, 600):  # GEMV, the GEMM's small, middle, large tiles, dequantize + cuBLAS
         # the GEMV multiplies float32 weights, the GEMMs weights rounded to bfloat16
         w = int4.dequantize_int4(packed, scales, zeros, torch.float32 if m <= triton_w4a16.GEMV_ROWS else dtype)
         x = torch.randn(m, k, generator=g, device=dev).to(dtype)

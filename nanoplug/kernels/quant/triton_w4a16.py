@@ -5,8 +5,8 @@ Two kernels here and a GEMM on tensor cores (w4a16_gemm.py) for the batches in b
 to x's dtype as `dequantize_int4(..., x.dtype)` does: a GEMV for one row (decode), which multiplies float32 values
 (q - zero) by x and each group's sums by its scale (`dequantize_int4(..., float32)` within float32 rounding; no
 bfloat16 round trip a weight, one multiplication by the scale a group and row instead of a weight) and splits K
-over programs in one launch (split_k.py) so a batch-1 step keeps the GPU's memory busy. From DEQUANT_ROWS rows on (long
-prefills) the weight is dequantized into a scratch in one pass and cuBLAS multiplies it: 2.5 bytes a weight more
+over programs in one launch (split_k.py) so a batch-1 step keeps the GPU's memory busy. From DEQUANT_ROWS rows on (big
+batches, prefills) the weight is dequantized into a scratch in one pass and cuBLAS multiplies it: 2.5 bytes a weight more
 of traffic, spread over that many rows, against a GEMM at the tensor cores' full rate. Each equals that
 dequantization then a matmul within float32 rounding (tests/test_w4a16_kernels.py under TRITON_INTERPRET=1,
 tests/gpu/test_gpu_w4a16.py in bfloat16).
@@ -25,8 +25,8 @@ GEMV_ROWS = 1  # up to this many rows take the GEMV (from 2 rows the GEMM is the
 GEMV_BLOCK_N, GEMV_PROGRAMS, GEMV_SPLIT = 64, 4096, 8  # the GEMV's rows per program; K split until about this
 # many programs run, in at most GEMV_SPLIT parts (benchmarks/studies/gpu_quant_gemv.py)
 GEMV_WARPS = 4  # the GEMV's warps a program
-DEQUANT_ROWS = 512  # from this many rows on, the weight is dequantized into a scratch and multiplied by cuBLAS
-# (below it the GEMM is the faster: benchmarks/studies/gpu_w4a16_gemm.py)
+DEQUANT_ROWS = 96  # from this many rows on, the weight is dequantized into a scratch and multiplied by cuBLAS
+# (below it the GEMM is the faster: `benchmarks/studies/gpu_w4a16_dequant.py --crossover`)
 DEQUANT_BLOCK_N, DEQUANT_WARPS = 32, 2  # the 16-bit dequantization's rows a program and warps (gpu_w4a16_dequant.py)
 
 
