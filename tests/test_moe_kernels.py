@@ -85,6 +85,9 @@ def test_triton_router_equals_route(renormalize):
         want = torch.softmax(tied, -1)[0, [1, 3]]
         assert torch.allclose(weights[0], want / want.sum() if renormalize else want)
         assert r.route(tied[:0], 2, renormalize)[1].shape == (0, 2)
+        columns = torch.randn(8, 3, generator=g).t()  # rows not contiguous: the plain route
+        assert not r.takes(columns, 2) and torch.equal(r.route(columns, 2, renormalize)[1],
+                                                       route(columns, 2, renormalize)[1])
         wide = torch.randn(2, routing.MAX_EXPERTS + 1, generator=g)
         assert not r.takes(wide, 2)  # one program holds a token's scores: past MAX_EXPERTS, the plain route
         assert torch.equal(r.route(wide, 2, renormalize)[1], route(wide, 2, renormalize)[1])

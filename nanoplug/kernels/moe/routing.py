@@ -17,10 +17,10 @@ MAX_EXPERTS = 1024  # one program holds a token's scores in registers
 
 
 def takes(logits: torch.Tensor, top_k: int) -> bool:
-    """Whether the kernel routes these scores: a 2-D CUDA tensor (or the interpreter) of a float type, at most
-    MAX_EXPERTS experts."""
+    """Whether the kernel routes these scores: a 2-D CUDA tensor (or the interpreter) of a float type, each row
+    contiguous, at most MAX_EXPERTS experts."""
     return (triton is not None and (logits.device.type == "cuda" or interpreting()) and logits.dim() == 2
-            and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and logits.stride(1) == 1 and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and 0 < top_k <= logits.shape[1] <= MAX_EXPERTS)
 
 
