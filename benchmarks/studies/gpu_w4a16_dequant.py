@@ -35,12 +35,12 @@ def _dequant_pairs(qw_ptr, s_ptr, out_ptr, N, K, sqn, ssn, son, STEPS: tl.conste
     n_ok = rn < N
     rw = tl.arange(0, 16)
     rk = tl.arange(0, 128)
-    zm = tl.full((BLOCK_N,), 136.0, tl.float32).to(tl.bfloat16)  # MAGIC 128 + zero 8
+    z = tl.full((BLOCK_N,), 8.0, tl.float32)  # the symmetric zero
     for i in tl.static_range(STEPS):
         g = pid_k * STEPS + i
         words = tl.load(qw_ptr + rn[:, None] * sqn + (g * 16 + rw)[None, :], mask=n_ok[:, None], other=0)
         s = tl.load(s_ptr + rn * ssn + g, mask=n_ok, other=0.0)
-        w = w4a16_gemm._unpack_pairs(words, zm, s, False, BLOCK_N, 128)
+        w = w4a16_gemm._unpack_pairs(words, z, s, False, BLOCK_N, 128)
         tl.store(out_ptr + rn[:, None] * son + (g * 128 + rk)[None, :], w, mask=n_ok[:, None])
 
 

@@ -99,8 +99,7 @@ if triton is not None:
         n_ok = rn < N
         words, s, z = w4a16_gemm._group(qw_ptr, s_ptr, z_ptr, rn, n_ok, k0, group_size, sqn, ssn, szn, HAS_ZERO,
                                         BLOCK_N, BLOCK_K)
-        w = w4a16_gemm._unpack_pairs(words, (z + (1024.0 if FP16 else 128.0)).to(s.dtype), s, FP16, BLOCK_N,
-                                     BLOCK_K)
+        w = w4a16_gemm._unpack_pairs(words, z, s, FP16, BLOCK_N, BLOCK_K)
         tl.store(out_ptr + rn[:, None] * son + (k0 + tl.arange(0, BLOCK_K))[None, :], w, mask=n_ok[:, None])
 
 
@@ -114,7 +113,7 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor 
     bk = block_k(k, group_size)
     out = torch.empty(n, k, device=qweight.device, dtype=dtype)
     zero_arg, szn = (zeros, zeros.stride(0)) if zeros is not None else (scales, 0)
-    pairs = w4a16_gemm.PAIR_TYPES.get(dtype, 0) if w4a16_gemm.PAIRS_ON and scales.dtype == dtype else 0
+    pairs = w4a16_gemm.pair_type(dtype, scales)
     if pairs:
         _w4a16_dequant_pairs[(triton.cdiv(n, DEQUANT_BLOCK_N), k // bk)](
             qweight, scales, zero_arg, out, n, group_size, qweight.stride(0), scales.stride(0), szn, out.stride(0),

@@ -65,8 +65,10 @@ if triton is not None:
         return tl.reshape(tl.join(e, o), (BLOCK_N, BLOCK_K))
 
     @triton.jit
-    def _unpack_pairs(words, zm, s, FP16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # Marlin's way, two values an instruction (_pairs_asm); zm: MAGIC + zero in x's type
+    def _unpack_pairs(words, z, s, FP16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # Marlin's way, two values an instruction (_pairs_asm); z: the zeros in float32, s: the scales in the 16-bit
+        # type the values come out in
+        zm = (z + (1024.0 if FP16 else 128.0)).to(s.dtype)  # MAGIC + zero, exact in that type
         zb = tl.broadcast_to(zm[:, None], words.shape)
         sb = tl.broadcast_to(s[:, None], words.shape)
         if FP16:
@@ -112,8 +114,7 @@ if triton is not None:
                                  BLOCK_K)
             xt = tl.load(x_ptr + rm[None, :] * sxm + (k0 + rk)[:, None], mask=m_ok[None, :], other=0.0)
             if PAIRS:  # x and the scales in the same 16-bit type
-                w = _unpack_pairs(words, (z + (1024.0 if PAIRS == 2 else 128.0)).to(xt.dtype), s, PAIRS == 2,
-                                  BLOCK_N, BLOCK_K)
+                w = _unpack_pairs(words, z, s, PAIRS == 2, BLOCK_N, BLOCK_K)
             else:
                 w = _unpack(words, z + 8388608.0, s.to(tl.float32), xt.dtype, BLOCK_N, BLOCK_K)
             if IEEE:
@@ -121,6 +122,12 @@ if triton is not None:
             else:
                 acc += tl.dot(w, xt)
         splits.finish_tile(acc, out_ptr, part_ptr, count_ptr, rn, rm, n_ok, m_ok, N, som, SPLIT)
+
+
+def pair_type(dtype: torch.dtype, scales: torch.Tensor) -> int:
+    """The kernels' PAIRS code for values of `dtype` from these scales: 1 bfloat16, 2 float16 (opened by PTX, which
+    takes the scales in that type), 0 the float32 shifts (any other case, and always under the interpreter)."""
+    return PAIR_TYPES.get(dtype, 0) if PAIRS_ON and scales.dtype == dtype else 0
 
 
 def config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
@@ -149,7 +156,7 @@ def matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
             split_k -= 1
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     part, count = splits.buffers(x.device, m * n, tiles) if split_k > 1 else (out, out)
-    pairs = PAIR_TYPES.get(x.dtype, 0) if PAIRS_ON and scales.dtype == x.dtype else 0
+    pairs = pair_type(x.dtype, scales)
     _gemm[(triton.cdiv(n, block_n), triton.cdiv(m, block_m), split_k)](
         x, qweight, scales, zeros if zeros is not None else scales, out, part, count, m, n, k // scales.shape[1],
         x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0) if zeros is not None else 0, out.stride(0),
