@@ -48,11 +48,8 @@ def llm(model_dir):
 
 @pytest.fixture(scope="module")
 def overlapped(model_dir):
-    """Overlapped steps with the masks filled on the mask thread (opt-in: NANOPLUG_MASKS_BESIDE=1)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NANOPLUG_MASKS_BESIDE", "1")
-        engine = LLM(model_dir, **OPTIONS, overlap_steps=True)
-    with engine:
+    """Overlapped steps, the masks filled on the mask thread (the default where steps overlap)."""
+    with LLM(model_dir, **OPTIONS, overlap_steps=True) as engine:
         assert engine.engine.overlap and engine.engine.defers_sampling and engine.engine.masks_beside
         yield engine
 
@@ -95,7 +92,7 @@ def test_overlapped_steps_give_the_tokens_of_plain_steps(llm, overlapped):
     assert_idle(overlapped)
     structured = overlapped.engine.structured
     assert structured.pool is not None and structured.job is None  # filled on the mask thread, each fill taken
-    overlapped.engine.masks_beside = False  # the default: filled in line, before the step is sampled
+    overlapped.engine.masks_beside = False  # NANOPLUG_MASKS_BESIDE=0: filled in line, before the step is sampled
     try:
         assert [o.outputs[0].token_ids for o in overlapped.generate(prompts, params, use_tqdm=False)] == want
     finally:
@@ -103,14 +100,13 @@ def test_overlapped_steps_give_the_tokens_of_plain_steps(llm, overlapped):
 
 
 def test_a_fill_that_fails_on_the_mask_thread_fails_the_step(model_dir):
-    def broken(seqs):
+    def broken():
         raise RuntimeError("the grammar library failed")
 
     interval = sys.getswitchinterval()
     with LLM(model_dir, **OPTIONS, overlap_steps=True) as engine:
-        engine.engine.masks_beside = True  # (opt-in: NANOPLUG_MASKS_BESIDE=1)
         structured = engine.engine.structured
-        structured.masks = broken
+        structured._backend().mask_filler = lambda matchers, bitmask, rows: broken  # the thread's part fails
         with pytest.raises(RuntimeError, match="grammar library failed"):
             engine.generate([chat("Describe a person as JSON.")] * 4, constrained(json_object=True), use_tqdm=False)
         assert structured.pool is not None and structured.job is None  # (4 rows: filled on the mask thread)
@@ -288,3 +284,22 @@ def test_a_steps_masks_filled_at_once_equal_the_masks_filled_row_by_row(llm, bac
     got = np.zeros_like(want)
     b.fill_masks(matchers, got, rows)
     assert np.array_equal(got, want)
+    later = np.zeros_like(want)  # the two halves the mask thread's fill is made of: made here, run later
+    fill = b.mask_filler(matchers, later, rows)
+    fill()
+    assert np.array_equal(later, want)
+
+
+def test_the_next_masks_are_begun_once_the_grammars_advanced_before_the_outputs(overlapped, monkeypatch):
+    """The step loop's order (EngineCore._apply's `then`): a step's tokens advance their grammars, the next step's
+    fill begins on the mask thread, and only then are the tokens handed out (stop checks, text)."""
+    core, events = overlapped.engine, []
+    accept, begin, finish_reason = core.structured.accept, core.structured.begin, core.outputs.finish_reason
+    monkeypatch.setattr(core.structured, "accept", lambda seq, token: events.append("accept") or accept(seq, token))
+    monkeypatch.setattr(core.structured, "begin", lambda seqs: events.append("begin") or begin(seqs))
+    monkeypatch.setattr(core.outputs, "finish_reason",
+                        lambda state, token: events.append("out") or finish_reason(state, token))
+    overlapped.generate([chat("Give me any JSON object.")] * 4, constrained(json_object=True, max_tokens=6),
+                        use_tqdm=False)
+    steps = "".join({"accept": "a", "begin": "b", "out": "o"}[e] for e in events)
+    assert re.fullmatch(r"b(aaaaboooo)+aaaaoooo", steps), steps  # (the prompts' step begins the first fill)

@@ -9,10 +9,11 @@ int32, bit j of word w allows token 32 w + j, as xgrammar and llguidance both la
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 
@@ -89,6 +90,13 @@ class StructuredOutputBackend(Plugin, ABC):
         and its sampling); by default, one row after another."""
         for matcher, row in zip(matchers, rows):
             matcher.fill_mask(bitmask, row)
+
+    def mask_filler(self, matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]) -> Callable[[], None]:
+        """`fill_masks` in two halves: what needs Python's lock done now, on the engine's thread, and the rest
+        returned, for the engine to run on its mask thread while its own thread goes on with the step loop's
+        Python. The returned call should be one call into native code that releases the lock: Python work in it
+        would wait for the step loop's thread at every turn. By default, all of `fill_masks`."""
+        return functools.partial(self.fill_masks, matchers, bitmask, rows)
 
 
 def bitmask_words(vocab_size: int) -> int:

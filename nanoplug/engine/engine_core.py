@@ -19,7 +19,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from nanoplug.api import StepResult, pick_tool_call_format
 from nanoplug.engine.batch import BatchBuilder, Launched
@@ -97,10 +97,9 @@ class EngineCore:
         self.scheduler = Scheduler(config, blocks)
         self.builder = BatchBuilder(self.scheduler.blocks, self.scheduler.penalty_slots, self.structured,
                                     self.overlap and self.defers_sampling)
-        # overlapped, a step's masks may be filled on the mask thread while the next step is scheduled and built:
-        # opt-in (NANOPLUG_MASKS_BESIDE=1), as it measured slower than filling them in line on the GPU machine
-        # (benchmarks/RESULTS.md, structured outputs)
-        self.masks_beside = self.overlap and self.defers_sampling and os.environ.get("NANOPLUG_MASKS_BESIDE") == "1"
+        # overlapped, a step's masks are filled on the mask thread while this one hands out the last step's tokens
+        # and schedules and builds the next step (NANOPLUG_MASKS_BESIDE=0: in line, for comparisons)
+        self.masks_beside = self.overlap and self.defers_sampling and os.environ.get("NANOPLUG_MASKS_BESIDE") != "0"
         self.masks_due = False  # the launched step waits for masks begun on the mask thread (_sample_due)
         self.speculation = Speculation.resolve(self.registry, config, wired.target, self.facts.vocab_size,
                                                self.worker)  # None: no speculator
@@ -284,8 +283,7 @@ class EngineCore:
                 raise RuntimeError(NOTHING_TO_RUN)
             self._sample_masked(launched)
             return updates
-        updates += self._apply(previous, self.worker.collect())
-        self._sample_masked(launched)
+        updates += self._apply(previous, self.worker.collect(), then=lambda: self._sample_masked(launched))
         return updates
 
     def _speculative_step(self, k: int) -> list[RequestUpdate]:
@@ -349,12 +347,22 @@ class EngineCore:
             self.masks_due = False
             self.worker.sample(self.structured.end())
 
-    def _apply(self, launched: Launched, result: StepResult) -> list[RequestUpdate]:
-        """Give a finished step's tokens to their sequences, register full blocks, check for stops."""
+    def _apply(self, launched: Launched, result: StepResult, then: Callable[[], None] | None = None
+               ) -> list[RequestUpdate]:
+        """Give a finished step's tokens to their sequences, register full blocks, check for stops.
+
+        `then`: called as soon as the tokens have advanced their grammars, before the rest of this Python (the
+        next step's masks are begun from there, beside it)."""
         batch, step = launched.batch, launched.step
         self.last_step = (step.is_prefill, sum(step.query_lens), len(batch))
         logits_of, logprobs_of = launched.row_outputs(result)
         got, settled = launched.emitted(result)  # settled: a speculative step's accepted drafts per sample
+        # one token a sequence (no drafts): each grammar advanced first, in one pass
+        grammars_done = self._accept(got) if then is not None and launched.masked and not settled else None
+        if then is not None and not settled and not (
+                self.speculation is not None and self.speculation.observes):  # (it reads the worker at the end)
+            then, early = None, then
+            early()
         drafted = {id(seq) for seq, _, _ in settled}  # their K/V past the accepted tokens is the rejected drafts'
         updates = []
         requests, outputs = self.requests, self.outputs
@@ -373,7 +381,7 @@ class EngineCore:
                     state.logprobs.append(logprobs_of[k])
                 reason = outputs.finish_reason(state, token)
                 if seq.params.structured_outputs is not None:
-                    done = self.structured.accept(seq, token)
+                    done = grammars_done[i] if grammars_done is not None else self.structured.accept(seq, token)
                     if reason is None and done is not None:  # the grammar ended (even with ignore_eos), or broke
                         reason = done
                         if state.detok is not None:
@@ -393,7 +401,18 @@ class EngineCore:
         self.scheduler.commit(batch)  # full blocks are registered once their tokens are known
         if self.speculation is not None and self.speculation.observes:  # (EAGLE) the step's hidden states
             self.speculation.observe(launched)
+        if then is not None:
+            then()
         return updates
+
+    def _accept(self, got: list[tuple[Sequence, int, int]]) -> dict[int, str | None]:
+        """Each constrained sequence's grammar advanced by its token (one a sequence), by index in `got`: what
+        `StructuredOutputs.accept` said."""
+        accept, done = self.structured.accept, {}
+        for i, (seq, token, _) in enumerate(got):
+            if seq.params.structured_outputs is not None and seq.status is not Status.FINISHED:
+                done[i] = accept(seq, token)
+        return done
 
     # ------------------------------------------------------------------------------ the rest
     def stats(self) -> EngineStats:

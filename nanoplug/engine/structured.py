@@ -17,7 +17,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -53,7 +53,7 @@ class StructuredOutputs:
         self.lock = threading.Lock()  # make_request compiles on callers' threads
         self.compile_seconds: dict[str, float] = {}  # the first compile of each key, for benchmarks
         self.pool: ThreadPoolExecutor | None = None  # the mask thread (begin/end), made at the first use
-        self.job: Future | None = None  # the masks being filled on the mask thread
+        self.job: tuple[Future, np.ndarray] | None = None  # the fill on the mask thread, and its bitmask
 
     @classmethod
     def resolve(cls, registry: Registry, asked: str, target: Any) -> tuple[Resolution | None, str]:
@@ -115,6 +115,32 @@ class StructuredOutputs:
         """The packed bitmask of each sequence's allowed next tokens, int32 [len(seqs), words]. A grammar that is
         complete allows the stop tokens (a row of an ended sequence runs ahead for nothing); one that is stuck
         allows every token."""
+        bitmask, fill = self._filler(seqs)
+        fill()
+        return bitmask
+
+    def begin(self, seqs: list[Sequence]) -> None:
+        """Start filling `seqs`' masks on the mask thread; `end` returns them. One fill at a time. What needs
+        Python's lock is done here, so the thread's part runs beside this one's Python (the backend's
+        `mask_filler`)."""
+        assert self.job is None, "end() the fill begun before"
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(1, thread_name_prefix="nanoplug-masks")
+        bitmask, fill = self._filler(seqs)
+        _fast_switching.enter()  # the thread takes the lock twice (to start and to end the native call)
+        self.job = (self.pool.submit(fill), bitmask)
+
+    def end(self) -> np.ndarray:
+        """The masks `begin` started (waiting for them); a failure of the fill is raised here."""
+        (job, bitmask), self.job = self.job, None
+        try:
+            job.result()
+            return bitmask
+        finally:
+            _fast_switching.leave()
+
+    def _filler(self, seqs: list[Sequence]) -> tuple[np.ndarray, Callable[[], None]]:
+        """The step's bitmask and the call that fills its rows (a stuck grammar's row is written now)."""
         bitmask = self._bitmask(len(seqs))
         matchers, rows = [], []
         for row, seq in enumerate(seqs):
@@ -124,29 +150,11 @@ class StructuredOutputs:
             else:
                 matchers.append(matcher)
                 rows.append(row)
-        if matchers:
-            self._backend().fill_masks(matchers, bitmask, rows)
-        return bitmask
-
-    def begin(self, seqs: list[Sequence]) -> None:
-        """Start filling `seqs`' masks on the mask thread; `end` returns them. One fill at a time."""
-        assert self.job is None, "end() the fill begun before"
-        if self.pool is None:
-            self.pool = ThreadPoolExecutor(1, thread_name_prefix="nanoplug-masks")
-        _fast_switching.enter()
-        self.job = self.pool.submit(self.masks, seqs)
-
-    def end(self) -> np.ndarray:
-        """The masks `begin` started (waiting for them); a failure of the fill is raised here."""
-        job, self.job = self.job, None
-        try:
-            return job.result()
-        finally:
-            _fast_switching.leave()
+        return bitmask, self._backend().mask_filler(matchers, bitmask, rows) if matchers else _nothing
 
     def close(self) -> None:
         if self.job is not None:
-            self.job.cancel()
+            self.job[0].cancel()
             self.job = None
             _fast_switching.leave()
         if self.pool is not None:
@@ -173,3 +181,7 @@ class StructuredOutputs:
             return "abort"
         # (the cheap test first: the matcher is asked whether it ended only after a stop token, a call less otherwise)
         return "stop" if token in self.stop_token_ids and matcher.terminated else None
+
+
+def _nothing() -> None:
+    pass

@@ -2,9 +2,10 @@
 tags), masks filled on the host."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -106,10 +107,16 @@ class LLGuidanceBackend(StructuredOutputBackend):
         """Several rows: llguidance's executor fills them on its own threads."""
         if len(matchers) < BATCH_FROM:
             return super().fill_masks(matchers, bitmask, rows)
+        self.mask_filler(matchers, bitmask, rows)()
+
+    def mask_filler(self, matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]) -> Callable[[], None]:
+        """The (matcher, row) pairs made now; the executor's one call fills them without Python's lock."""
+        if len(matchers) < BATCH_FROM:
+            return super().mask_filler(matchers, bitmask, rows)
         if self.executor is None:
             self.executor = self.llg.LLExecutor()
-        self.fill_par(self.executor, [(m.m, row) for m, row in zip(matchers, rows)], bitmask)
-
+        return functools.partial(self.fill_par, self.executor, [(m.m, row) for m, row in zip(matchers, rows)],
+                                 bitmask)
 
 def _first_line(exc: Any) -> str:
     text = str(exc).strip() or type(exc).__name__

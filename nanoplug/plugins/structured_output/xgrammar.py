@@ -2,6 +2,7 @@
 filled on the host."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -9,7 +10,7 @@ import sys
 import tempfile
 import threading
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -139,17 +140,29 @@ class XGrammarBackend(StructuredOutputBackend):
         than the step's forward, one row after another)."""
         if len(matchers) < BATCH_FROM:
             return super().fill_masks(matchers, bitmask, rows)
-        live = []
+        self.mask_filler(matchers, bitmask, rows)()
+
+    def mask_filler(self, matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]) -> Callable[[], None]:
+        """The ended rows written now; the others left to one call of the batch matcher, which fills them
+        without Python's lock."""
+        if len(matchers) < BATCH_FROM:
+            return super().mask_filler(matchers, bitmask, rows)
+        live, live_rows = [], []
         for m, row in zip(matchers, rows):
-            if m.terminated:  # (as fill_mask: the row of a finished sequence runs ahead for nothing)
+            if m.m.is_terminated():  # (as fill_mask: the row of a finished sequence runs ahead for nothing)
                 bitmask[row] = -1
             else:
-                live.append((m.m, row))
-        if live:
-            if self.batcher is None:
-                self.batcher = self.xgr.BatchGrammarMatcher(max_threads="auto")
-            self.batcher.batch_fill_next_token_bitmask([m for m, _ in live], bitmask, indices=[r for _, r in live])
+                live.append(m.m)
+                live_rows.append(row)
+        if not live:
+            return _nothing
+        if self.batcher is None:
+            self.batcher = self.xgr.BatchGrammarMatcher(max_threads="auto")
+        return functools.partial(self.batcher.batch_fill_next_token_bitmask, live, bitmask, live_rows)
 
+
+def _nothing() -> None:
+    pass
 
 def _required_without_properties(schema: Any) -> str | None:
     """A property some object of `schema` requires but does not declare (None: there is none)."""
