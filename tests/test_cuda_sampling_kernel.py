@@ -73,3 +73,83 @@ def test_the_sampler_routes_temperature_only_batches_to_the_platform_sampler():
     assert len(fast.calls) == 2, "a batch with a filter or a seeded row took the fast path"
     sampler(logits, rows(3, temperature=0.0))
     assert len(fast.calls) == 2, "an all-greedy batch took the sampler"
+
+
+def _grammar_case(rows: int, vocab: int, width: int, seed: int = 3):
+    """Logits [rows, width] (wider than the bitmask's tokens), a bitmask [rows, words] allowing about half the
+    tokens, and in every row a forbidden token far above the rest."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, width, generator=g) * 3
+    words = (vocab + 31) // 32
+    allowed = torch.rand(rows, words * 32, generator=g) < 0.5
+    allowed[:, vocab:] = False
+    for row in range(rows):
+        forbidden = int((~allowed[row, :vocab]).nonzero()[row % 3])
+        logits[row, forbidden] = 80.0
+    packed = np.packbits(allowed.numpy(), axis=1, bitorder="little").view(np.int32)
+    return logits, torch.from_numpy(packed.copy())
+
+
+@pytest.mark.parametrize("masked_rows", [[0, 1, 2, 3, 4], [1, 3]], ids=["every-row", "some-rows"])
+def test_the_masked_draw_equals_the_draw_over_the_plainly_masked_logits(kernel, monkeypatch, masked_rows):
+    """`sample_masked` (mask and draw in one pass, no masked copy) gives exactly the tokens `sample` draws, with the
+    same seed, from the logits the plain path masked (unpack, masked_fill), rows at temperature 0 their masked
+    argmax, logits wider than the bitmask; every row masked, or some (the others free)."""
+    monkeypatch.setattr(kernel, "SPLITS", 2)
+    rows, vocab = 5, 1500
+    logits, bitmask = _grammar_case(rows, vocab, width=1530)
+    temps = torch.tensor([0.7, 0.0, 1.3, 1.0, 0.0])
+    batch = SamplingBatch.greedy(rows)
+    batch.mask_rows, batch.bitmask = masked_rows, bitmask[:len(masked_rows)]
+    plain = Sampler(torch.device("cpu")).masked(logits, batch)
+    of = [-1] * rows
+    for i, row in enumerate(masked_rows):
+        of[row] = i
+    where = None if len(masked_rows) == rows else torch.tensor(of, dtype=torch.int32)
+    for seed in (1, 2, 3):
+        got = kernel.sample_masked(logits, temps, seed, batch.bitmask, where)
+        assert got.tolist() == kernel.sample(plain, temps, seed).tolist()
+        assert all(plain[row, got[row]] > float("-inf") for row in range(rows))
+        assert got[1] == plain[1].argmax() and got[4] == plain[4].argmax()
+    if len(masked_rows) < rows:  # a free row keeps its forbidden-elsewhere token far above the rest
+        assert got[0] == logits[0].argmax()
+
+
+class RecordingGrammarDraw:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, logits, temperatures, seed, bitmask, rows):
+        self.calls.append((temperatures.clone(), bitmask.clone(), None if rows is None else rows.tolist()))
+        return torch.full((logits.shape[0],), 7, dtype=torch.int64)
+
+
+def test_the_sampler_masks_and_draws_temperature_only_batches_under_grammars_in_one_call():
+    """A batch under grammars with no filter, seed, penalty or drafts goes to the platform's grammar sampler
+    whole (temperatures as given, 0 included; each row's bitmask row, -1 for a free row); any other batch under
+    grammars is masked first and sampled as before."""
+    from nanoplug.api import LogitsProcessingBatch
+
+    fast = RecordingGrammarDraw()
+    sampler = Sampler(torch.device("cpu"), seed=3, grammar_draw=fast)
+    logits, bitmask = _grammar_case(3, 60, width=64)
+    batch = rows(3, temperature=[0.8, 0.0, 1.2])
+    batch.mask_rows, batch.bitmask = [0, 2], bitmask[:2].numpy()
+    assert sampler(logits, batch).tolist() == [7, 7, 7]
+    temps, sent, where = fast.calls[0]
+    assert temps.tolist() == pytest.approx([0.8, 0.0, 1.2]) and torch.equal(sent, bitmask[:2]) and where == [0, -1, 1]
+    every = rows(3)
+    every.mask_rows, every.bitmask = [0, 1, 2], bitmask.numpy()
+    sampler(logits, every)
+    assert fast.calls[1][2] is None, "every row masked in order: no row map"
+    for other in (rows(3, top_k=4), rows(3, seed=[None, 11, None])):
+        other.mask_rows, other.bitmask = [0, 1, 2], bitmask.numpy()
+        tokens = sampler(logits, other)
+        assert all(sampler.masked(logits, every)[r, t] > float("-inf") for r, t in enumerate(tokens.tolist()))
+    penalized = rows(3)
+    penalized.mask_rows, penalized.bitmask = [0, 1, 2], bitmask.numpy()
+    penalized.processing = LogitsProcessingBatch()
+    sampler(logits, penalized)
+    assert len(fast.calls) == 2, "a filtered, seeded or penalized batch took the one-pass path"

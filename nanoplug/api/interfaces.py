@@ -395,6 +395,14 @@ class Platform(Plugin):
         the words are forbidden (as `unpack_bitmask`)."""
         return None
 
+    def grammar_sampler(self) -> Callable[..., torch.Tensor] | None:
+        """`temperature_sampler` under a grammar's bitmask in the same pass (structured outputs: no masked copy of
+        the logits), or None: `(logits [rows, vocab], temperatures [rows] float32 (0: the row's argmax), seed: int,
+        bitmask int32 [masked, words] on the device, rows int32 [rows] on the device (the bitmask row of each
+        logits row, -1 for a free row) or None for bitmask row i = logits row i) -> tokens [rows] int64`; the
+        bitmask as `grammar_masker` reads it."""
+        return None
+
     def num_kv_blocks(self, block_bytes: int, profile: Callable[[], None], release: Callable[[], None]) -> int:
         """How many KV blocks of `block_bytes` fit. `profile()` runs the largest step once on a small
         temporary cache, `release()` frees that cache, for platforms that size the cache from memory."""

@@ -144,7 +144,8 @@ class ModelRunner(Worker):
             config.max_loras, config.max_lora_rank) if per_request or config.max_loras else None
         self.model.eval()
         self.sampler = Sampler(device, config.seed, greedy=self.platform.greedy_sampler(),
-                               temperature=self.platform.temperature_sampler(), masker=self.platform.grammar_masker())
+                               temperature=self.platform.temperature_sampler(), masker=self.platform.grammar_masker(),
+                               grammar_draw=self.platform.grammar_sampler())
         self.pending: deque = deque()  # launched steps whose tokens are not collected yet
         self.unsampled = None  # a step launched with sampling.mask_later, waiting for `sample`
         self.last_tokens: torch.Tensor | None = None

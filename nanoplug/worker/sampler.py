@@ -8,7 +8,8 @@ pass over the logits), keyed by a seed the sampler gives it every step.
 
 Penalties and logit bias (nanoplug/worker/logits_processors.py) change the logits first, and logprobs
 (nanoplug/worker/logprobs.py) are read from the raw logits; a batch with neither takes the plain path. Rows under a
-grammar (structured outputs) have the tokens it forbids set to -inf first, from the step's bitmask.
+grammar (structured outputs) have the tokens it forbids set to -inf first, from the step's bitmask; a platform may
+mask and draw a temperature-only batch under grammars in one pass (`Platform.grammar_sampler`).
 """
 from __future__ import annotations
 
@@ -35,12 +36,15 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0, greedy=None, temperature=None, masker=None):
+    def __init__(self, device: torch.device, seed: int = 0, greedy=None, temperature=None, masker=None,
+                 grammar_draw=None):
         """greedy: a faster `logits.argmax(dim=-1)` for this device, if there is one (same ties: first max);
         temperature: a faster draw for batches sampled at a temperature alone (Platform.temperature_sampler);
-        masker: a faster application of a grammar's bitmask (Platform.grammar_masker)."""
+        masker: a faster application of a grammar's bitmask (Platform.grammar_masker); grammar_draw: such a
+        batch's draw under its grammars' bitmask in one pass (Platform.grammar_sampler)."""
         self.device = device
         self.masker = masker
+        self.grammar_draw = grammar_draw
         self.greedy = greedy or _argmax
         self.temperature = temperature
         self.generator = torch.Generator(device=device)
@@ -53,6 +57,9 @@ class Sampler:
         """The next token of every row. `logits` itself is never changed. With `drafts` (a speculative step):
         (tokens, accepted) from the rejection sampler (nanoplug/worker/rejection.py)."""
         if batch.mask_rows:
+            if (self.grammar_draw is not None and drafts is None and batch.processing is None
+                    and batch.temperature_only):
+                return self._draw_masked(logits, batch)
             logits = self.masked(logits, batch)
         if batch.processing is not None:
             logits = self.processors.apply(logits, batch.processing)
@@ -80,6 +87,18 @@ class Sampler:
         out = logits.clone()
         out.index_copy_(0, rows, out.index_select(0, rows).masked_fill_(~allowed, float("-inf")))
         return out
+
+    def _draw_masked(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """A temperature-only batch under grammars (rows at temperature 0 greedy): masked and drawn in one pass."""
+        dev = logits.device
+        rows = None
+        if len(batch.mask_rows) != logits.shape[0]:  # some rows free: each row's bitmask row, -1 for none
+            of = [-1] * logits.shape[0]
+            for i, row in enumerate(batch.mask_rows):
+                of[row] = i
+            rows = to_device(of, torch.int32, dev)
+        return self.grammar_draw(logits, to_device(batch.temperatures, torch.float32, dev),
+                                 self.step_seeds.getrandbits(31), to_device(batch.bitmask, torch.int32, dev), rows)
 
     @torch.no_grad()
     def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> LogprobsTensors:

@@ -112,3 +112,45 @@ def test_the_temperature_kernel_draws_from_softmax_and_never_syncs():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert int(out[1]) == int(small[1].float().argmax())
+
+
+def test_the_masked_temperature_kernel_draws_what_the_plain_mask_and_draw_do_and_never_syncs():
+    """Structured outputs' one-pass draw (`sample_masked`) on a full Qwen3 vocabulary at batch 64, bf16: exactly the
+    tokens of the temperature kernel over the logits masked by the plain path, some rows greedy, every row or some
+    rows masked; through the engine's Sampler (pinned bitmask, the one-pass path) the host waits for nothing."""
+    import numpy as np
+
+    from nanoplug.api.step import host_array
+    from nanoplug.kernels.cuda import sampling as sampling_kernel
+
+    dev, vocab, rows = torch.device("cuda"), 151936, 64
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(rows, vocab, generator=g) * 3).to(dev, torch.bfloat16)
+    allowed = torch.rand(rows, (vocab + 31) // 32 * 32, generator=g) < 0.3
+    allowed[:, vocab:] = False
+    packed = torch.from_numpy(np.packbits(allowed.numpy(), axis=1, bitorder="little").view(np.int32).copy())
+    temps = torch.tensor([0.0 if r % 5 == 0 else 0.8 for r in range(rows)], device=dev)
+    for masked_rows in (list(range(rows)), list(range(0, rows, 3))):
+        batch = SamplingBatch.greedy(rows)
+        batch.mask_rows, batch.bitmask = masked_rows, packed[:len(masked_rows)]
+        plain = Sampler(dev).masked(logits, batch)
+        of = [-1] * rows
+        for i, row in enumerate(masked_rows):
+            of[row] = i
+        where = None if len(masked_rows) == rows else torch.tensor(of, dtype=torch.int32, device=dev)
+        got = sampling_kernel.sample_masked(logits, temps, 17, batch.bitmask.to(dev), where)
+        assert torch.equal(got, sampling_kernel.sample(plain, temps, 17))
+        assert bool((plain.gather(1, got[:, None]) > float("-inf")).all())
+
+    sampler = Sampler(dev, temperature=sampling_kernel.sample, grammar_draw=sampling_kernel.sample_masked)
+    batch = SamplingBatch([0.8] * rows, [0] * rows, [1.0] * rows, [0.0] * rows, [None] * rows, [3] * rows)
+    bitmask = host_array(tuple(packed.shape), torch.int32, dev)
+    bitmask[:] = packed.numpy()
+    batch.mask_rows, batch.bitmask = list(range(rows)), bitmask
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = sampler(logits, batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert bool(allowed[torch.arange(rows), out.cpu()].all())

@@ -18,11 +18,19 @@ triton, tl, TRITON_ERROR = import_triton()
 if triton is not None:
 
     @triton.jit
-    def _score(logits_ptr, cols, vocab, inv_t, u):
-        """Gumbel-perturbed scaled logits of `cols`; -inf past the row's end (u = 0 gives -inf: never picked)."""
+    def _score(logits_ptr, cols, vocab, inv_t, noisy, u, bits_ptr, words, b, HAS_MASK: tl.constexpr):
+        """Gumbel-perturbed scaled logits of `cols` (no noise where not `noisy`: a greedy row); -inf past the row's
+        end and, under a grammar (bitmask row b >= 0; b < 0: a free row), where the bit of its words at `bits_ptr`
+        is clear (tokens past the words are forbidden). u = 0 gives -inf too: never picked."""
         ok = cols < vocab
+        if HAS_MASK:
+            word = cols // 32
+            masked = (word * 0 + b) >= 0  # (b broadcast first: the interpreter's & takes no scalar bool)
+            bits = tl.load(bits_ptr + word, mask=ok & (word < words) & masked, other=0)
+            ok = ok & ((((bits >> (cols % 32)) & 1) != 0) | ~masked)
         x = tl.load(logits_ptr + cols, mask=ok, other=float("-inf"))
-        return tl.where(ok, x.to(tl.float32) * inv_t - tl.log(-tl.log(u)), float("-inf"))
+        noise = tl.where(noisy, -tl.log(-tl.log(u)), 0.0)
+        return tl.where(ok, x.to(tl.float32) * inv_t + noise, float("-inf"))
 
     @triton.jit
     def _keep_better(score, cols, best, where):
@@ -30,15 +38,23 @@ if triton is not None:
         return tl.where(better, score, best), tl.where(better, cols, where)
 
     @triton.jit(do_not_specialize=["seed"])  # a new seed each step must not pick another compiled variant
-    def _gumbel_max_kernel(logits_ptr, inv_temp_ptr, best_ptr, where_ptr, seed, vocab, stride_row, per_split,
-                           SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    def _gumbel_max_kernel(logits_ptr, temp_ptr, best_ptr, where_ptr, seed, vocab, stride_row, per_split,
+                           bitmask_ptr, bitmask_rows_ptr, words,
+                           SPLITS: tl.constexpr, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ROWS: tl.constexpr):
         """One slice of one row. Each Philox call gives four uniforms (tl.rand4x), one for each quarter of
         a block: the noise costs a quarter of one call per logit (offset row * vocab + column of the first
-        quarter, so no two logits of a step share a number)."""
+        quarter, so no two logits of a step share a number). A row at temperature 0 takes its argmax. Under a
+        grammar (HAS_MASK) row r reads bitmask row r, or bitmask_rows[r] (HAS_ROWS; -1: a free row)."""
         row = tl.program_id(0)
         split = tl.program_id(1)
-        inv_t = tl.load(inv_temp_ptr + row)
+        t = tl.load(temp_ptr + row)
+        noisy = t > 0
+        inv_t = 1.0 / tl.where(noisy, t, 1.0)
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+        b = row
+        if HAS_ROWS:
+            b = tl.load(bitmask_rows_ptr + row)
+        bits_ptr = bitmask_ptr + tl.maximum(b, 0).to(tl.int64) * words
         lo = split * per_split
         Q: tl.constexpr = BLOCK // 4
         best = tl.full((Q,), float("-inf"), tl.float32)
@@ -46,10 +62,14 @@ if triton is not None:
         for start in range(lo, lo + per_split, BLOCK):
             cols = start + tl.arange(0, Q)
             u0, u1, u2, u3 = tl.rand4x(seed, row.to(tl.int64) * vocab + cols)
-            best, where = _keep_better(_score(row_ptr, cols, vocab, inv_t, u0), cols, best, where)
-            best, where = _keep_better(_score(row_ptr, cols + Q, vocab, inv_t, u1), cols + Q, best, where)
-            best, where = _keep_better(_score(row_ptr, cols + 2 * Q, vocab, inv_t, u2), cols + 2 * Q, best, where)
-            best, where = _keep_better(_score(row_ptr, cols + 3 * Q, vocab, inv_t, u3), cols + 3 * Q, best, where)
+            score = _score(row_ptr, cols, vocab, inv_t, noisy, u0, bits_ptr, words, b, HAS_MASK)
+            best, where = _keep_better(score, cols, best, where)
+            score = _score(row_ptr, cols + Q, vocab, inv_t, noisy, u1, bits_ptr, words, b, HAS_MASK)
+            best, where = _keep_better(score, cols + Q, best, where)
+            score = _score(row_ptr, cols + 2 * Q, vocab, inv_t, noisy, u2, bits_ptr, words, b, HAS_MASK)
+            best, where = _keep_better(score, cols + 2 * Q, best, where)
+            score = _score(row_ptr, cols + 3 * Q, vocab, inv_t, noisy, u3, bits_ptr, words, b, HAS_MASK)
+            best, where = _keep_better(score, cols + 3 * Q, best, where)
         top = tl.max(best, axis=0)
         at = tl.min(tl.where(best == top, where, 2147483647), axis=0)
         tl.store(best_ptr + row * SPLITS + split, top)
@@ -61,13 +81,30 @@ SPLITS, BLOCK = 16, 1024
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int) -> torch.Tensor:
     """One token per row of `logits` [rows, vocab] (any float dtype, last dim contiguous), drawn from
     softmax(logits / temperatures[:, None]) (temperatures float32, > 0) with noise keyed by `seed`."""
-    rows, vocab = logits.shape
+    return _draw(logits, temperatures, seed, None, None)
+
+
+def sample_masked(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, bitmask: torch.Tensor,
+                  rows: torch.Tensor | None) -> torch.Tensor:
+    """`sample` under a grammar's bitmask, in the same one pass (the masked copy of the logits is never made):
+    `bitmask` int32 [masked, words] on the device, bit j of word w allowing token 32 w + j (tokens past the
+    words are forbidden); `rows` int32 [rows] on the device, the bitmask row of each logits row (-1: a free
+    row), or None for bitmask row i = logits row i. A row at temperature 0 takes its (masked) argmax."""
+    return _draw(logits, temperatures, seed, bitmask.contiguous(), rows)
+
+
+def _draw(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, bitmask: torch.Tensor | None,
+          rows: torch.Tensor | None) -> torch.Tensor:
+    n, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     per_split = triton.cdiv(triton.cdiv(vocab, SPLITS), BLOCK) * BLOCK
-    best = torch.empty((rows, SPLITS), dtype=torch.float32, device=logits.device)
-    where = torch.empty((rows, SPLITS), dtype=torch.int32, device=logits.device)
-    if rows:
-        _gumbel_max_kernel[(rows, SPLITS)](logits, (1.0 / temperatures).contiguous(), best, where, seed, vocab,
-                                           logits.stride(0), per_split, SPLITS=SPLITS, BLOCK=BLOCK, num_warps=4)
+    best = torch.empty((n, SPLITS), dtype=torch.float32, device=logits.device)
+    where = torch.empty((n, SPLITS), dtype=torch.int32, device=logits.device)
+    if n:
+        _gumbel_max_kernel[(n, SPLITS)](
+            logits, temperatures.contiguous(), best, where, seed, vocab, logits.stride(0), per_split,
+            where if bitmask is None else bitmask, where if rows is None else rows,
+            0 if bitmask is None else bitmask.shape[1],
+            SPLITS=SPLITS, BLOCK=BLOCK, HAS_MASK=bitmask is not None, HAS_ROWS=rows is not None, num_warps=4)
     return where.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1).long()

@@ -126,6 +126,10 @@ class CudaPlatform(Platform):
         """Temperature-only batches (the usual chat and bench request) drawn in one pass over the logits."""
         return sampling_kernel.sample if self._uses(sampling_kernel) else None
 
+    def grammar_sampler(self):
+        """A temperature-only batch under grammars masked and drawn in the one pass (no masked copy, one launch)."""
+        return sampling_kernel.sample_masked if self._uses(sampling_kernel) else None
+
     def grammar_masker(self):
         """A grammar's bitmask applied in one launch, not unpacked by a dozen (structured outputs at batch 64)."""
         return bitmask_kernel.apply_bitmask if self._uses(bitmask_kernel) else None
