@@ -8,8 +8,8 @@
 3. mask: the per-token cost of the mask on the host, each output of 2 replayed through a fresh matcher
    (fill the mask, accept the token): median and p99 per backend.
 4. e2e: time per output token with a JSON schema against none, batch 1 and 64, temperature 0.8, 256 tokens a
-   sequence at most, the two variants alternated, each free run's sequences as long as the last schema run's
-   (EOS ignored); and the first request of a new schema's extra time to first token (its compile).
+   sequence at most, in pairs of runs, each free run's sequences as long as the schema run's before it (EOS
+   ignored); and the first request of a new schema's extra time to first token (its compile).
 
     python benchmarks/structured.py                        # CPU, the embedded default model, every part
     python benchmarks/structured.py --device cuda --model random-0.6b --parts e2e --backends xgrammar  # one H200
@@ -120,12 +120,13 @@ def mask_costs(llm, schemas, tokens) -> list[float]:
 
 
 def e2e(llm, schema: dict, batch: int, max_tokens: int, repeats: int) -> dict[str, float]:
-    """ms per output token with the schema and without (same prompts, temperature 0.8), the two variants run
-    alternately (which goes first alternates too), `repeats` runs each; the median run of each is kept.
+    """ms per output token with the schema and without (same prompts, temperature 0.8), `repeats` pairs of runs,
+    the schema's run first; the median run of each variant is kept.
 
     A schema's sequences end when their grammar does, most before max_tokens, and once some have ended a step
-    runs fewer sequences in about the same time. So each free run's sequences get the lengths the last schema
-    run gave (ignore_eos), the same tokens in the same shrinking batch: the difference is the constraint's cost.
+    runs fewer sequences in about the same time. So the free run of a pair gives its sequences the lengths of the
+    schema run before it (ignore_eos): the same tokens in the same shrinking batch, so the difference is the
+    constraint's cost.
     (Against free sequences all of max_tokens, the schema was also charged for its shorter outputs: about +4%
     at batch 64 on the random model.)"""
     from nanoplug import SamplingParams
@@ -148,15 +149,11 @@ def e2e(llm, schema: dict, batch: int, max_tokens: int, repeats: int) -> dict[st
         tokens[label] = sum(got)
         return got
 
-    lengths = run("schema", [max_tokens] * batch)  # warm both (the schema's grammar compiled)
-    run("none", lengths)
+    run("none", run("schema", [max_tokens] * batch))  # warm both (the schema's grammar compiled)
     runs["none"].clear()
     runs["schema"].clear()
-    for r in range(repeats):
-        for label in (("none", "schema") if r % 2 == 0 else ("schema", "none")):
-            got = run(label, lengths)
-            if label == "schema":
-                lengths = [max(1, n) for n in got]
+    for _ in range(repeats):  # (so the runs alternate too)
+        run("none", [max(1, n) for n in run("schema", [max_tokens] * batch)])
     out = {label: statistics.median(v) for label, v in runs.items()}
     out.update({f"{label}_tokens": n for label, n in tokens.items()})
     out.update({f"{label}_runs": v for label, v in runs.items()})
