@@ -105,12 +105,7 @@ def test_the_temperature_kernel_draws_from_softmax_and_never_syncs():
     sampler = Sampler(dev, temperature=sampling_kernel.sample)
     batch = SamplingBatch([0.8, 0.0, 1.1], [0] * 3, [1.0] * 3, [0.0] * 3, [None] * 3, [3] * 3)
     small = torch.randn(3, vocab, device=dev, dtype=torch.bfloat16)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        out = sampler(small, batch)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    out = _without_sync(sampler, small, batch)
     assert int(out[1]) == int(small[1].float().argmax())
 
 
@@ -147,10 +142,15 @@ def test_the_masked_temperature_kernel_draws_what_the_plain_mask_and_draw_do_and
     bitmask = host_array(tuple(packed.shape), torch.int32, dev)
     bitmask[:] = packed.numpy()
     batch.mask_rows, batch.bitmask = list(range(rows)), bitmask
+    out = _without_sync(sampler, logits, batch)
+    assert bool(allowed[torch.arange(rows), out.cpu()].all())
+
+
+def _without_sync(sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The sampler's tokens, any call that would make the host wait for the device an error meanwhile."""
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = sampler(logits, batch)
+        return sampler(logits, batch)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert bool(allowed[torch.arange(rows), out.cpu()].all())
