@@ -4,8 +4,9 @@ tokens a sequence, with and without the schema, for each structured-output backe
 
     python3 benchmarks/studies/gpu_structured_host_time.py [--backends xgrammar] [--cprofile]   # on the GPU machine
 
-The masked sampling is split further (the bitmask's copy in, the masking, the draw, the tokens' copy out), and
-`--cprofile` prints the schema run's functions by their own time.
+The masked sampling is split further where the sampler masks and then draws (the bitmask's copy in, the masking,
+the draw, the tokens' copy out; a platform's one-pass masked draw shows as `sample` alone), and `--cprofile` prints
+the schema run's functions by their own time.
 """
 from __future__ import annotations
 
