@@ -303,3 +303,18 @@ def test_the_next_masks_are_begun_once_the_grammars_advanced_before_the_outputs(
                         use_tqdm=False)
     steps = "".join({"accept": "a", "begin": "b", "out": "o"}[e] for e in events)
     assert re.fullmatch(r"b(aaaaboooo)+aaaaoooo", steps), steps  # (the prompts' step begins the first fill)
+
+
+def test_a_step_run_to_its_end_fills_its_masks_beside_its_forward(llm, monkeypatch):
+    """Without overlapped steps (a CPU's), a constrained step's masks are begun on the mask thread before its forward
+    is launched (on a CPU the forward runs inside the launch) and the step is sampled under them after it."""
+    core, events = llm.engine, []
+    worker, structured = core.worker, core.structured
+    begin, launch, sample = structured.begin, worker.launch, worker.sample
+    monkeypatch.setattr(structured, "begin", lambda seqs: events.append("b") or begin(seqs))
+    monkeypatch.setattr(worker, "launch", lambda step: events.append("l") or launch(step))
+    monkeypatch.setattr(worker, "sample", lambda bitmask: events.append("s") or sample(bitmask))
+    out = llm.generate([chat("Is the sky blue?")], constrained(choice=["yes", "no"]), use_tqdm=False)[0].outputs[0]
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"
+    assert re.fullmatch(r"(bls)+", "".join(events)), events
+    assert_idle(llm)

@@ -96,10 +96,11 @@ class EngineCore:
                               "and full attention (KV-cache groups): leave speculator unset for this model")
         self.scheduler = Scheduler(config, blocks)
         self.builder = BatchBuilder(self.scheduler.blocks, self.scheduler.penalty_slots, self.structured,
-                                    self.overlap and self.defers_sampling)
-        # overlapped, a step's masks are filled on the mask thread while this one hands out the last step's tokens
-        # and schedules and builds the next step (NANOPLUG_MASKS_BESIDE=0: in line, for comparisons)
-        self.masks_beside = self.overlap and self.defers_sampling and os.environ.get("NANOPLUG_MASKS_BESIDE") != "0"
+                                    self.defers_sampling)
+        # a step's masks are filled on the mask thread: overlapped, while this one hands out the last step's tokens
+        # and schedules and builds the next step; a step run to its end (a CPU's), while its forward runs
+        # (NANOPLUG_MASKS_BESIDE=0: in line, for comparisons)
+        self.masks_beside = self.defers_sampling and os.environ.get("NANOPLUG_MASKS_BESIDE") != "0"
         self.masks_due = False  # the launched step waits for masks begun on the mask thread (_sample_due)
         self.speculation = Speculation.resolve(self.registry, config, wired.target, self.facts.vocab_size,
                                                self.worker)  # None: no speculator
@@ -319,23 +320,27 @@ class EngineCore:
         if k and not is_prefill:
             self.speculation.propose(batch, self.scheduler, k)
         launched = self.builder.build(batch, is_prefill, None)
-        if launched.step.sampling.mask_later:  # (an overlapping engine's builder: the masks follow the launch)
+        if launched.step.sampling.mask_later:  # the masks filled while the forward runs, then the step sampled
+            # a CPU's forward runs inside launch: the fill goes beside it from the first row
+            beside = self.masks_beside and (not self.overlap or len(launched.masked) >= MASKS_BESIDE_FROM)
+            if beside:
+                self.structured.begin(launched.masked)
             self.worker.launch(launched.step)
-            self._sample_masked(launched, beside=False)
+            self.worker.sample(self.structured.end() if beside else self.structured.masks(launched.masked))
             result = self.worker.collect()
         else:
             result = self.worker.run(launched.step)
         self.scheduler.advance(batch)
         return self._apply(launched, result)
 
-    def _sample_masked(self, launched: Launched | None, beside: bool = True) -> None:
+    def _sample_masked(self, launched: Launched | None) -> None:
         """Structured outputs, overlapped: the launched step's forward runs while the previous step's tokens
-        advanced the grammars; now its masks are filled on the host and it is sampled under them. `beside`: the
-        masks are begun on the mask thread and the step is sampled at the next `_sample_due`, once this thread
-        has handed out the tokens and scheduled and built the next step."""
+        advanced the grammars; now its masks are filled on the host and it is sampled under them. Beside (from
+        MASKS_BESIDE_FROM rows): the masks are begun on the mask thread and the step is sampled at the next
+        `_sample_due`, once this thread has handed out the tokens and scheduled and built the next step."""
         if launched is None or not launched.step.sampling.mask_later:
             return
-        if beside and self.masks_beside and len(launched.masked) >= MASKS_BESIDE_FROM:
+        if self.masks_beside and len(launched.masked) >= MASKS_BESIDE_FROM:
             self.structured.begin(launched.masked)
             self.masks_due = True
         else:
