@@ -150,7 +150,7 @@ class StructuredOutputs:
             else:
                 matchers.append(matcher)
                 rows.append(row)
-        return bitmask, self._backend().mask_filler(matchers, bitmask, rows) if matchers else _nothing
+        return bitmask, self._backend().mask_filler(matchers, bitmask, rows)
 
     def close(self) -> None:
         if self.job is not None:
@@ -181,7 +181,3 @@ class StructuredOutputs:
             return "abort"
         # (the cheap test first: the matcher is asked whether it ended only after a stop token, a call less otherwise)
         return "stop" if token in self.stop_token_ids and matcher.terminated else None
-
-
-def _nothing() -> None:
-    pass

@@ -104,19 +104,18 @@ class LLGuidanceBackend(StructuredOutputBackend):
         return _Matcher(m, self.fill)
 
     def fill_masks(self, matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]) -> None:
-        """Several rows: llguidance's executor fills them on its own threads."""
-        if len(matchers) < BATCH_FROM:
-            return super().fill_masks(matchers, bitmask, rows)
         self.mask_filler(matchers, bitmask, rows)()
 
     def mask_filler(self, matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]) -> Callable[[], None]:
-        """The (matcher, row) pairs made now; the executor's one call fills them without Python's lock."""
+        """Several rows: the (matcher, row) pairs made now, and one call of llguidance's executor fills them on its
+        own threads without Python's lock. A few rows: one after another."""
         if len(matchers) < BATCH_FROM:
-            return super().mask_filler(matchers, bitmask, rows)
+            return functools.partial(super().fill_masks, matchers, bitmask, rows)
         if self.executor is None:
             self.executor = self.llg.LLExecutor()
         return functools.partial(self.fill_par, self.executor, [(m.m, row) for m, row in zip(matchers, rows)],
                                  bitmask)
+
 
 def _first_line(exc: Any) -> str:
     text = str(exc).strip() or type(exc).__name__

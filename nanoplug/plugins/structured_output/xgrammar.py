@@ -136,17 +136,14 @@ class XGrammarBackend(StructuredOutputBackend):
         return _Matcher(self.xgr.GrammarMatcher(compiled))
 
     def fill_masks(self, matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]) -> None:
-        """Several rows: xgrammar's batch matcher, on its own threads (a big batch's masks took the host longer
-        than the step's forward, one row after another)."""
-        if len(matchers) < BATCH_FROM:
-            return super().fill_masks(matchers, bitmask, rows)
         self.mask_filler(matchers, bitmask, rows)()
 
     def mask_filler(self, matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]) -> Callable[[], None]:
-        """The ended rows written now; the others left to one call of the batch matcher, which fills them
-        without Python's lock."""
+        """Several rows: the ended rows written now, the others left to one call of xgrammar's batch matcher, which
+        fills them on its own threads without Python's lock (a big batch's masks took the host longer than the
+        step's forward, one row after another). A few rows: one after another."""
         if len(matchers) < BATCH_FROM:
-            return super().mask_filler(matchers, bitmask, rows)
+            return functools.partial(super().fill_masks, matchers, bitmask, rows)
         live, live_rows = [], []
         for m, row in zip(matchers, rows):
             if m.m.is_terminated():  # (as fill_mask: the row of a finished sequence runs ahead for nothing)
@@ -154,15 +151,10 @@ class XGrammarBackend(StructuredOutputBackend):
             else:
                 live.append(m.m)
                 live_rows.append(row)
-        if not live:
-            return _nothing
         if self.batcher is None:
             self.batcher = self.xgr.BatchGrammarMatcher(max_threads="auto")
         return functools.partial(self.batcher.batch_fill_next_token_bitmask, live, bitmask, live_rows)
 
-
-def _nothing() -> None:
-    pass
 
 def _required_without_properties(schema: Any) -> str | None:
     """A property some object of `schema` requires but does not declare (None: there is none)."""
