@@ -1,12 +1,12 @@
 """Where a batch-64 step's host time goes under a JSON schema on one GPU: each EngineCore part timed (forward
-launch, collect, apply, the grammars' accepts, mask fill, masked sampling), the bench's random Qwen3-0.6B, 256
+launch, collect, apply, the grammars' accepts, the mask fill on its thread, the wait for it, masked sampling), the bench's random Qwen3-0.6B, 256
 tokens a sequence, with and without the schema, for each structured-output backend.
 
     python3 benchmarks/studies/gpu_structured_host_time.py [--backends xgrammar] [--cprofile]   # on the GPU machine
 
 The masked sampling is split further where the sampler masks and then draws (the bitmask's copy in, the masking,
 the draw, the tokens' copy out; a platform's one-pass masked draw shows as `sample` alone), and `--cprofile` prints
-the schema run's functions by their own time.
+each run's functions (the loop's thread) by their own time.
 """
 from __future__ import annotations
 
@@ -59,9 +59,26 @@ def main() -> None:
         totals, counts = collections.Counter(), collections.Counter()
         for obj, name in ((core.worker, "collect"), (core.worker, "sample"), (core.worker, "launch"), (core, "step"),
                           (core.structured, "accept"), (core.structured, "masks"), (core, "_apply"),
+                          (core, "_accept"), (core.structured, "begin"), (core.structured, "end"),
+                          (core.scheduler, "schedule"), (core.builder, "build"),
                           (core.worker.sampler, "masked"), (core.worker.sampler, "_sample"),
                           (core.worker.platform, "to_host"), (sampler_module, "to_device")):
             timed(totals, counts, obj, name)
+        fill_of = core.structured._filler
+
+        def filler(seqs):  # the thread's part of each fill, timed where it runs
+            bitmask, fill = fill_of(seqs)
+
+            def timed_fill():
+                started = time.perf_counter()
+                try:
+                    fill()
+                finally:
+                    totals["fill (thread)"] += time.perf_counter() - started
+                    counts["fill (thread)"] += 1
+            return bitmask, timed_fill
+
+        core.structured._filler = filler
         if core.worker.sampler.masker is not None:
             timed(totals, counts, core.worker.sampler, "masker")
         for label, extra in (("free", {"ignore_eos": True}), ("schema", {"structured_outputs": {"json": schema}})):
@@ -69,7 +86,7 @@ def main() -> None:
             llm.generate([PROMPT] * 64, params, use_tqdm=False)  # warm (and compile the grammar)
             totals.clear()
             counts.clear()
-            profiler = cProfile.Profile() if args.cprofile and label == "schema" else None
+            profiler = cProfile.Profile() if args.cprofile else None
             started = time.perf_counter()
             if profiler is not None:
                 profiler.enable()
@@ -77,7 +94,7 @@ def main() -> None:
             seconds = time.perf_counter() - started
             if profiler is not None:
                 profiler.disable()
-                pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+                pstats.Stats(profiler).sort_stats("tottime").print_stats(40)
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             parts = {k: f"{1e3 * v / counts[k]:.3f} ms x{counts[k]}" for k, v in totals.items()}
             print(f"{backend} {label}: {1e3 * seconds / (tokens / 64):.3f} ms/token", parts, flush=True)

@@ -362,8 +362,8 @@ class EngineCore:
         self.last_step = (step.is_prefill, sum(step.query_lens), len(batch))
         logits_of, logprobs_of = launched.row_outputs(result)
         got, settled = launched.emitted(result)  # settled: a speculative step's accepted drafts per sample
-        # one token a sequence (no drafts): each grammar advanced first, in one pass
-        grammars_done = self._accept(got) if then is not None and launched.masked and not settled else None
+        # one token a sequence (no drafts): every grammar advanced first, in one backend call
+        grammars_done = self._accept(got) if launched.masked and not settled else None
         if then is not None and not settled and not (
                 self.speculation is not None and self.speculation.observes):  # (it reads the worker at the end)
             then, early = None, then
@@ -413,11 +413,10 @@ class EngineCore:
     def _accept(self, got: list[tuple[Sequence, int, int]]) -> dict[int, str | None]:
         """Each constrained sequence's grammar advanced by its token (one a sequence), by index in `got`: what
         `StructuredOutputs.accept` said."""
-        accept, done = self.structured.accept, {}
-        for i, (seq, token, _) in enumerate(got):
-            if seq.params.structured_outputs is not None and seq.status is not Status.FINISHED:
-                done[i] = accept(seq, token)
-        return done
+        rows = [i for i, (seq, _, _) in enumerate(got)
+                if seq.params.structured_outputs is not None and seq.status is not Status.FINISHED]
+        said = self.structured.accept_many([got[i][0] for i in rows], [got[i][1] for i in rows]) if rows else []
+        return dict(zip(rows, said))
 
     # ------------------------------------------------------------------------------ the rest
     def stats(self) -> EngineStats:

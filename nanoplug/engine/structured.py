@@ -41,7 +41,7 @@ class StructuredOutputs:
     def __init__(self, resolution: Resolution | None, why_none: str, tokenizer: Any, vocab_size: int,
                  stop_token_ids: set[int], device: torch.device | None = None):
         self.resolution, self.why_none = resolution, why_none
-        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, sorted(stop_token_ids)
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, frozenset(stop_token_ids)
         self.words = bitmask_words(vocab_size)
         self.device = device or torch.device("cpu")
         # the steps' bitmasks, written where the device's copy reads them (pinned on CUDA), two used in turn: a
@@ -75,7 +75,7 @@ class StructuredOutputs:
                 raise RequestError(f"this request has a structured-output constraint, but {self.why_none}; "
                                    "pip install xgrammar or llguidance")
             started = time.perf_counter()
-            self.backend = self.resolution.cls(self.tokenizer, self.vocab_size, self.stop_token_ids)
+            self.backend = self.resolution.cls(self.tokenizer, self.vocab_size, sorted(self.stop_token_ids))
             log.info("structured output: %s ready in %.3f s", self.resolution.name, time.perf_counter() - started)
         return self.backend
 
@@ -172,12 +172,29 @@ class StructuredOutputs:
         """Advance the sequence's grammar by its new token: "stop" when the grammar has ended on a stop token
         (it finishes even with ignore_eos), "abort" when the grammar refuses the token (never under its own
         mask; logged), else None."""
-        matcher = self._matcher(seq)
-        if seq.grammar_failed:
-            return None
-        if not matcher.accept(token):
-            seq.grammar_failed = True
-            log.error("request %s: the grammar refused token %d that was sampled under its mask", seq.request_id, token)
-            return "abort"
-        # (the cheap test first: the matcher is asked whether it ended only after a stop token, a call less otherwise)
-        return "stop" if token in self.stop_token_ids and matcher.terminated else None
+        return self.accept_many([seq], [token])[0]
+
+    def accept_many(self, seqs: list[Sequence], tokens: list[int]) -> list[str | None]:
+        """`accept` for a step's sequences (one token each) at once: one backend call for the batch."""
+        said: list[str | None] = [None] * len(seqs)
+        matchers, live = [], []
+        for i, seq in enumerate(seqs):
+            matcher = self._matcher(seq)
+            if not seq.grammar_failed:
+                matchers.append(matcher)
+                live.append(i)
+        if not matchers:
+            return said
+        accepted = self._backend().accept_tokens(matchers, [tokens[i] for i in live])
+        stops = self.stop_token_ids
+        for i, matcher, ok in zip(live, matchers, accepted):
+            token = tokens[i]
+            if not ok:
+                seqs[i].grammar_failed = True
+                log.error("request %s: the grammar refused token %d that was sampled under its mask",
+                          seqs[i].request_id, token)
+                said[i] = "abort"
+            # (the cheap test first: the matcher is asked whether it ended only after a stop token, a call less)
+            elif token in stops and matcher.terminated:
+                said[i] = "stop"
+        return said
