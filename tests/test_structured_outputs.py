@@ -340,6 +340,25 @@ def test_the_next_masks_are_begun_once_the_grammars_advanced_before_the_outputs(
     assert re.fullmatch(r"b(aaaaboooo)+aaaaoooo", steps), steps  # (the prompts' step begins the first fill)
 
 
+def test_the_wait_for_the_masks_comes_after_the_next_steps_inputs_are_planned(overlapped, monkeypatch):
+    """Overlapped: the worker is handed the wait for the masks (`StructuredOutputs.end`) and makes it once the next
+    step's inputs are planned on the host, before that step's device work; the last step's, at its collect."""
+    from nanoplug.worker import runner
+
+    core, events = overlapped.engine, []
+    end, plan, to_device, collect = core.structured.end, runner.plan_inputs, core.worker._to_device, core.worker.collect
+    monkeypatch.setattr(core.structured, "end", lambda: events.append("e") or end())
+    monkeypatch.setattr(runner, "plan_inputs", lambda *a, **k: events.append("p") or plan(*a, **k))
+    monkeypatch.setattr(core.worker, "_to_device", lambda *a: events.append("d") or to_device(*a))
+    monkeypatch.setattr(core.worker, "collect", lambda: events.append("c") or collect())
+    outs = overlapped.generate([chat("Give me any JSON object.")] * 4, constrained(json_object=True, max_tokens=6),
+                               use_tqdm=False)
+    assert all(o.outputs[0].finish_reason in ("stop", "length") for o in outs)
+    steps = "".join(events)
+    assert re.fullmatch(r"pd(pedc)+ce", steps), steps  # (the last step's wait inside its collect)
+    assert_idle(overlapped)
+
+
 def test_a_step_run_to_its_end_fills_its_masks_beside_its_forward(llm, monkeypatch):
     """Without overlapped steps (a CPU's), a constrained step's masks are begun on the mask thread before its forward
     is launched (on a CPU the forward runs inside the launch) and the step is sampled under them after it."""

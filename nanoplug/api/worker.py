@@ -94,7 +94,9 @@ class Worker(ABC):
     before instead (no overlap while constrained requests run)."""
 
     def sample(self, bitmask) -> None:
-        """Sample the step launched with `sampling.mask_later`, under `bitmask` (see `defers_sampling`)."""
+        """Sample the step launched with `sampling.mask_later`, under `bitmask` (see `defers_sampling`), or under
+        what `bitmask()` returns where it is a call: a worker may make that call as late as the next launch's
+        first device work or the next collect (the engine passes its wait for the mask thread)."""
         raise NotImplementedError(f"{type(self).__name__} does not defer sampling")
 
     def load_adapter(self, adapter_id: int, spec) -> None:

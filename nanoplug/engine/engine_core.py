@@ -347,10 +347,11 @@ class EngineCore:
             self.worker.sample(self.structured.masks(launched.masked))
 
     def _sample_due(self) -> None:
-        """Sample the launched step under the masks begun beside, before the worker is given anything else."""
+        """Sample the launched step under the masks begun beside, before the worker is given anything else: the
+        worker is handed the wait for them (`end`), which it makes once the next step's inputs are planned."""
         if self.masks_due:
             self.masks_due = False
-            self.worker.sample(self.structured.end())
+            self.worker.sample(self.structured.end)
 
     def _apply(self, launched: Launched, result: StepResult, then: Callable[[], None] | None = None
                ) -> list[RequestUpdate]:

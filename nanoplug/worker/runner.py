@@ -16,7 +16,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -148,6 +148,7 @@ class ModelRunner(Worker):
                                grammar_draw=self.platform.grammar_sampler())
         self.pending: deque = deque()  # launched steps whose tokens are not collected yet
         self.unsampled = None  # a step launched with sampling.mask_later, waiting for `sample`
+        self.bitmask_due: Callable[[], Any] | None = None  # `sample`'s call for the bitmask, made at the next launch
         self.last_tokens: torch.Tensor | None = None
         self.stats = StepStats()
         load = self._lap()
@@ -322,12 +323,15 @@ class ModelRunner(Worker):
             graphs = self.graphs.prefill
             inputs = plan_fresh_prefill(step, self.block_size, self.scratch_block, graphs.inputs(prefill_size),
                                         prefill_size)
+            self._sample_due()
             logits = _sampled_rows(graphs.replay(prefill_size, inputs), step.sample_rows, num_seqs)
         elif size is not None:
             inputs = plan_inputs(step, self.block_size, self.scratch_block, out=self.graphs.inputs(size), rows=size)
+            self._sample_due()
             logits = _sampled_rows(self.graphs.replay(size, inputs, self.last_tokens), step.sample_rows, num_seqs)
         else:
             inputs = plan_inputs(step, self.block_size, self.scratch_block)
+            self._sample_due()
             input_ids, positions, meta = self._to_device(step.is_prefill, inputs)
             if inputs.num_from_previous:
                 at = to_device(inputs.from_previous_at, torch.int64, self.device)
@@ -357,7 +361,12 @@ class ModelRunner(Worker):
     @torch.inference_mode()
     def sample(self, bitmask: Any) -> None:
         """Sample the step launched with `sampling.mask_later`, under the bitmask the engine computed on the
-        host while that step's forward ran (structured outputs); then it is collected as any launched step."""
+        host while that step's forward ran (structured outputs); then it is collected as any launched step.
+        A call that returns the bitmask is made once the next launch's inputs are planned (or at the next
+        collect): the wait for the mask thread overlaps that host work."""
+        if callable(bitmask):
+            self.bitmask_due = bitmask
+            return
         (step, logits, prompt_lps, share_tokens), self.unsampled = self.unsampled, None
         step.sampling.bitmask = bitmask
         self._sample_and_send(step, logits, prompt_lps, share_tokens)
@@ -437,8 +446,15 @@ class ModelRunner(Worker):
         """The logits at `rows` (each sequence's last token): what a captured prefill computes."""
         return self.model.compute_logits(self.model(input_ids, positions).index_select(0, rows))
 
+    def _sample_due(self) -> None:
+        """The sampling `sample` left to a call for its bitmask, before any device work that follows it."""
+        if self.bitmask_due is not None:
+            due, self.bitmask_due = self.bitmask_due, None
+            self.sample(due())
+
     def collect(self) -> StepResult | None:
         """Wait for the oldest launched step's tokens (rank 0; None on other ranks)."""
+        self._sample_due()
         entry = self.pending.popleft()
         if self.group.rank != 0:
             return None
@@ -504,6 +520,7 @@ class ModelRunner(Worker):
         """Drop the device state (graphs first: their pools hold the cache and activations they captured),
         then let the platform give the memory back. Safe to call twice."""
         self.pending.clear()
+        self.unsampled = self.bitmask_due = None
         self.graphs = self.last_tokens = self.request_adapters = self.hidden_layers = None
         self.kept_hidden = ()
         for ctx in self.group_ctxs:

@@ -125,7 +125,10 @@ class WorkerPool(Worker):
 
     def sample(self, bitmask: Any) -> None:
         """Hand every rank the launched step's grammar bitmask (filled on the host while the ranks ran its
-        forward) and return: unanswered, as a launch; rank 0 samples under it at once."""
+        forward) and return: unanswered, as a launch; rank 0 samples under it at once (a call for the bitmask
+        is made now: the ranks need the array)."""
+        if callable(bitmask):
+            bitmask = bitmask()
         self._check_running()
         self._round(("call", WorkerMethod.SAMPLE, (bitmask,)), "'sample'", self.call_timeout, answered=False)
         self._unanswered_launch = True
