@@ -248,17 +248,26 @@ def test_the_samplers_mask_is_masked_fill_of_the_unpacked_bits(fused, request):
         assert torch.equal(sampler.masked(logits[1::2], every), want[1::2])
 
 
-def _matchers_in_their_states(so, b) -> list:
-    """Ten matchers of every kind, the i-th advanced by i tokens, and one finished (its grammar ended)."""
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_steps_masks_filled_at_once_equal_the_masks_filled_row_by_row(llm, backend):
+    """The backends' batch fill (several threads) against their one-row fill, on matchers in different states,
+    one of them finished, written to rows out of order."""
     from nanoplug.api import Constraint
+    from nanoplug.plugins.structured_output.llguidance import LLGuidanceBackend
+    from nanoplug.plugins.structured_output.xgrammar import XGrammarBackend
 
+    so = llm.engine.structured
+    cls = {"xgrammar": XGrammarBackend, "llguidance": LLGuidanceBackend}[backend]
+    b = cls(so.tokenizer, so.vocab_size, sorted(so.stop_token_ids))
     kinds = [("json", json.dumps(PERSON)), ("json_object", ""), ("regex", r"\(\d{3}\) \d{3}-\d{4}"),
              ("grammar", 'root ::= "one" ", " "two" ", " ("three" | "3")'), ("choice", json.dumps(["yes", "no"]))]
     matchers = []
-    for i, (kind, text) in enumerate(kinds * 2):
+    for i, (kind, text) in enumerate(kinds * 2):  # ten matchers, the i-th advanced by i tokens
         m = b.matcher(b.compile(Constraint(kind, text)))
         for _ in range(i):
-            allowed = _allowed(m, so.words)
+            row = np.zeros((1, so.words), dtype=np.int32)
+            m.fill_mask(row, 0)
+            allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
             if m.terminated or not len(allowed):
                 break
             assert m.accept(int(allowed[len(allowed) // 2]))
@@ -267,30 +276,7 @@ def _matchers_in_their_states(so, b) -> list:
     for token in so.tokenizer.encode("yes", add_special_tokens=False) + [min(so.stop_token_ids)]:
         assert done.accept(token)
     assert done.terminated
-    return matchers + [done]
-
-
-def _allowed(matcher, words: int) -> np.ndarray:
-    row = np.zeros((1, words), dtype=np.int32)
-    matcher.fill_mask(row, 0)
-    return np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
-
-
-def _backend(so, backend: str):
-    from nanoplug.plugins.structured_output.llguidance import LLGuidanceBackend
-    from nanoplug.plugins.structured_output.xgrammar import XGrammarBackend
-
-    cls = {"xgrammar": XGrammarBackend, "llguidance": LLGuidanceBackend}[backend]
-    return cls(so.tokenizer, so.vocab_size, sorted(so.stop_token_ids))
-
-
-@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
-def test_a_steps_masks_filled_at_once_equal_the_masks_filled_row_by_row(llm, backend):
-    """The backends' batch fill (several threads) against their one-row fill, on matchers in different states,
-    one of them finished, written to rows out of order."""
-    so = llm.engine.structured
-    b = _backend(so, backend)
-    matchers = _matchers_in_their_states(so, b)
+    matchers.append(done)
     rows = list(range(len(matchers)))[::-1]
     want = np.zeros((len(matchers) + 1, so.words), dtype=np.int32)
     for m, row in zip(matchers, rows):
@@ -302,26 +288,6 @@ def test_a_steps_masks_filled_at_once_equal_the_masks_filled_row_by_row(llm, bac
     fill = b.mask_filler(matchers, later, rows)
     fill()
     assert np.array_equal(later, want)
-
-
-@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
-def test_a_steps_tokens_accepted_at_once_as_one_by_one(llm, backend):
-    """The backends' batch accept against their one-matcher accept on twin matchers: the same answers (a refused
-    token among them) and the same masks after."""
-    so = llm.engine.structured
-    b = _backend(so, backend)
-    ones, batch = ([m for m in _matchers_in_their_states(so, b) if not m.terminated] for _ in range(2))
-    tokens = []
-    for i, m in enumerate(ones):
-        allowed = _allowed(m, so.words)
-        refused = np.setdiff1d(np.arange(so.vocab_size), allowed)
-        tokens.append(int(refused[len(refused) // 2] if i == 3 else allowed[-1]))
-    want = [m.accept(t) for m, t in zip(ones, tokens)]
-    assert len(ones) >= 4 and b.accept_tokens(batch, tokens) == want and want.count(False) == 1
-    for one, twin, ok in zip(ones, batch, want):
-        assert one.terminated == twin.terminated
-        if ok and not one.terminated:
-            assert np.array_equal(_allowed(one, so.words), _allowed(twin, so.words))
 
 
 def test_the_next_masks_are_begun_once_the_grammars_advanced_before_the_outputs(overlapped, monkeypatch):

@@ -84,12 +84,6 @@ class StructuredOutputBackend(Plugin, ABC):
     def matcher(self, compiled: Any) -> GrammarMatcher:
         """A fresh matcher at the start of `compiled`."""
 
-    def accept_tokens(self, matchers: list[GrammarMatcher], tokens: list[int]) -> list[bool]:
-        """A step's tokens at once: `matchers[i]` (this backend's) advanced by `tokens[i]`, each as its `accept`
-        says. One call a step, on the step loop's critical path: a backend whose library advances a batch in one
-        native call overrides it; by default, one matcher after another."""
-        return [matcher.accept(token) for matcher, token in zip(matchers, tokens)]
-
     def fill_masks(self, matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]) -> None:
         """A step's masks at once: `matchers[i]` (this backend's) fills row `rows[i]` of `bitmask`. One call a
         step, so a backend may fill the rows on several threads (the engine waits on it between a step's forward

@@ -13,7 +13,7 @@ from nanoplug.api import Constraint, ConstraintError, GrammarMatcher, Structured
 
 # as the xgrammar backend: ", " and ": " between items, no free whitespace (the same language, the same tokens)
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-BATCH_FROM = 4  # rows from which a step's masks are filled (and its tokens accepted) by the executor
+BATCH_FROM = 4  # rows from which a step's masks are filled by the executor, on several threads
 
 
 class _Matcher(GrammarMatcher):
@@ -103,26 +103,17 @@ class LLGuidanceBackend(StructuredOutputBackend):
             raise ConstraintError(f"llguidance cannot compile this constraint: {_first_line(m.get_error())}")
         return _Matcher(m, self.fill)
 
-    def accept_tokens(self, matchers: list[GrammarMatcher], tokens: list[int]) -> list[bool]:
-        """Several rows: one call of llguidance's executor (a Python call per matcher cost more than the Rust)."""
-        if len(matchers) < BATCH_FROM:
-            return super().accept_tokens(matchers, tokens)
-        return self.llg.numpy.consume_token_par(self._executor(), [(m.m, t) for m, t in zip(matchers, tokens)])
-
     def fill_masks(self, matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]) -> None:
         self.mask_filler(matchers, bitmask, rows)()
-
-    def _executor(self) -> Any:
-        if self.executor is None:
-            self.executor = self.llg.LLExecutor()
-        return self.executor
 
     def mask_filler(self, matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]) -> Callable[[], None]:
         """Several rows: the (matcher, row) pairs made now, and one call of llguidance's executor fills them on its
         own threads without Python's lock. A few rows: one after another."""
         if len(matchers) < BATCH_FROM:
             return functools.partial(super().fill_masks, matchers, bitmask, rows)
-        return functools.partial(self.fill_par, self._executor(), [(m.m, row) for m, row in zip(matchers, rows)],
+        if self.executor is None:
+            self.executor = self.llg.LLExecutor()
+        return functools.partial(self.fill_par, self.executor, [(m.m, row) for m, row in zip(matchers, rows)],
                                  bitmask)
 
 

@@ -18,7 +18,7 @@ from nanoplug.api import Constraint, ConstraintError, GrammarMatcher, Structured
 
 JSON_SEPARATORS = (", ", ": ")  # one space after each, no free whitespace: llguidance is set alike (same tokens)
 _STDERR_LOCK = threading.Lock()
-BATCH_FROM = 4  # rows from which a step's masks are filled (and its tokens accepted) by the batch matcher
+BATCH_FROM = 4  # rows from which a step's masks are filled by the batch matcher, on several threads
 
 
 @contextmanager
@@ -134,12 +134,6 @@ class XGrammarBackend(StructuredOutputBackend):
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
         return _Matcher(self.xgr.GrammarMatcher(compiled))
-
-    def accept_tokens(self, matchers: list[GrammarMatcher], tokens: list[int]) -> list[bool]:
-        """Several rows: one call of xgrammar's batch matcher (a Python call per matcher cost more than the C++)."""
-        if len(matchers) < BATCH_FROM:
-            return super().accept_tokens(matchers, tokens)
-        return self.xgr.BatchGrammarMatcher.batch_accept_token([m.m for m in matchers], tokens)
 
     def fill_masks(self, matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]) -> None:
         self.mask_filler(matchers, bitmask, rows)()
