@@ -251,7 +251,7 @@ def test_the_samplers_mask_is_masked_fill_of_the_unpacked_bits(fused, request):
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
 def test_a_steps_masks_filled_at_once_equal_the_masks_filled_row_by_row(llm, backend):
     """The backends' batch fill (several threads) against their one-row fill, on matchers in different states,
-    one of them finished, written to rows out of order."""
+    written to rows out of order."""
     from nanoplug.api import Constraint
     from nanoplug.plugins.structured_output.llguidance import LLGuidanceBackend
     from nanoplug.plugins.structured_output.xgrammar import XGrammarBackend
@@ -272,11 +272,7 @@ def test_a_steps_masks_filled_at_once_equal_the_masks_filled_row_by_row(llm, bac
                 break
             assert m.accept(int(allowed[len(allowed) // 2]))
         matchers.append(m)
-    done = b.matcher(b.compile(Constraint("choice", json.dumps(["yes"]))))
-    for token in so.tokenizer.encode("yes", add_special_tokens=False) + [min(so.stop_token_ids)]:
-        assert done.accept(token)
-    assert done.terminated
-    matchers.append(done)
+    matchers = [m for m in matchers if not m.terminated]  # (the engine writes an ended grammar's row itself)
     rows = list(range(len(matchers)))[::-1]
     want = np.zeros((len(matchers) + 1, so.words), dtype=np.int32)
     for m, row in zip(matchers, rows):
@@ -304,6 +300,35 @@ def test_the_next_masks_are_begun_once_the_grammars_advanced_before_the_outputs(
                         use_tqdm=False)
     steps = "".join({"accept": "a", "begin": "b", "out": "o"}[e] for e in events)
     assert re.fullmatch(r"b(aaaaboooo)+aaaaoooo", steps), steps  # (the prompts' step begins the first fill)
+
+
+def test_an_ended_grammars_row_runs_ahead_all_allowed_and_no_ended_matcher_is_filled(overlapped, monkeypatch):
+    """Overlapped, a sequence whose grammar ended at step N is still a row of step N+1 (launched before N was
+    collected): the engine writes that row all-allowed itself and hands the backend live matchers only."""
+    so = overlapped.engine.structured
+    backend, filler, rows_of_ended, given = so._backend(), so._filler, [], []
+    mask_filler = backend.mask_filler
+
+    def checked_filler(seqs):
+        bitmask, fill = filler(seqs)
+        rows_of_ended.extend(bool((bitmask[row] == -1).all()) for row, seq in enumerate(seqs) if seq.grammar_ended)
+        return bitmask, fill
+
+    def checked_mask_filler(matchers, bitmask, rows):
+        given.append(len(matchers))
+        assert not any(m.terminated for m in matchers)
+        return mask_filler(matchers, bitmask, rows)
+
+    monkeypatch.setattr(so, "_filler", checked_filler)
+    monkeypatch.setattr(backend, "mask_filler", checked_mask_filler)
+    prompts = [chat("Is the sky blue?")] * 3 + [chat("Describe a person as JSON.")] * 3
+    params = [constrained(choice=["yes", "no"])] * 3 + [constrained(json=PERSON)] * 3
+    outs = overlapped.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].text for o in outs[:3]] == [outs[0].outputs[0].text] * 3 and outs[0].outputs[0].text in ("yes", "no")
+    for o in outs[3:]:
+        jsonschema.validate(json.loads(o.outputs[0].text), PERSON)
+    assert rows_of_ended and all(rows_of_ended) and max(given) >= 4, (rows_of_ended, given)
+    assert_idle(overlapped)
 
 
 def test_the_wait_for_the_masks_comes_after_the_next_steps_inputs_are_planned(overlapped, monkeypatch):

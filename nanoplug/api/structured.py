@@ -87,7 +87,8 @@ class StructuredOutputBackend(Plugin, ABC):
     def fill_masks(self, matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]) -> None:
         """A step's masks at once: `matchers[i]` (this backend's) fills row `rows[i]` of `bitmask`. One call a
         step, so a backend may fill the rows on several threads (the engine waits on it between a step's forward
-        and its sampling); by default, one row after another."""
+        and its sampling); by default, one row after another. No matcher given is `terminated`: the engine writes
+        the rows of ended grammars itself, without asking each matcher."""
         for matcher, row in zip(matchers, rows):
             matcher.fill_mask(bitmask, row)
 

@@ -363,7 +363,7 @@ class EngineCore:
         self.last_step = (step.is_prefill, sum(step.query_lens), len(batch))
         logits_of, logprobs_of = launched.row_outputs(result)
         got, settled = launched.emitted(result)  # settled: a speculative step's accepted drafts per sample
-        # one token a sequence (no drafts): every grammar advanced first, in one backend call
+        # one token a sequence (no drafts): every grammar advanced first, in one pass
         grammars_done = self._accept(got) if launched.masked and not settled else None
         if then is not None and not settled and not (
                 self.speculation is not None and self.speculation.observes):  # (it reads the worker at the end)

@@ -55,9 +55,10 @@ class Sequence:
     # (not only in the output) because a prompt that still owes some skips the prefix cache
     prompt_logprobs: list[Any] | None = None
     # structured outputs: its grammar matcher (engine/structured.py, made at its first sampled token; each sample
-    # of n > 1 its own), and whether the grammar refused a token
+    # of n > 1 its own), whether the grammar refused a token, and whether it ended (accepted a stop token)
     grammar: Any = None
     grammar_failed: bool = False
+    grammar_ended: bool = False
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)

@@ -145,7 +145,7 @@ class StructuredOutputs:
         matchers, rows = [], []
         for row, seq in enumerate(seqs):
             matcher = self._matcher(seq)
-            if seq.grammar_failed:
+            if seq.grammar_failed or seq.grammar_ended:  # (an ended one: its row runs ahead for nothing)
                 bitmask[row] = -1
             else:
                 matchers.append(matcher)
@@ -191,5 +191,6 @@ class StructuredOutputs:
                 said[i] = "abort"
             # (the cheap test first: the matcher is asked whether it ended only after a stop token, a call less)
             elif token in stops and matcher.terminated:
+                seq.grammar_ended = True
                 said[i] = "stop"
         return said

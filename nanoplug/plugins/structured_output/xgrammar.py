@@ -139,21 +139,14 @@ class XGrammarBackend(StructuredOutputBackend):
         self.mask_filler(matchers, bitmask, rows)()
 
     def mask_filler(self, matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]) -> Callable[[], None]:
-        """Several rows: the ended rows written now, the others left to one call of xgrammar's batch matcher, which
-        fills them on its own threads without Python's lock (a big batch's masks took the host longer than the
-        step's forward, one row after another). A few rows: one after another."""
+        """Several rows: one call of xgrammar's batch matcher, which fills them on its own threads without Python's
+        lock (a big batch's masks took the host longer than the step's forward, one row after another). A few rows:
+        one after another."""
         if len(matchers) < BATCH_FROM:
             return functools.partial(super().fill_masks, matchers, bitmask, rows)
-        live, live_rows = [], []
-        for m, row in zip(matchers, rows):
-            if m.m.is_terminated():  # (as fill_mask: the row of a finished sequence runs ahead for nothing)
-                bitmask[row] = -1
-            else:
-                live.append(m.m)
-                live_rows.append(row)
         if self.batcher is None:
             self.batcher = self.xgr.BatchGrammarMatcher(max_threads="auto")
-        return functools.partial(self.batcher.batch_fill_next_token_bitmask, live, bitmask, live_rows)
+        return functools.partial(self.batcher.batch_fill_next_token_bitmask, [m.m for m in matchers], bitmask, rows)
 
 
 def _required_without_properties(schema: Any) -> str | None:
