@@ -324,7 +324,8 @@ def test_an_ended_grammars_row_runs_ahead_all_allowed_and_no_ended_matcher_is_fi
     prompts = [chat("Is the sky blue?")] * 3 + [chat("Describe a person as JSON.")] * 3
     params = [constrained(choice=["yes", "no"])] * 3 + [constrained(json=PERSON)] * 3
     outs = overlapped.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].text for o in outs[:3]] == [outs[0].outputs[0].text] * 3 and outs[0].outputs[0].text in ("yes", "no")
+    answer = outs[0].outputs[0].text
+    assert [o.outputs[0].text for o in outs[:3]] == [answer] * 3 and answer in ("yes", "no")
     for o in outs[3:]:
         jsonschema.validate(json.loads(o.outputs[0].text), PERSON)
     assert rows_of_ended and all(rows_of_ended) and max(given) >= 4, (rows_of_ended, given)

@@ -1,12 +1,13 @@
 """Where a batch-64 step's host time goes under a JSON schema on one GPU: each EngineCore part timed (forward
-launch, collect, apply, the grammars' accepts, the mask fill on its thread, the wait for it, masked sampling), the bench's random Qwen3-0.6B, 256
-tokens a sequence, with and without the schema, for each structured-output backend.
+launch, collect, apply, the grammars' accepts, the mask fill on its thread, the wait for it, masked sampling),
+the bench's random Qwen3-0.6B, 256 tokens a sequence, with and without the schema, for each structured-output
+backend.
 
     python3 benchmarks/studies/gpu_structured_host_time.py [--backends xgrammar] [--cprofile]   # on the GPU machine
 
 The masked sampling is split further where the sampler masks and then draws (the bitmask's copy in, the masking,
 the draw, the tokens' copy out; a platform's one-pass masked draw shows as `sample` alone), and `--cprofile` prints
-each run's functions (the loop's thread) by their own time.
+each run's functions by their own time (Python 3.12's profiler sees every thread, the mask thread's too).
 """
 from __future__ import annotations
 
