@@ -57,6 +57,23 @@ def _complete(url: str, prompt: str) -> tuple[str, str]:
     return r.json()["choices"][0]["text"], r.headers["x-nanoplug-replica"]
 
 
+def _story() -> str:
+    """What Serve and Ray said of the replicas (the controller's replica lines, the raylet's kills, each replica's
+    last error lines): a replacement that never comes fails the test with its cause, not a bare state."""
+    import glob
+
+    import ray
+
+    logs = ray._private.worker.global_worker.node.get_logs_dir_path()
+    lines = []
+    for path in glob.glob(f"{logs}/serve/controller_*.log"):
+        lines += [line for line in open(path) if "Replica" in line or "ERROR" in line or "WARNING" in line][-20:]
+    lines += [line for line in open(f"{logs}/raylet.out") if "kill" in line.lower() or " E " in line][-10:]
+    for path in sorted(glob.glob(f"{logs}/worker-*.err")):
+        lines += [f"{path.rsplit('/', 1)[-1]}: {line}" for line in open(path).readlines()[-5:]]
+    return "".join(line[:300] + ("\n" if not line.endswith("\n") else "") for line in lines)
+
+
 def _replicas() -> list[str]:
     from ray import serve
 
@@ -97,7 +114,8 @@ def test_two_replicas_spread_and_a_killed_one_is_replaced(cluster):
     deadline = time.monotonic() + 120
     while _replicas() != ["HEALTHY", 2] and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _replicas() == ["HEALTHY", 2], serve.status().applications["nanoplug"].deployments["nanoplug"].message
+    deployment = serve.status().applications["nanoplug"].deployments["nanoplug"]
+    assert _replicas() == ["HEALTHY", 2], f"{deployment.replica_states} {deployment.message}\n{_story()}"
     again: set[str] = set()
     while not again - before and time.monotonic() < deadline + 30:  # once the proxy's router hears of it
         text, replica = _complete(cluster, "Hello there")
