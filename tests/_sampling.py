@@ -1,6 +1,7 @@
 """The checks every platform's temperature sampler must pass, whatever draws its noise."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -19,3 +20,18 @@ def check_temperature_sampler(sample, rows: int, slack: float) -> None:
     assert ((freq - want).abs() <= 4.5 * sigma + slack).all(), (freq, want)
     assert (sample(logits, torch.full((rows,), temperature), seed=124) != tokens).float().mean() > 0.2
     assert torch.equal(sample(logits.to(torch.bfloat16), torch.full((rows,), temperature), seed=123), tokens)
+
+
+def grammar_case(rows: int, vocab: int, width: int, seed: int = 3):
+    """Logits [rows, width] (wider than the bitmask's tokens), a bitmask [rows, words] allowing about half the
+    tokens, and in every row a forbidden token far above the rest."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, width, generator=g) * 3
+    words = (vocab + 31) // 32
+    allowed = torch.rand(rows, words * 32, generator=g) < 0.5
+    allowed[:, vocab:] = False
+    for row in range(rows):
+        forbidden = int((~allowed[row, :vocab]).nonzero()[row % 3])
+        logits[row, forbidden] = 80.0
+    packed = np.packbits(allowed.numpy(), axis=1, bitorder="little").view(np.int32)
+    return logits, torch.from_numpy(packed.copy())

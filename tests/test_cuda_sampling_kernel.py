@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _sampling import check_temperature_sampler
+from _sampling import check_temperature_sampler, grammar_case
 from _triton_interpreter import interpreted
 from nanoplug.api import SamplingBatch
 from nanoplug.worker.sampler import Sampler
@@ -75,23 +75,6 @@ def test_the_sampler_routes_temperature_only_batches_to_the_platform_sampler():
     assert len(fast.calls) == 2, "an all-greedy batch took the sampler"
 
 
-def _grammar_case(rows: int, vocab: int, width: int, seed: int = 3):
-    """Logits [rows, width] (wider than the bitmask's tokens), a bitmask [rows, words] allowing about half the
-    tokens, and in every row a forbidden token far above the rest."""
-    import numpy as np
-
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(rows, width, generator=g) * 3
-    words = (vocab + 31) // 32
-    allowed = torch.rand(rows, words * 32, generator=g) < 0.5
-    allowed[:, vocab:] = False
-    for row in range(rows):
-        forbidden = int((~allowed[row, :vocab]).nonzero()[row % 3])
-        logits[row, forbidden] = 80.0
-    packed = np.packbits(allowed.numpy(), axis=1, bitorder="little").view(np.int32)
-    return logits, torch.from_numpy(packed.copy())
-
-
 @pytest.mark.parametrize("masked_rows", [[0, 1, 2, 3, 4], [1, 3]], ids=["every-row", "some-rows"])
 def test_the_masked_draw_equals_the_draw_over_the_plainly_masked_logits(kernel, monkeypatch, masked_rows):
     """`sample_masked` (mask and draw in one pass, no masked copy) gives exactly the tokens `sample` draws, with the
@@ -99,7 +82,7 @@ def test_the_masked_draw_equals_the_draw_over_the_plainly_masked_logits(kernel, 
     argmax, logits wider than the bitmask; every row masked, or some (the others free)."""
     monkeypatch.setattr(kernel, "SPLITS", 2)
     rows, vocab = 5, 1500
-    logits, bitmask = _grammar_case(rows, vocab, width=1530)
+    logits, bitmask = grammar_case(rows, vocab, width=1530)
     temps = torch.tensor([0.7, 0.0, 1.3, 1.0, 0.0])
     batch = SamplingBatch.greedy(rows)
     batch.mask_rows, batch.bitmask = masked_rows, bitmask[:len(masked_rows)]
@@ -134,7 +117,7 @@ def test_the_sampler_masks_and_draws_temperature_only_batches_under_grammars_in_
 
     fast = RecordingGrammarDraw()
     sampler = Sampler(torch.device("cpu"), seed=3, grammar_draw=fast)
-    logits, bitmask = _grammar_case(3, 60, width=64)
+    logits, bitmask = grammar_case(3, 60, width=64)
     batch = rows(3, temperature=[0.8, 0.0, 1.2])
     batch.mask_rows, batch.bitmask = [0, 2], bitmask[:2].numpy()
     assert sampler(logits, batch).tolist() == [7, 7, 7]

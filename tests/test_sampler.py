@@ -9,7 +9,8 @@ import torch
 
 from _checkpoints import checkpoint, prompt_ids
 from nanoplug import LLM, SamplingParams
-from nanoplug.worker.sampler import Sampler, SamplingBatch
+from nanoplug.kernels.cpu import sampling
+from nanoplug.worker.sampler import Sampler, SamplingBatch, _top_p_among_largest, _top_p_sorted
 
 
 def batch(n: int = 1, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, positions=None) -> SamplingBatch:
@@ -69,21 +70,47 @@ def test_filters_apply_per_row():
     assert [(row > 0).sum().item() for row in probs] == [6, 1, 3, 1]
 
 
+def test_top_p_from_the_largest_logits_keeps_what_the_full_sort_keeps():
+    """The host's top-p from the largest 256 or 2048 logits keeps exactly the full sort's tokens, row by row,
+    and leaves a batch that the largest 2048 do not cover to the sort."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, 32768, generator=gen) * torch.linspace(2, 12, 12).unsqueeze(1)  # flat to peaked
+    top_ps = torch.tensor([0.5, 0.9, 0.95, 0.99, 0.3, 0.8] * 2)
+    peaked = slice(6, 12)  # their mass is within the largest logits
+    partial = _top_p_among_largest(logits[peaked], top_ps[peaked])
+    assert partial is not None
+    assert torch.equal(partial, _top_p_sorted(logits[peaked], top_ps[peaked]))
+    flat = logits[:2] * 0.01  # nearly uniform: the largest 2048 of 32768 tokens fall short of p
+    assert _top_p_among_largest(flat, top_ps[:2]) is None
+    logits[0] *= 0.01
+    for rows in (peaked, slice(0, 12)):  # through the sampler: the largest logits, then the sort
+        got = Sampler.probabilities(logits[rows], batch(6 if rows == peaked else 12, top_p=top_ps[rows].tolist()))
+        assert torch.equal(got, torch.softmax(_top_p_sorted(logits[rows], top_ps[rows]), dim=-1))
+
+
 # ------------------------------------------------------------------------------- drawing
-def test_temperature_zero_is_greedy_even_beside_sampled_rows():
+DRAWS = {"exponential race": None, "inverse CDF": sampling.draw}  # the plain draw, the CPU platform's
+
+
+@pytest.fixture(params=list(DRAWS))
+def draw(request):
+    return DRAWS[request.param]
+
+
+def test_temperature_zero_is_greedy_even_beside_sampled_rows(draw):
     torch.manual_seed(0)
     logits = torch.randn(8, 50)
     temps = [0.0, 1.0] * 4
-    tokens = Sampler(torch.device("cpu"))(logits, batch(8, temperature=temps))
+    tokens = Sampler(torch.device("cpu"), inverse_cdf=draw)(logits, batch(8, temperature=temps, top_k=20))
     greedy = logits.argmax(-1)
     assert all(tokens[i] == greedy[i] for i in range(0, 8, 2))
-    assert torch.equal(Sampler(torch.device("cpu"))(logits, batch(8, temperature=0.0)), greedy)
+    assert torch.equal(Sampler(torch.device("cpu"), inverse_cdf=draw)(logits, batch(8, temperature=0.0)), greedy)
 
 
-def test_draws_follow_the_filtered_distribution():
+def test_draws_follow_the_filtered_distribution(draw):
     """4000 rows of the same logits: the token frequencies match the probabilities."""
     n = 4000
-    sampler = Sampler(torch.device("cpu"), seed=1)
+    sampler = Sampler(torch.device("cpu"), seed=1, inverse_cdf=draw)
     settings = batch(n, temperature=0.8, top_k=4)
     tokens = sampler(LOGITS.repeat(n, 1), settings)
     want = Sampler.probabilities(LOGITS, batch(1, temperature=0.8, top_k=4))[0]
@@ -92,10 +119,10 @@ def test_draws_follow_the_filtered_distribution():
     assert torch.allclose(freq, want, atol=4 * math.sqrt(0.25 / n))  # four standard errors
 
 
-def test_same_seed_same_token_whatever_else_is_in_the_batch():
+def test_same_seed_same_token_whatever_else_is_in_the_batch(draw):
     torch.manual_seed(0)
     logits = torch.randn(5, 1000)
-    sampler = Sampler(torch.device("cpu"))
+    sampler = Sampler(torch.device("cpu"), inverse_cdf=draw)
     alone = sampler(logits[2:3], batch(1, seeds=[42], positions=[17]))
     for order in ([2, 0, 1, 3, 4], [4, 3, 2], [0, 2]):
         rows = logits[order]

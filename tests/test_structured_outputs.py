@@ -19,6 +19,7 @@ from _engine_checks import assert_idle
 from _triton_interpreter import interpreted
 from nanoplug import LLM, SamplingParams
 from nanoplug.api import SamplingBatch, bitmask_words, unpack_bitmask
+from nanoplug.api.structured import _unpack_by_shifts
 from nanoplug.errors import RequestError
 from nanoplug.worker.sampler import Sampler
 
@@ -200,7 +201,10 @@ def _masking_case(width: int):
     bitmask = np.zeros((2, bitmask_words(vocab) * 4), dtype=np.uint8)
     bitmask[:, :bits.shape[1]] = bits
     bitmask = bitmask.view(np.int32)
-    assert torch.equal(unpack_bitmask(torch.from_numpy(bitmask), vocab), allowed)
+    assert torch.equal(unpack_bitmask(torch.from_numpy(bitmask), vocab), allowed)  # numpy's unpacking here
+    assert torch.equal(_unpack_by_shifts(torch.from_numpy(bitmask))[:, :vocab], allowed)  # a device's
+    wider = unpack_bitmask(torch.from_numpy(bitmask), 200)  # ids past the words: never allowed
+    assert torch.equal(wider[:, :vocab], allowed) and not wider[:, vocab:].any()
     allowed = torch.nn.functional.pad(allowed, (0, width - vocab), value=False)
     want = logits.clone()
     want[1] = want[1].masked_fill(~allowed[0], float("-inf"))

@@ -4,6 +4,10 @@ the bench's random Qwen3-0.6B, 256 tokens a sequence, with and without the schem
 backend.
 
     python3 benchmarks/studies/gpu_structured_host_time.py [--backends xgrammar] [--cprofile]   # on the GPU machine
+    python benchmarks/studies/gpu_structured_host_time.py --device cpu --tiny --cprofile         # the loop's Python
+
+`--device cpu --tiny` runs the same steps, overlapped, on a tiny random Qwen3 (the same 151,936-token vocabulary),
+so the forward is small and the profile is mostly the step loop's own Python.
 
 The masked sampling is split further where the sampler masks and then draws (the bitmask's copy in, the masking,
 the draw, the tokens' copy out; a platform's one-pass masked draw shows as `sample` alone), and `--cprofile` prints
@@ -49,13 +53,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backends", default="xgrammar,llguidance")
     parser.add_argument("--cprofile", action="store_true")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="a tiny random Qwen3 instead of the 0.6B shape")
     parser.add_argument("--schema", type=Path, default=SCHEMA, help="the JSON schema (default: JSONSchemaBench's o11173)")
     args = parser.parse_args()
-    model = str(write_checkpoint())
+    if args.tiny:
+        import tempfile
+
+        from nanoplug.bench.checkpoints import write_random_checkpoint
+        model = str(write_random_checkpoint(Path(tempfile.gettempdir()) / "nanoplug-host-time-tiny"))
+    else:
+        model = str(write_checkpoint())
     schema = json.loads(args.schema.read_text())
     for backend in args.backends.split(","):
-        llm = LLM(model, device="cuda", structured_output=backend, max_model_len=2048, max_num_seqs=64,
-                  dtype="bfloat16")
+        options = dict(dtype="bfloat16") if args.device == "cuda" else dict(dtype="float32", overlap_steps=True,
+                                                                               num_kv_blocks=1024)
+        llm = LLM(model, device=args.device, structured_output=backend, max_model_len=2048, max_num_seqs=64,
+                  **options)
         core = llm.engine
         totals, counts = collections.Counter(), collections.Counter()
         for obj, name in ((core.worker, "collect"), (core.worker, "sample"), (core.worker, "launch"), (core, "step"),
@@ -102,7 +116,8 @@ def main() -> None:
         llm.close()
         del llm, core
         gc.collect()
-        torch.cuda.empty_cache()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -388,6 +388,14 @@ class Platform(Plugin):
         token drawn from softmax(logits / temperature), its noise keyed by `seed` (a new one every step)."""
         return None
 
+    def inverse_cdf_sampler(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """A draw with one uniform number a row, for a platform where noise for every logit is slow (a CPU's
+        generator), or None (an exponential race over each row's probabilities): `(weights [rows, vocab] float32
+        >= 0, not normalised, uniforms [rows] float32 in (0, 1]) -> tokens [rows] int64`, token i drawn where
+        u * sum(weights) falls in its share of the row's cumulative sum (a weight of 0 never drawn). Used for rows
+        filtered by top-k, top-p or min-p, seeded rows (their u keyed by (seed, position)) and speculative steps."""
+        return None
+
     def grammar_masker(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None:
         """A faster way to set the tokens a grammar forbids to -inf (structured outputs), or None:
         `(logits [rows, vocab], bitmask int32 [masked, words] on the device, rows int64 [masked] on the device or

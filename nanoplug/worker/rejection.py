@@ -19,14 +19,9 @@ from __future__ import annotations
 import torch
 
 from nanoplug.api import DraftBatch, SamplingBatch, to_device
+from nanoplug.worker.seeded import seeded_uniform
 
 _SALT = 0x9E3779B97F4A7C15  # keys a seeded row's acceptance draw apart from its token noise
-
-
-def _seeded_uniform(seed: int, position: int) -> float:
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(((seed * 1_000_003 + position) ^ _SALT) & ((1 << 63) - 1))
-    return float(torch.rand(1, generator=gen))
 
 
 def rejection_sample(sampler, logits: torch.Tensor, batch: SamplingBatch,
@@ -46,7 +41,7 @@ def rejection_sample(sampler, logits: torch.Tensor, batch: SamplingBatch,
     for i, row in enumerate(drafts.rows):
         seed = batch.seeds[row]
         if seed is not None:
-            uniform[i] = _seeded_uniform(seed, batch.positions[row])
+            uniform[i] = seeded_uniform(seed, batch.positions[row], _SALT)
     accepted = uniform < probs[rows, draft]
     probs[rows, draft] = 0.0  # a rejected row draws from what is left (an accepted one keeps its draft below)
     tokens = sampler.draw(probs, batch)

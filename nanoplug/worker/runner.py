@@ -145,7 +145,8 @@ class ModelRunner(Worker):
         self.model.eval()
         self.sampler = Sampler(device, config.seed, greedy=self.platform.greedy_sampler(),
                                temperature=self.platform.temperature_sampler(), masker=self.platform.grammar_masker(),
-                               grammar_draw=self.platform.grammar_sampler())
+                               grammar_draw=self.platform.grammar_sampler(),
+                               inverse_cdf=self.platform.inverse_cdf_sampler())
         self.pending: deque = deque()  # launched steps whose tokens are not collected yet
         self.unsampled = None  # a step launched with sampling.mask_later, waiting for `sample`
         self.bitmask_due: Callable[[], Any] | None = None  # `sample`'s call for the bitmask, made at the next launch

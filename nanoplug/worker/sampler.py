@@ -1,10 +1,13 @@
 """Turns the last-token logits of each sequence into its next token.
 
 Greedy at temperature 0; otherwise temperature, top-k, top-p and min-p filter the distribution and
-one exponential-race draw picks the token. A request with a seed draws its noise from a generator
-seeded by (seed, its token position), so it gets the same tokens whatever else is in the batch. A
-platform may draw batches sampled at a temperature alone itself (`Platform.temperature_sampler`, one
-pass over the logits), keyed by a seed the sampler gives it every step.
+one exponential-race draw picks the token, or, where the platform draws with one uniform number a row
+(`Platform.inverse_cdf_sampler`: a CPU, whose generator is slow at a vocabulary's noise), the inverse of
+the row's cumulative distribution. A request with a seed draws its noise from a generator seeded by
+(seed, its token position), so it gets the same tokens whatever else is in the batch. A platform may draw
+batches sampled at a temperature alone itself (`Platform.temperature_sampler`, one pass over the logits),
+keyed by a seed the sampler gives it every step. On the host, top-p sorts only the largest logits where
+they reach p (no device to wait for in that check).
 
 Penalties and logit bias (nanoplug/worker/logits_processors.py) change the logits first, and logprobs
 (nanoplug/worker/logprobs.py) are read from the raw logits; a batch with neither takes the plain path. Rows under a
@@ -21,14 +24,7 @@ from nanoplug.api import DraftBatch, LogprobsTensors, SamplingBatch, to_device, 
 from nanoplug.worker import logprobs as logprobs_math
 from nanoplug.worker.logits_processors import LogitsProcessors
 from nanoplug.worker.rejection import rejection_sample
-
-
-def _seeded_noise(seed: int, position: int, vocab: int, device: torch.device) -> torch.Tensor:
-    """Drawn by a generator on `device` itself: drawing a vocabulary's noise on the host and copying it over
-    cost a GPU step about a millisecond a seeded row."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed((seed * 1_000_003 + position) & ((1 << 63) - 1))
-    return torch.empty(vocab, device=device).exponential_(generator=gen)
+from nanoplug.worker.seeded import seeded_noise, seeded_uniform
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -37,14 +33,16 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0, greedy=None, temperature=None, masker=None,
-                 grammar_draw=None):
+                 grammar_draw=None, inverse_cdf=None):
         """greedy: a faster `logits.argmax(dim=-1)` for this device, if there is one (same ties: first max);
         temperature: a faster draw for batches sampled at a temperature alone (Platform.temperature_sampler);
+        inverse_cdf: a draw with one uniform number a row (Platform.inverse_cdf_sampler), for the others;
         masker: a faster application of a grammar's bitmask (Platform.grammar_masker); grammar_draw: such a
         batch's draw under its grammars' bitmask in one pass (Platform.grammar_sampler)."""
         self.device = device
         self.masker = masker
         self.grammar_draw = grammar_draw
+        self.inverse_cdf = inverse_cdf
         self.greedy = greedy or _argmax
         self.temperature = temperature
         self.generator = torch.Generator(device=device)
@@ -82,10 +80,10 @@ class Sampler:
             return self.masker(logits, bitmask, rows)
         allowed = unpack_bitmask(bitmask, logits.shape[1])
         if every_row:  # one pass
-            return logits.masked_fill(~allowed, float("-inf"))
+            return torch.where(allowed, logits, float("-inf"))
         rows = to_device(batch.mask_rows, torch.int64, logits.device)
         out = logits.clone()
-        out.index_copy_(0, rows, out.index_select(0, rows).masked_fill_(~allowed, float("-inf")))
+        out.index_copy_(0, rows, torch.where(allowed, out.index_select(0, rows), float("-inf")))
         return out
 
     def _draw_masked(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -119,12 +117,19 @@ class Sampler:
         return self._greedy_where_cold(logits, batch, temps, self.draw(probs, batch))
 
     def draw(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """One token per row of `probs` (changed in place), by an exponential race: seeded rows from their
-        (seed, position) noise, the others from the sampler's generator."""
+        """One token per row of `probs` (changed in place; rows need not sum to 1), by the platform's inverse-CDF
+        draw or an exponential race: seeded rows from their (seed, position) noise, the others from the
+        sampler's generator."""
+        if self.inverse_cdf is not None:
+            uniforms = 1.0 - torch.rand(probs.shape[0], generator=self.generator, device=self.device)  # (0, 1]
+            for row, seed in enumerate(batch.seeds):
+                if seed is not None:
+                    uniforms[row] = 1.0 - seeded_uniform(seed, batch.positions[row])
+            return self.inverse_cdf(probs, uniforms.to(probs.device))
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, seed in enumerate(batch.seeds):
             if seed is not None:
-                noise[row] = _seeded_noise(seed, batch.positions[row], probs.shape[1], probs.device)
+                noise[row] = seeded_noise(seed, batch.positions[row], probs.shape[1], probs.device)
         return probs.div_(noise).argmax(dim=-1)
 
     def _greedy_where_cold(self, logits, batch: SamplingBatch, temps: torch.Tensor, sampled: torch.Tensor):
@@ -167,9 +172,35 @@ class Sampler:
 
     @staticmethod
     def _top_p(logits: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # drop a token when the tokens before it already reach top_p; the first always stays
-        drop = (probs.cumsum(dim=-1) - probs) >= top_ps.unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        if logits.device.type == "cpu":
+            kept = _top_p_among_largest(logits, top_ps)
+            if kept is not None:
+                return kept
+        return _top_p_sorted(logits, top_ps)
+
+
+def _top_p_sorted(logits: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    # drop a token when the tokens before it already reach top_p; the first always stays
+    drop = (probs.cumsum(dim=-1) - probs) >= top_ps.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _top_p_among_largest(logits: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor | None:
+    """`Sampler._top_p` from the k largest logits of each row where they reach every row's top_p (k = 256, then
+    2048), else None: on a CPU, sorting the whole vocabulary is most of a filtered row's sampling time. The same
+    tokens are kept: those after the k-th are dropped either way, the mass before them reaching p."""
+    log_total = torch.logsumexp(logits, dim=-1, keepdim=True)
+    for k in (256, 2048):
+        if k * 4 > logits.shape[1]:
+            return None
+        values, order = logits.topk(k, dim=-1)
+        probs = torch.exp(values - log_total)
+        before = probs.cumsum(dim=-1) - probs
+        if not bool((before[:, -1] + probs[:, -1] >= top_ps).all()):
+            continue
+        kept = values.masked_fill(before >= top_ps.unsqueeze(1), float("-inf"))
+        return torch.full_like(logits, float("-inf")).scatter_(1, order, kept)
+    return None

@@ -60,6 +60,14 @@ class CpuPlatform(Platform):
         """One uniform number a row instead of an exponential one per logit (sampling.py)."""
         return sampling.sample
 
+    def grammar_sampler(self):
+        """A temperature-only batch under grammars masked in its weights' buffer and drawn (sampling.py)."""
+        return sampling.sample_masked
+
+    def inverse_cdf_sampler(self):
+        """Seeded and filtered rows too draw one uniform number a row (sampling.py)."""
+        return sampling.draw
+
     def num_kv_blocks(self, block_bytes, profile, release) -> int:
         return max(int(self.kv_cache_gb * 2**30 // block_bytes), 1)
 
