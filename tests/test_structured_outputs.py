@@ -232,11 +232,15 @@ def bitmask_kernel():
         yield reloaded.apply_bitmask
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["unpacked", "fused-kernel"])
+@pytest.mark.parametrize("fused", ["unpacked", "fused-kernel", "cpu-tables"])
 def test_the_samplers_mask_is_masked_fill_of_the_unpacked_bits(fused, request):
-    """The plain path (unpack, masked_fill) and the CUDA platform's one-kernel masker (under the Triton
-    interpreter) give the same logits, on some rows or every row, with logits wider than the bitmask."""
-    masker = request.getfixturevalue("bitmask_kernel") if fused else None
+    """The plain path (unpack, masked_fill), the CUDA platform's one-kernel masker (under the Triton interpreter)
+    and the CPU's byte tables give the same logits, on some rows or every row, with logits wider than the
+    bitmask."""
+    from nanoplug.kernels.cpu import sampling
+
+    masker = {"unpacked": None, "cpu-tables": sampling.mask}.get(fused) or (
+        request.getfixturevalue("bitmask_kernel") if fused == "fused-kernel" else None)
     sampler = Sampler(torch.device("cpu"), masker=masker)
     for width in (100, 140):
         logits, bitmask, allowed, want = _masking_case(width)

@@ -62,23 +62,45 @@ def sample_masked(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, b
     if rows is not None:  # each logits row's bitmask row, all-allowed for a free row
         every = torch.cat([bitmask, torch.full_like(bitmask[:1], -1)])
         bitmask = every.index_select(0, torch.where(rows >= 0, rows, bitmask.shape[0]).long())
-    covered = min(vocab, bitmask.shape[1] * 32)
-    table = _buffer("table", count, bitmask.shape[1] * 32)
-    indices = bitmask.contiguous().view(torch.uint8).reshape(-1).long()
-    torch.index_select(_BYTE_BIAS, 0, indices, out=table.view(-1, 8))
-    weights[:, :covered].add_(table[:, :covered])
-    weights[:, covered:] = float("-inf")  # logits past the bitmask's words (padding): never allowed
+    indices = _add_bias(weights, bitmask)
     cold_rows = cold.nonzero().squeeze(1).tolist()
     greedy = torch.tensor([int(weights[row].argmax()) for row in cold_rows], dtype=torch.int64)
     # the allowed tokens' max first, then the forbidden ones' weights made exactly 0 by the table of 1s and 0s
     weights.sub_(weights.amax(dim=-1, keepdim=True)).clamp_(min=_LOWEST).exp_()
+    table = _buffer("table", count, bitmask.shape[1] * 32)
     torch.index_select(_BYTE_KEEP, 0, indices, out=table.view(-1, 8))
+    covered = min(vocab, table.shape[1])
     weights[:, :covered].mul_(table[:, :covered])
     weights[:, covered:] = 0.0
     tokens = draw(weights, _uniforms(count, seed))
     if cold_rows:
         tokens[cold_rows] = greedy
     return tokens
+
+
+def mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """A copy of `logits` with the tokens a grammar forbids at -inf (Platform.grammar_masker): the bitmask rows
+    added from the byte table; `rows` (int64 [masked]) the logits rows of the bitmask's rows, None for all."""
+    out = logits.clone()
+    if rows is None:
+        _add_bias(out, bitmask)
+    else:
+        for i, row in enumerate(rows.tolist()):
+            _add_bias(out[row:row + 1], bitmask[i:i + 1])
+    return out
+
+
+def _add_bias(values: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Add 0 or -inf to each token of `values` [rows, vocab] as `bitmask` [rows, words] allows it (tokens past the
+    words: -inf); the bitmask's bytes as int64, for the table of 1s and 0s."""
+    count, vocab = values.shape
+    table = _buffer("table", count, bitmask.shape[1] * 32)
+    indices = bitmask.contiguous().view(torch.uint8).reshape(-1).long()
+    torch.index_select(_BYTE_BIAS, 0, indices, out=table.view(-1, 8))
+    covered = min(vocab, table.shape[1])
+    values[:, :covered].add_(table[:, :covered])
+    values[:, covered:] = float("-inf")  # logits past the bitmask's words (padding): never allowed
+    return indices
 
 
 def draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

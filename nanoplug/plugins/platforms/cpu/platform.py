@@ -64,6 +64,10 @@ class CpuPlatform(Platform):
         """A temperature-only batch under grammars masked in its weights' buffer and drawn (sampling.py)."""
         return sampling.sample_masked
 
+    def grammar_masker(self):
+        """A grammar's bitmask added to a copy of the logits from the byte table (sampling.py)."""
+        return sampling.mask
+
     def inverse_cdf_sampler(self):
         """Seeded and filtered rows too draw one uniform number a row (sampling.py)."""
         return sampling.draw
