@@ -35,3 +35,30 @@ def grammar_case(rows: int, vocab: int, width: int, seed: int = 3):
         logits[row, forbidden] = 80.0
     packed = np.packbits(allowed.numpy(), axis=1, bitorder="little").view(np.int32)
     return logits, torch.from_numpy(packed.copy())
+
+
+def check_masked_draw(sample_masked, sample, masked_rows: list[int], vocab: int, width: int) -> None:
+    """`sample_masked(logits, temperatures, seed, bitmask, rows)` gives exactly the tokens `sample` draws, with the
+    same seed, from the logits the plain path masked (unpack, -inf), rows at temperature 0 their masked argmax,
+    logits wider than the bitmask; `masked_rows` every row (no row map) or some (the others free)."""
+    from nanoplug.api import SamplingBatch
+    from nanoplug.worker.sampler import Sampler
+
+    rows = 5
+    logits, bitmask = grammar_case(rows, vocab, width)
+    temps = torch.tensor([0.7, 0.0, 1.3, 1.0, 0.0])
+    batch = SamplingBatch.greedy(rows)
+    batch.mask_rows, batch.bitmask = masked_rows, bitmask[:len(masked_rows)]
+    plain = Sampler(torch.device("cpu")).masked(logits, batch)
+    of = [-1] * rows
+    for i, row in enumerate(masked_rows):
+        of[row] = i
+    where = None if len(masked_rows) == rows else torch.tensor(of, dtype=torch.int32)
+    for seed in (1, 2, 3):
+        got = sample_masked(logits, temps, seed, batch.bitmask, where)
+        want = sample(plain, torch.where(temps > 0, temps, 1.0), seed)
+        want[temps == 0] = plain[temps == 0].argmax(dim=-1)
+        assert got.tolist() == want.tolist()
+        assert all(plain[row, got[row]] > float("-inf") for row in range(rows))
+    if len(masked_rows) < rows:  # a free row keeps its forbidden-elsewhere token far above the rest
+        assert got[0] == logits[0].argmax()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from _checkpoints import PROMPTS, checkpoint
-from _sampling import check_temperature_sampler, grammar_case
+from _sampling import check_masked_draw, check_temperature_sampler
 from nanoplug import LLM, SamplingParams
 from nanoplug.kernels.cpu import sampling
 
@@ -42,30 +42,9 @@ def test_the_inverse_cdf_draw_follows_the_weights_whatever_their_scale():
 
 @pytest.mark.parametrize("masked_rows", [[0, 1, 2, 3, 4], [1, 3]], ids=["every-row", "some-rows"])
 def test_the_masked_draw_equals_the_draw_over_the_plainly_masked_logits(masked_rows):
-    """`sample_masked` (the bitmask added from a table, weights zeroed by another) gives exactly the tokens `sample`
-    draws, with the same seed, from the logits the plain path masked, rows at temperature 0 their masked argmax,
-    logits wider than the bitmask and several blocks of the two-level draw; every row masked, or some."""
-    from nanoplug.api import SamplingBatch
-    from nanoplug.worker.sampler import Sampler
-
-    rows, vocab = 5, 2500
-    logits, bitmask = grammar_case(rows, vocab, width=2530)
-    temps = torch.tensor([0.7, 0.0, 1.3, 1.0, 0.0])
-    batch = SamplingBatch.greedy(rows)
-    batch.mask_rows, batch.bitmask = masked_rows, bitmask[:len(masked_rows)]
-    plain = Sampler(torch.device("cpu")).masked(logits, batch)
-    of = [-1] * rows
-    for i, row in enumerate(masked_rows):
-        of[row] = i
-    where = None if len(masked_rows) == rows else torch.tensor(of, dtype=torch.int32)
-    for seed in (1, 2, 3):
-        got = sampling.sample_masked(logits, temps, seed, batch.bitmask, where)
-        want = sampling.sample(plain, torch.where(temps > 0, temps, 1.0), seed)
-        want[temps == 0] = plain[temps == 0].argmax(dim=-1)
-        assert got.tolist() == want.tolist()
-        assert all(plain[row, got[row]] > float("-inf") for row in range(rows))
-    if len(masked_rows) < rows:  # a free row keeps its forbidden-elsewhere token far above the rest
-        assert got[0] == logits[0].argmax()
+    """`sample_masked` (the bitmask added from a table, weights zeroed by another) draws as `sample` over the
+    plainly masked logits, over several blocks of the two-level draw."""
+    check_masked_draw(sampling.sample_masked, sampling.sample, masked_rows, vocab=2500, width=2530)
 
 
 def test_each_row_has_its_own_temperature_and_never_draws_a_masked_token():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _sampling import check_temperature_sampler, grammar_case
+from _sampling import check_masked_draw, check_temperature_sampler, grammar_case
 from _triton_interpreter import interpreted
 from nanoplug.api import SamplingBatch
 from nanoplug.worker.sampler import Sampler
@@ -77,27 +77,10 @@ def test_the_sampler_routes_temperature_only_batches_to_the_platform_sampler():
 
 @pytest.mark.parametrize("masked_rows", [[0, 1, 2, 3, 4], [1, 3]], ids=["every-row", "some-rows"])
 def test_the_masked_draw_equals_the_draw_over_the_plainly_masked_logits(kernel, monkeypatch, masked_rows):
-    """`sample_masked` (mask and draw in one pass, no masked copy) gives exactly the tokens `sample` draws, with the
-    same seed, from the logits the plain path masked (unpack, masked_fill), rows at temperature 0 their masked
-    argmax, logits wider than the bitmask; every row masked, or some (the others free)."""
+    """`sample_masked` (mask and draw in one pass, no masked copy) draws as `sample` over the plainly masked
+    logits."""
     monkeypatch.setattr(kernel, "SPLITS", 2)
-    rows, vocab = 5, 1500
-    logits, bitmask = grammar_case(rows, vocab, width=1530)
-    temps = torch.tensor([0.7, 0.0, 1.3, 1.0, 0.0])
-    batch = SamplingBatch.greedy(rows)
-    batch.mask_rows, batch.bitmask = masked_rows, bitmask[:len(masked_rows)]
-    plain = Sampler(torch.device("cpu")).masked(logits, batch)
-    of = [-1] * rows
-    for i, row in enumerate(masked_rows):
-        of[row] = i
-    where = None if len(masked_rows) == rows else torch.tensor(of, dtype=torch.int32)
-    for seed in (1, 2, 3):
-        got = kernel.sample_masked(logits, temps, seed, batch.bitmask, where)
-        assert got.tolist() == kernel.sample(plain, temps, seed).tolist()
-        assert all(plain[row, got[row]] > float("-inf") for row in range(rows))
-        assert got[1] == plain[1].argmax() and got[4] == plain[4].argmax()
-    if len(masked_rows) < rows:  # a free row keeps its forbidden-elsewhere token far above the rest
-        assert got[0] == logits[0].argmax()
+    check_masked_draw(kernel.sample_masked, kernel.sample, masked_rows, vocab=1500, width=1530)
 
 
 class RecordingGrammarDraw:
