@@ -80,6 +80,11 @@ def test_top_p_from_the_largest_logits_keeps_what_the_full_sort_keeps():
     partial = _top_p_among_largest(logits[peaked], top_ps[peaked])
     assert partial is not None
     assert torch.equal(partial, _top_p_sorted(logits[peaked], top_ps[peaked]))
+    beside = top_ps[peaked].clone()
+    beside[::2] = 1.0  # unfiltered rows beside filtered ones: they keep every token, the others as before
+    mixed = _top_p_among_largest(logits[peaked], beside)
+    assert mixed is not None and torch.equal(mixed[::2], logits[peaked][::2])
+    assert torch.equal(mixed[1::2], _top_p_sorted(logits[peaked][1::2], beside[1::2]))
     flat = logits[:2] * 0.01  # nearly uniform: the largest 2048 of 32768 tokens fall short of p
     assert _top_p_among_largest(flat, top_ps[:2]) is None
     logits[0] *= 0.01

@@ -191,16 +191,21 @@ def _top_p_sorted(logits: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
 def _top_p_among_largest(logits: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor | None:
     """`Sampler._top_p` from the k largest logits of each row where they reach every row's top_p (k = 256, then
     2048), else None: on a CPU, sorting the whole vocabulary is most of a filtered row's sampling time. The same
-    tokens are kept: those after the k-th are dropped either way, the mass before them reaching p."""
+    tokens are kept: those after the k-th are dropped either way, the mass before them reaching p. A row at
+    p >= 1 (unfiltered, beside filtered ones) keeps every token."""
     log_total = torch.logsumexp(logits, dim=-1, keepdim=True)
+    whole = top_ps >= 1.0
     for k in (256, 2048):
         if k * 4 > logits.shape[1]:
             return None
         values, order = logits.topk(k, dim=-1)
         probs = torch.exp(values - log_total)
         before = probs.cumsum(dim=-1) - probs
-        if not bool((before[:, -1] + probs[:, -1] >= top_ps).all()):
+        if not bool((whole | (before[:, -1] + probs[:, -1] >= top_ps)).all()):
             continue
         kept = values.masked_fill(before >= top_ps.unsqueeze(1), float("-inf"))
-        return torch.full_like(logits, float("-inf")).scatter_(1, order, kept)
+        out = torch.full_like(logits, float("-inf")).scatter_(1, order, kept)
+        if bool(whole.any()):
+            out[whole] = logits[whole]
+        return out
     return None
