@@ -47,9 +47,9 @@ if __name__ == "__main__":
     parser.add_argument("--kinds", default=",".join(KINDS))
     args = parser.parse_args()
     batches, kinds = [int(b) for b in args.batches.split(",")], args.kinds.split(",")
-    for mode in [args.mode] if args.mode else ["plain", "platform"]:
-        if args.mode:
-            run(mode, batches, kinds)
-        else:
+    if args.mode:
+        run(args.mode, batches, kinds)
+    else:
+        for mode in ("plain", "platform"):
             subprocess.run([sys.executable, __file__, mode, "--batches", args.batches, "--kinds", args.kinds],
                            check=True)

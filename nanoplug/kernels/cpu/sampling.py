@@ -67,10 +67,9 @@ def sample_masked(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, b
     greedy = torch.tensor([int(weights[row].argmax()) for row in cold_rows], dtype=torch.int64)
     # the allowed tokens' max first, then the forbidden ones' weights made exactly 0 by the table of 1s and 0s
     weights.sub_(weights.amax(dim=-1, keepdim=True)).clamp_(min=_LOWEST).exp_()
-    table = _buffer("table", count, bitmask.shape[1] * 32)
-    torch.index_select(_BYTE_KEEP, 0, indices, out=table.view(-1, 8))
-    covered = min(vocab, table.shape[1])
-    weights[:, :covered].mul_(table[:, :covered])
+    keep = _expand(_BYTE_KEEP, indices, count, bitmask.shape[1])
+    covered = min(vocab, keep.shape[1])
+    weights[:, :covered].mul_(keep[:, :covered])
     weights[:, covered:] = 0.0
     tokens = draw(weights, _uniforms(count, seed))
     if cold_rows:
@@ -94,13 +93,20 @@ def _add_bias(values: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """Add 0 or -inf to each token of `values` [rows, vocab] as `bitmask` [rows, words] allows it (tokens past the
     words: -inf); the bitmask's bytes as int64, for the table of 1s and 0s."""
     count, vocab = values.shape
-    table = _buffer("table", count, bitmask.shape[1] * 32)
     indices = bitmask.contiguous().view(torch.uint8).reshape(-1).long()
-    torch.index_select(_BYTE_BIAS, 0, indices, out=table.view(-1, 8))
-    covered = min(vocab, table.shape[1])
-    values[:, :covered].add_(table[:, :covered])
+    bias = _expand(_BYTE_BIAS, indices, count, bitmask.shape[1])
+    covered = min(vocab, bias.shape[1])
+    values[:, :covered].add_(bias[:, :covered])
     values[:, covered:] = float("-inf")  # logits past the bitmask's words (padding): never allowed
     return indices
+
+
+def _expand(table: torch.Tensor, indices: torch.Tensor, count: int, words: int) -> torch.Tensor:
+    """Each bitmask byte (`indices`, int64) as its 8 entries of `table` [256, 8]: [count, words * 32] in this
+    thread's buffer."""
+    out = _buffer("table", count, words * 32)
+    torch.index_select(table, 0, indices, out=out.view(-1, 8))
+    return out
 
 
 def draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -118,8 +124,8 @@ def draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     block = torch.searchsorted(cumulative, target).clamp_(max=cumulative.shape[1] - 1)
     before = torch.where(block > 0, cumulative.gather(1, (block - 1).clamp(min=0)), 0.0)
     starts = block * BLOCK
-    columns = (starts + torch.arange(BLOCK)).clamp_(max=vocab - 1)
-    inside = weights.gather(1, columns).double().masked_fill_(starts + torch.arange(BLOCK) >= vocab, 0.0)
+    columns = starts + torch.arange(BLOCK)
+    inside = weights.gather(1, columns.clamp(max=vocab - 1)).double().masked_fill_(columns >= vocab, 0.0)
     inside = torch.cumsum(inside, dim=-1)
     left = torch.minimum(target - before, inside[:, -1:])
     offset = torch.searchsorted(inside, left).clamp_(max=BLOCK - 1)
